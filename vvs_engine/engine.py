@@ -1,0 +1,311 @@
+"""The user-facing engine: load models once, generate with any method, score tokens.
+
+    from vvs_engine import Engine
+    eng = Engine.load()                                  # the shipped Zoo model
+    out = eng.generate(class_labels=[0, 1, 2], method="vvs", seed=0)
+    out.images[0].save("a.png"); print(out.stats["tpf"])
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from .checkpoint import load_into, read_config, read_state_dict
+from .errors import VVSError, check
+from .models.gpt import GPT, GPTConfig, gpt_config
+from .models.vq import VQ_PRESETS, VQConfig, VQModel, to_uint8
+from .sampling import SamplingParams, make_generator
+from .target import TargetSession
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_device(device) -> torch.device:
+    d = torch.device(device) if not isinstance(device, torch.device) else device
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise VVSError("CUDA was requested but no CUDA device is available (use --device cpu)")
+    return d
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise VVSError(f"unknown dtype '{dtype}'; use fp32, bf16 or fp16")
+    return DTYPES[dtype]
+
+
+@dataclass
+class GenerationOutput:
+    tokens: torch.Tensor  # [n_images, tokens_per_image] int64 (CPU)
+    labels: Optional[List[int]]
+    prompts: Optional[List[str]]
+    images: List[Any] = field(default_factory=list)  # PIL images when a tokenizer is loaded
+    stats: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, gpt: GPT, vq: Optional[VQModel] = None, drafter=None, caption_encoder=None,
+                 info: Optional[dict] = None):
+        self.gpt = gpt.eval()
+        self.vq = vq.eval() if vq is not None else None
+        self.drafter = drafter.eval() if drafter is not None else None
+        self.caption_encoder = caption_encoder
+        self.info = info or {}
+        p = next(gpt.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self._codebook_cache = {}
+
+    # --- loading ------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, gpt_ckpt: Optional[str] = None, gpt_model: Optional[str] = None, vq_ckpt: Optional[str] = None,
+             vq_model: str = "VQ-16", image_size: Optional[int] = None, drafter: Optional[str] = None,
+             device="cpu", dtype="fp32", t5_path: Optional[str] = None) -> "Engine":
+        """Load a target (official LlamaGen file or the project's safetensors), optionally a VQ tokenizer
+        and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used."""
+        device, dtype = resolve_device(device), resolve_dtype(dtype)
+        info = {}
+        if gpt_ckpt is None:
+            from . import zoo
+
+            paths = zoo.default_paths()
+            gpt_ckpt = paths["gpt"]
+            vq_ckpt = vq_ckpt or paths["vq"]
+            drafter = drafter or paths.get("drafter")
+            info["model"] = "zoo"
+        vq = load_vq(vq_ckpt, vq_model) if vq_ckpt else None
+        gpt = load_gpt(gpt_ckpt, gpt_model, image_size, vq)
+        info.update(gpt_ckpt=gpt_ckpt, vq_ckpt=vq_ckpt, drafter=drafter)
+        dr = None
+        if drafter:
+            from .drafter import load_drafter
+
+            dr = load_drafter(drafter, gpt)
+        enc = None
+        if gpt.config.model_type == "t2i" and t5_path:
+            from .models.t5 import CaptionEncoder
+
+            enc = CaptionEncoder(t5_path, gpt.config.cls_token_num)
+        eng = cls(gpt, vq, dr, enc, info)
+        return eng.to(device, dtype)
+
+    def to(self, device, dtype=None) -> "Engine":
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype) if dtype is not None else self.dtype
+        self.gpt.to(device=device, dtype=dtype)
+        if self.vq is not None:
+            self.vq.to(device=device)  # the tokenizer stays fp32: decoding is a small share of the work
+        if self.drafter is not None:
+            self.drafter.to(device=device, dtype=dtype)
+        if self.caption_encoder is not None:
+            self.caption_encoder.to(device)
+        self.device, self.dtype = device, dtype
+        self._codebook_cache = {}
+        return self
+
+    # --- conditions ---------------------------------------------------------------------------
+    @property
+    def config(self) -> GPTConfig:
+        return self.gpt.config
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.config.block_size
+
+    def check_labels(self, labels) -> List[int]:
+        check(self.config.model_type == "c2i", "this model is text-conditional: pass prompts, not class labels")
+        out = []
+        for x in labels:
+            if isinstance(x, bool) or not isinstance(x, int):
+                if isinstance(x, str) and x.strip().lstrip("-").isdigit():
+                    x = int(x)
+                elif isinstance(x, float) and x.is_integer():
+                    x = int(x)
+                else:
+                    raise VVSError(f"class labels must be integers, got {x!r}")
+            if not 0 <= x < self.config.num_classes:
+                raise VVSError(f"class label {x} out of range [0, {self.config.num_classes})")
+            out.append(x)
+        check(len(out) > 0, "no class labels given")
+        return out
+
+    def condition_rows(self, labels=None, prompts=None, use_cfg=True):
+        """-> (cond rows [rows, ...], key mask [rows, cls] or None): cond rows then uncond rows."""
+        if labels is not None:
+            lab = torch.tensor(labels, dtype=torch.long, device=self.device)
+            if use_cfg:
+                lab = torch.cat([lab, torch.full_like(lab, self.gpt.null_class)])
+            return lab, None
+        check(prompts is not None and len(prompts) > 0, "give class labels or prompts")
+        check(self.config.model_type == "t2i", "this model is class-conditional: pass class labels, not prompts")
+        check(self.caption_encoder is not None, "text-conditional generation needs a T5 encoder (--t5-path)")
+        emb, mask = self.caption_encoder.encode(list(prompts))
+        emb = emb.to(self.device, self.dtype)
+        mask = mask.to(self.device)
+        if use_cfg:
+            unc = self.gpt.cls_embedding.uncond_embedding.to(emb.dtype)[None].expand_as(emb)
+            emb = torch.cat([emb, unc])
+            mask = torch.cat([mask, mask])
+        return emb, mask
+
+    # --- generation ---------------------------------------------------------------------------
+    def generate(self, class_labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
+                 method: str = "ar", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
+                 **method_opts) -> GenerationOutput:
+        """Generate one image per label (or prompt). Returns tokens, PIL images (when a tokenizer is
+        loaded) and stats. ``method_opts`` are the method's options (see ``vvs_engine.methods``)."""
+        from .methods import get_method
+
+        params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
+        run, opts = get_method(method, self, method_opts)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise VVSError(f"seed must be an integer, got {seed!r}")
+        labels = self.check_labels(class_labels) if class_labels is not None else None
+        if labels is None and prompts is None:
+            raise VVSError("give class labels or prompts")
+        n = len(labels) if labels is not None else len(prompts)
+        gen = make_generator(seed, self.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg)
+            res = run(self, cond, key_mask, n, params, gen, opts, progress)
+            tokens = res.tokens.cpu()  # the one host sync of the whole generation
+        wall = time.perf_counter() - t0
+        stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image}
+        stats.update(res.stats)
+        stats["tokens_generated"] = n * self.tokens_per_image
+        f = stats["target_forward_passes"]
+        stats["tpf"] = stats["tokens_generated"] / f if f else float("inf")
+        stats["wall_time_s"] = wall
+        stats["sampling"] = params.to_dict()
+        stats["seed"] = seed
+        stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
+        images = []
+        if decode_images and self.vq is not None:
+            images = self.decode_images(tokens)
+        return GenerationOutput(tokens, labels, list(prompts) if prompts is not None else None, images, stats)
+
+    def session(self, cond, key_mask, n, params, extra_slots=0) -> TargetSession:
+        return TargetSession(self.gpt, cond, n, params.use_cfg, key_mask, extra_slots)
+
+    @torch.inference_mode()
+    def decode_images(self, tokens: torch.Tensor, batch: int = 16):
+        """tokens [n, T] -> list of PIL images (clamped to [-1, 1], mapped to uint8 with rounding)."""
+        from PIL import Image
+
+        check(self.vq is not None, "no VQ tokenizer loaded")
+        check(int(tokens.max()) < self.vq.config.codebook_size if tokens.numel() else True,
+              "token ids exceed the tokenizer's codebook")
+        out = []
+        for i in range(0, tokens.shape[0], batch):
+            imgs = to_uint8(self.vq.decode(tokens[i:i + batch].to(self.device)))
+            out += [Image.fromarray(x.numpy()) for x in imgs]
+        return out
+
+    @torch.inference_mode()
+    def score(self, class_labels=None, prompts=None, tokens=None, cfg_scale: float = 1.0) -> torch.Tensor:
+        """Teacher-forced next-token logits ``[n, T, V]`` for given conditions and tokens [n, T]:
+        row t is the (CFG-combined when cfg_scale != 1) logit vector predicting tokens[:, t]."""
+        check(tokens is not None, "score() needs tokens")
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        check(tokens.dim() == 2 and tokens.shape[1] <= self.tokens_per_image,
+              f"tokens must be [n, <= {self.tokens_per_image}]")
+        check(0 <= int(tokens.min()) and int(tokens.max()) < self.config.vocab_size, "token ids out of range")
+        labels = self.check_labels(class_labels) if class_labels is not None else None
+        use_cfg = cfg_scale != 1.0
+        cond, key_mask = self.condition_rows(labels, prompts, use_cfg)
+        check(cond.shape[0] // (2 if use_cfg else 1) == tokens.shape[0], "one condition per token row")
+        toks = torch.cat([tokens, tokens]) if use_cfg else tokens
+        c = self.config.cls_token_num
+        x = torch.cat([self.gpt.embed_condition(cond), self.gpt.embed_tokens(toks[:, :-1])], 1) if toks.shape[1] > 1 \
+            else self.gpt.embed_condition(cond)
+        L = x.shape[1]
+        vis = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()[None].expand(x.shape[0], L, L).clone()
+        if key_mask is not None:
+            vis[:, :, :c] &= key_mask[:, None, :].bool()
+            vis |= torch.eye(L, dtype=torch.bool, device=self.device)[None]
+        h = self.gpt.forward_hidden(x, torch.arange(L, device=self.device), mask=vis.unsqueeze(1))
+        logits = self.gpt.logits(h[:, c - 1:])
+        if use_cfg:
+            from .sampling import cfg_combine
+
+            logits = cfg_combine(logits, cfg_scale)
+        return logits
+
+    def codebook_vectors(self) -> torch.Tensor:
+        check(self.vq is not None, "this needs the VQ tokenizer (for codebook vectors); load one with --vq-ckpt")
+        return self.vq.codebook_vectors().to(self.device)
+
+    def codebook_neighbors(self, k: int) -> torch.Tensor:
+        """``[codebook, k]`` nearest other codes (L2 in the codebook space), for LANTERN; cached."""
+        if k not in self._codebook_cache:
+            from .acceptance import neighbor_table
+
+            self._codebook_cache[k] = neighbor_table(self.codebook_vectors(), k)
+        return self._codebook_cache[k]
+
+
+# --- model loading --------------------------------------------------------------------------------
+def load_vq(path: str, preset: str = "VQ-16") -> VQModel:
+    meta = read_config(path)
+    sd = read_state_dict(path)
+    if meta is not None and meta.get("kind") == "vq":
+        cfg = VQConfig.from_dict(meta["config"])
+    else:
+        if preset not in VQ_PRESETS:
+            raise VVSError(f"unknown tokenizer '{preset}'; known: {', '.join(VQ_PRESETS)}")
+        cfg = VQConfig(**VQ_PRESETS[preset])
+        w = sd.get("quantize.embedding.weight")
+        if w is None:
+            raise VVSError(f"VQ checkpoint {path}: missing keys quantize.embedding.weight")
+        cfg.codebook_size, cfg.codebook_embed_dim = int(w.shape[0]), int(w.shape[1])
+    vq = VQModel(cfg)
+    load_into(vq, sd, f"VQ checkpoint {path}", optional=("quantize.codebook_used",))
+    return vq.eval()
+
+
+def load_gpt(path: str, preset: Optional[str], image_size: Optional[int], vq: Optional[VQModel]) -> GPT:
+    meta = read_config(path)
+    sd = read_state_dict(path)
+    if meta is not None and meta.get("kind") == "gpt":
+        cfg = GPTConfig.from_dict(meta["config"])
+        if image_size is not None and vq is not None:
+            _check_image_size(image_size, vq)
+            want = (image_size // vq.downsample) ** 2
+            check(want == cfg.block_size, f"image size {image_size} gives {want} tokens but the model was "
+                                          f"trained for {cfg.block_size}")
+    else:
+        if preset is None:
+            raise VVSError(f"{path} has no config file next to it: pass --gpt-model (e.g. GPT-B)")
+        ds = vq.downsample if vq is not None else 16
+        image_size = image_size or 256
+        _check_image_size(image_size, vq)
+        t2i = any(k.startswith("cls_embedding.cap_proj") for k in sd)
+        over = {"model_type": "t2i" if t2i else "c2i", "block_size": (image_size // ds) ** 2}
+        if "tok_embeddings.weight" in sd:
+            over["vocab_size"] = int(sd["tok_embeddings.weight"].shape[0])
+        if not t2i and "cls_embedding.embedding_table.weight" in sd:
+            over["num_classes"] = int(sd["cls_embedding.embedding_table.weight"].shape[0]) - 1
+        if t2i and "cls_embedding.uncond_embedding" in sd:
+            u = sd["cls_embedding.uncond_embedding"]
+            over["cls_token_num"], over["caption_dim"] = int(u.shape[0]), int(u.shape[1])
+        cfg = gpt_config(preset, **over)
+    if vq is not None:
+        if cfg.vocab_size != vq.config.codebook_size:
+            raise VVSError(f"model vocabulary {cfg.vocab_size} != tokenizer codebook {vq.config.codebook_size}")
+    gpt = GPT(cfg)
+    load_into(gpt, sd, f"GPT checkpoint {path}")
+    return gpt.eval()
+
+
+def _check_image_size(image_size, vq):
+    ds = vq.downsample if vq is not None else 16
+    if not isinstance(image_size, int) or image_size <= 0 or image_size % ds:
+        raise VVSError(f"image size {image_size} is not a positive multiple of the tokenizer's downsampling ({ds})")

@@ -1,0 +1,43 @@
+"""Static KV cache shared by every decoding method.
+
+One preallocated buffer per K and V: ``[n_layer, batch, heads, slots, head_dim]``. Slots are positions
+in the committed sequence, followed by scratch slots where tree nodes or Jacobi drafts are written
+before they are accepted. Nothing is ever reallocated during decoding: writes go through
+``index_copy_`` at device-side slot indices and attention masks hide slots that are not in a query's
+context, so the shapes are static (CUDA-graph friendly) and no host sync is needed.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    def __init__(self, n_layer: int, batch: int, n_head: int, n_slots: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        # Round up like LlamaGen (multiple of 8) so kernels see aligned lengths.
+        n_slots = (n_slots + 7) // 8 * 8
+        shape = (n_layer, batch, n_head, n_slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.n_slots = n_slots
+
+    @classmethod
+    def for_model(cls, model, batch: int, n_slots: int, dtype=None, device=None):
+        cfg = model.config
+        p = next(model.parameters())
+        return cls(cfg.n_layer, batch, cfg.n_head, n_slots, cfg.head_dim, dtype or p.dtype, device or p.device)
+
+    def layer(self, i: int):
+        return self.k[i], self.v[i]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots ``src`` to slots ``dst`` in every layer and batch row (the compaction
+        after acceptance). ``src``/``dst``: [n] or [batch, n] device int64. Gathering first makes it
+        correct when the source and destination ranges overlap."""
+        from .kernels import kv_compact  # dispatch: reference / triton / cuda
+
+        kv_compact(self.k, self.v, src, dst)
+
+    def reset(self) -> None:
+        self.k.zero_()
+        self.v.zero_()

@@ -1,0 +1,61 @@
+"""Decoding methods. Each is one small module composing the shared parts (target session, draft
+tree, acceptance rule, caches, schedule) and registers a runner here.
+
+A runner is ``run(engine, cond, key_mask, n, params, gen, opts, progress) -> MethodResult`` and an
+options class with ``validate()``; :func:`get_method` parses user options into it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ..errors import VVSError
+
+_REGISTRY = {}
+
+
+def register(name: str, options_cls=None):
+    def deco(fn):
+        _REGISTRY[name] = (fn, options_cls)
+        return fn
+    return deco
+
+
+def method_names():
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def _load_all():
+    # Import for the side effect of registration; optional methods may be missing in a partial build.
+    import importlib
+
+    for mod in ("ar_method", "eagle", "vvs", "jacobi", "cascade"):
+        try:
+            importlib.import_module(f"{__name__}.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{mod}":
+                raise
+
+
+def parse_options(options_cls, opts: dict, method: str):
+    if options_cls is None:
+        if opts:
+            raise VVSError(f"method '{method}' takes no options, got {', '.join(sorted(opts))}")
+        return None
+    names = {f.name for f in fields(options_cls)}
+    unknown = sorted(k for k in opts if k not in names)
+    if unknown:
+        raise VVSError(f"unknown option(s) for method '{method}': {', '.join(unknown)}")
+    o = options_cls(**{k: v for k, v in opts.items() if v is not None})
+    return o.validate() if hasattr(o, "validate") else o
+
+
+def get_method(name: str, engine, opts: dict):
+    _load_all()
+    if name not in _REGISTRY:
+        raise VVSError(f"unknown method '{name}'; known: {', '.join(sorted(_REGISTRY))}")
+    fn, ocls = _REGISTRY[name]
+    o = parse_options(ocls, dict(opts), name)
+    if hasattr(o, "check_engine"):
+        o.check_engine(engine)
+    return fn, o

@@ -1,0 +1,299 @@
+"""LlamaGen's GPT (class- and text-conditional), written for a static KV cache.
+
+Parameter names and shapes are those of the official checkpoints (FoundationVision/LlamaGen
+``autoregressive/models/gpt.py``), so their state_dicts load unchanged. What differs is the inference
+interface: every call says where its K/V go (``slots``) and what each query may see (``mask``), so plain
+decoding, tree verification and Jacobi windows all run through the same ``forward_hidden``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import VVSError
+
+
+def find_multiple(n: int, k: int) -> int:
+    return n if n % k == 0 else n + k - (n % k)
+
+
+@dataclass
+class GPTConfig:
+    dim: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    multiple_of: int = 256
+    ffn_dim_multiplier: Optional[float] = None
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    vocab_size: int = 16384
+    num_classes: int = 1000
+    caption_dim: int = 2048
+    class_dropout_prob: float = 0.1
+    model_type: str = "c2i"  # "c2i" or "t2i"
+    cls_token_num: int = 1  # 1 for c2i, 120 for t2i
+    block_size: int = 256  # image tokens per image, a perfect square
+    token_dropout_p: float = 0.0  # LlamaGen trains with 0.1; inference ignores dropout
+    resid_dropout_p: float = 0.0
+    ffn_dropout_p: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @property
+    def grid_size(self) -> int:
+        return int(round(math.sqrt(self.block_size)))
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return find_multiple(hidden, self.multiple_of)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# Published LlamaGen sizes (layers, heads, dim).
+GPT_PRESETS = {
+    "GPT-B": dict(n_layer=12, n_head=12, dim=768),
+    "GPT-L": dict(n_layer=24, n_head=16, dim=1024),
+    "GPT-XL": dict(n_layer=36, n_head=20, dim=1280),
+    "GPT-XXL": dict(n_layer=48, n_head=24, dim=1536),
+    "GPT-XXXL": dict(n_layer=48, n_head=40, dim=2560),
+    "GPT-1B": dict(n_layer=22, n_head=32, dim=2048),
+    "GPT-3B": dict(n_layer=24, n_head=32, dim=3200),
+    "GPT-7B": dict(n_layer=32, n_head=32, dim=4096),
+}
+
+
+def gpt_config(name: str, **overrides) -> GPTConfig:
+    if name not in GPT_PRESETS:
+        raise VVSError(f"unknown model '{name}'; known: {', '.join(GPT_PRESETS)}")
+    cfg = dict(GPT_PRESETS[name])
+    cfg.update(overrides)
+    if cfg.get("model_type", "c2i") == "t2i" and "cls_token_num" not in overrides:
+        cfg["cls_token_num"] = 120
+    return GPTConfig(**cfg)
+
+
+def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int) -> torch.Tensor:
+    """LlamaGen's 2-D RoPE table ``[cls_token_num + grid², head_dim/2, 2]`` of (cos, sin).
+
+    The first half of each head rotates with the row index, the second half with the column index.
+    The condition rows are all zeros (not the identity): LlamaGen zeroes q and k at condition
+    positions, so they get a constant attention logit of 0 and act through their values only.
+    """
+    half = head_dim // 2
+    inv = 1.0 / (base ** (torch.arange(0, half, 2)[: half // 2].double() / half))
+    t = torch.arange(grid_size, dtype=torch.float64)
+    f = torch.outer(t, inv)  # [grid, head_dim/4]
+    grid = torch.cat(
+        [f[:, None, :].expand(-1, grid_size, -1), f[None, :, :].expand(grid_size, -1, -1)], dim=-1
+    )  # [grid, grid, head_dim/2]: row angles then column angles
+    table = torch.stack([torch.cos(grid), torch.sin(grid)], dim=-1).flatten(0, 1)
+    return torch.cat([torch.zeros(cls_token_num, half, 2, dtype=torch.float64), table]).float()
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, hd]; rope: [T, hd/2, 2] or [B, T, hd/2, 2]. Rotates adjacent pairs, in fp32."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    if rope.dim() == 3:
+        rope = rope.unsqueeze(0)
+    rope = rope.unsqueeze(2)  # [B|1, T, 1, hd/2, 2]
+    c, s = rope[..., 0], rope[..., 1]
+    out = torch.stack([xs[..., 0] * c - xs[..., 1] * s, xs[..., 1] * c + xs[..., 0] * s], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        h = cfg.ffn_hidden
+        self.w1 = nn.Linear(cfg.dim, h, bias=False)
+        self.w3 = nn.Linear(cfg.dim, h, bias=False)
+        self.w2 = nn.Linear(h, cfg.dim, bias=False)
+        self.drop = nn.Dropout(cfg.ffn_dropout_p)
+
+    def forward(self, x):
+        return self.drop(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.head_dim, self.dim = cfg.n_head, cfg.head_dim, cfg.dim
+        self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.drop = nn.Dropout(cfg.resid_dropout_p)
+
+    def forward(self, x, rope, kv=None, slots=None, mask=None):
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.dim, dim=-1)
+        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
+        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        if kv is not None:
+            k_cache, v_cache = kv
+            # Static cache: write the new K/V at their slots, attend over the whole buffer; the mask
+            # hides slots that are not (yet) part of this query's context.
+            k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
+            k, v = k_cache, v_cache
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.drop(self.wo(y.transpose(1, 2).reshape(B, T, self.dim)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x, rope, kv=None, slots=None, mask=None):
+        h = x + self.attention(self.attention_norm(x), rope, kv, slots, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LabelEmbedder(nn.Module):
+    """c2i condition: one row per class plus the null class (index ``num_classes``) for CFG."""
+
+    def __init__(self, num_classes: int, dim: int):
+        super().__init__()
+        self.num_classes = num_classes
+        self.embedding_table = nn.Embedding(num_classes + 1, dim)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        return self.embedding_table(labels).unsqueeze(1)
+
+
+class _MLP(nn.Module):
+    def __init__(self, in_features: int, hidden: int, out_features: int):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden, bias=False)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden, out_features, bias=False)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class CaptionEmbedder(nn.Module):
+    """t2i condition: projected T5 caption features; the learned null caption is a buffer."""
+
+    def __init__(self, caption_dim: int, dim: int, token_num: int):
+        super().__init__()
+        self.cap_proj = _MLP(caption_dim, dim, dim)
+        self.register_buffer("uncond_embedding", torch.randn(token_num, caption_dim) / caption_dim**0.5)
+
+    def forward(self, caption: torch.Tensor) -> torch.Tensor:
+        return self.cap_proj(caption)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        g = cfg.grid_size
+        if g * g != cfg.block_size:
+            raise VVSError(f"block_size {cfg.block_size} is not a perfect square")
+        if cfg.model_type not in ("c2i", "t2i"):
+            raise VVSError(f"model_type must be c2i or t2i, got '{cfg.model_type}'")
+        self.config = cfg
+        if cfg.model_type == "c2i":
+            self.cls_embedding = LabelEmbedder(cfg.num_classes, cfg.dim)
+        else:
+            self.cls_embedding = CaptionEmbedder(cfg.caption_dim, cfg.dim, cfg.cls_token_num)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_dropout = nn.Dropout(cfg.token_dropout_p)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Not a buffer: official checkpoints do not carry it, and it must stay fp32.
+        self.rope = rope_table_2d(g, cfg.head_dim, cfg.rope_base, cfg.cls_token_num)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def _apply(self, fn, *args, **kwargs):
+        # Keep the RoPE table on the model's device but always in fp32.
+        out = super()._apply(fn, *args, **kwargs)
+        probe = fn(torch.zeros(0))
+        self.rope = self.rope.to(device=probe.device)
+        return out
+
+    @property
+    def null_class(self) -> int:
+        return self.config.num_classes
+
+    # --- inputs -------------------------------------------------------------------------------
+    def embed_condition(self, cond: torch.Tensor) -> torch.Tensor:
+        """c2i: labels [B] (the null class allowed) -> [B, 1, D]; t2i: captions [B, 120, C] -> [B, 120, D]."""
+        return self.cls_embedding(cond)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_dropout(self.tok_embeddings(tokens))
+
+    # --- forward ------------------------------------------------------------------------------
+    def forward_hidden(self, x, positions, kv=None, slots=None, mask=None) -> torch.Tensor:
+        """Run the decoder on embeddings ``x`` [B, T, D] at sequence ``positions`` ([T] or [B, T],
+        indices into the RoPE table). With a cache ``kv`` (a :class:`~vvs_engine.kv_cache.StaticKVCache`)
+        the new K/V are written at ``slots`` [T] and ``mask`` [B|1, 1, T, S] says which cache slots
+        each query sees. Without a cache, attention is causal over ``x`` (training, scoring).
+        Returns the last-layer features after the final norm (the input of ``output``)."""
+        rope = self.rope[positions]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, None if kv is None else kv.layer(i), slots, mask)
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(h).float()
+
+    def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced next-token logits ``[B, n_tokens, V]``: row t predicts image token t given
+        the condition and tokens[:, :t]. ``tokens`` may hold all block_size tokens (the last one is
+        only a target, never an input)."""
+        h = self.forward_features(cond, tokens)
+        return self.logits(h)
+
+    def forward_features(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        c = self.config.cls_token_num
+        x = torch.cat([self.embed_condition(cond), self.embed_tokens(tokens[:, :-1])], dim=1)
+        h = self.forward_hidden(x, torch.arange(x.shape[1], device=x.device))
+        return h[:, c - 1 :]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

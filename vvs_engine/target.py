@@ -1,0 +1,67 @@
+"""A decoding session on the target model: one static KV cache, the condition prefix, CFG rows.
+
+Every method (plain AR, tree verification, VVS post-verification, Jacobi windows) calls the target
+through :meth:`TargetSession.forward`, which takes token ids, their RoPE positions, the cache slots
+their K/V go to, and a boolean visibility mask over the cache. Row layout for CFG is
+``[cond_0..cond_{n-1}; uncond_0..uncond_{n-1}]``; both halves always see the same token ids.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import StaticKVCache
+from .models.gpt import GPT
+
+
+class TargetSession:
+    def __init__(self, model: GPT, cond_rows: torch.Tensor, n_images: int, use_cfg: bool,
+                 cond_key_mask: torch.Tensor | None = None, extra_slots: int = 0):
+        cfg = model.config
+        self.model, self.n, self.use_cfg = model, n_images, use_cfg
+        self.rows = cond_rows.shape[0]
+        self.c = cfg.cls_token_num
+        self.T = cfg.block_size
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        # Committed sequence (condition + image tokens) plus scratch slots for drafts.
+        self.kv = StaticKVCache.for_model(model, self.rows, self.c + self.T + extra_slots)
+        S = self.kv.n_slots
+        self.S = S
+        # key_valid[r, s]: False only for padded caption positions of t2i conditions.
+        self.key_valid = torch.ones(self.rows, S, dtype=torch.bool, device=self.device)
+        if cond_key_mask is not None:
+            self.key_valid[:, : self.c] = cond_key_mask.to(self.device, torch.bool)
+        self.slot_ids = torch.arange(S, device=self.device)
+        self.cond_rows = cond_rows
+
+    # --- primitives ---------------------------------------------------------------------------
+    def rows_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[n, T] token ids -> [rows, T] (duplicated for the unconditional half under CFG)."""
+        return torch.cat([tokens, tokens], 0) if self.use_cfg else tokens
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+        """tokens [n, T]; positions, slots [T] (device int64); visible [1|rows, T, S] bool.
+        Returns last-layer features [rows, T, D]."""
+        mask = (visible & self.key_valid[:, None, :]).unsqueeze(1)
+        x = self.model.embed_tokens(self.rows_of(tokens))
+        return self.model.forward_hidden(x, positions, self.kv, slots, mask)
+
+    def causal_visible(self, positions_slots: torch.Tensor) -> torch.Tensor:
+        """[T] slots -> [1, T, S]: each query sees every slot up to and including its own."""
+        return (self.slot_ids[None, :] <= positions_slots[:, None]).unsqueeze(0)
+
+    # --- prefill ------------------------------------------------------------------------------
+    def prefill(self) -> torch.Tensor:
+        """Run the condition; returns the features of the last condition position [rows, D]
+        (its logits predict image token 0)."""
+        c = self.c
+        pos = torch.arange(c, device=self.device)
+        vis = self.causal_visible(pos) & self.key_valid[:, None, :]
+        vis = vis | (self.slot_ids[None, None, :] == pos[None, :, None])  # a padded query sees itself
+        x = self.model.embed_condition(self.cond_rows)
+        h = self.model.forward_hidden(x, pos, self.kv, pos, vis.unsqueeze(1))
+        return h[:, -1]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(h)
