@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .kv_cache import StaticKVCache
+from .masks import LocalMask, causal_local
 from .models.gpt import GPT
 
 
@@ -29,6 +30,7 @@ class TargetSession:
         self.S = S
         # key_valid[r, s]: False only for padded caption positions of t2i conditions.
         self.key_valid = torch.ones(self.rows, S, dtype=torch.bool, device=self.device)
+        self.has_key_mask = cond_key_mask is not None
         if cond_key_mask is not None:
             self.key_valid[:, : self.c] = cond_key_mask.to(self.device, torch.bool)
         self.slot_ids = torch.arange(S, device=self.device)
@@ -39,17 +41,17 @@ class TargetSession:
         """[n, T] token ids -> [rows, T] (duplicated for the unconditional half under CFG)."""
         return torch.cat([tokens, tokens], 0) if self.use_cfg else tokens
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                visible: torch.Tensor) -> torch.Tensor:
-        """tokens [n, T]; positions, slots [T] (device int64); visible [1|rows, T, S] bool.
-        Returns last-layer features [rows, T, D]."""
-        mask = (visible & self.key_valid[:, None, :]).unsqueeze(1)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, prefix_len: torch.Tensor,
+                local: torch.Tensor) -> torch.Tensor:
+        """Run ``tokens`` [n, Q] at RoPE ``positions`` [Q] with their K/V written to slots
+        ``[prefix_len, prefix_len + Q)``; each query sees the committed prefix and the local block
+        allowed by ``local`` [Q, Q] (see :class:`~vvs_engine.masks.LocalMask`). Returns features
+        [rows, Q, D]. ``prefix_len`` is a [1] device tensor: no host sync, one shape for all lengths."""
+        Q = tokens.shape[1]
+        slots = prefix_len + torch.arange(Q, device=self.device)
         x = self.model.embed_tokens(self.rows_of(tokens))
+        mask = LocalMask(prefix_len, local, self.key_valid if self.has_key_mask else None)
         return self.model.forward_hidden(x, positions, self.kv, slots, mask)
-
-    def causal_visible(self, positions_slots: torch.Tensor) -> torch.Tensor:
-        """[T] slots -> [1, T, S]: each query sees every slot up to and including its own."""
-        return (self.slot_ids[None, :] <= positions_slots[:, None]).unsqueeze(0)
 
     # --- prefill ------------------------------------------------------------------------------
     def prefill(self) -> torch.Tensor:
@@ -57,7 +59,7 @@ class TargetSession:
         (its logits predict image token 0)."""
         c = self.c
         pos = torch.arange(c, device=self.device)
-        vis = self.causal_visible(pos) & self.key_valid[:, None, :]
+        vis = (self.slot_ids[None, :] <= pos[:, None])[None] & self.key_valid[:, None, :]
         vis = vis | (self.slot_ids[None, None, :] == pos[None, :, None])  # a padded query sees itself
         x = self.model.embed_condition(self.cond_rows)
         h = self.model.forward_hidden(x, pos, self.kv, pos, vis.unsqueeze(1))

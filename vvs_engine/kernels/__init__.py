@@ -1,3 +1,3 @@
-"""Kernel dispatch. Every op has a torch reference (also the CPU path); faster backends register
-themselves in :mod:`vvs_engine.kernels.dispatch` (issue: Kernels)."""
-from .reference import kv_compact  # noqa: F401
+"""Kernel dispatch. Every op has a torch reference (also the CPU path) in ``reference.py``; faster
+backends (Triton, CUDA) are chosen by availability, overridable with ``VVS_KERNELS``."""
+from .reference import kv_compact, local_visibility, tree_attention  # noqa: F401

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import guided_logits, process_logits, sample
+from ..masks import causal_local
 from ..target import TargetSession
 from .common import MethodResult, progress
 
@@ -18,9 +19,9 @@ def generate(session: TargetSession, params, gen: torch.Generator, opts=None, sh
     tok = sample(process_logits(guided_logits(s.logits(h), params), params), gen)  # [n]
     out = [tok]
     pos = torch.full((1,), s.c, dtype=torch.long, device=s.device)
+    one = causal_local(1, s.device)
     for _ in progress(range(s.T - 1), show_progress, "ar"):
-        vis = s.causal_visible(pos)
-        h = s.forward(tok[:, None], pos, pos, vis)[:, -1]
+        h = s.forward(tok[:, None], pos, pos, one)[:, -1]
         tok = sample(process_logits(guided_logits(s.logits(h), params), params), gen)
         out.append(tok)
         pos += 1

