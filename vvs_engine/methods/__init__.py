@@ -38,6 +38,7 @@ def _load_all():
 
 
 def parse_options(options_cls, opts: dict, method: str):
+    opts = {k: v for k, v in opts.items() if v is not None}  # None = "not given": the default applies
     if options_cls is None:
         if opts:
             raise VVSError(f"method '{method}' takes no options, got {', '.join(sorted(opts))}")
