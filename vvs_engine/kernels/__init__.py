@@ -1,3 +1,96 @@
-"""Kernel dispatch. Every op has a torch reference (also the CPU path) in ``reference.py``; faster
-backends (Triton, CUDA) are chosen by availability, overridable with ``VVS_KERNELS``."""
-from .reference import kv_compact, local_visibility, tree_attention  # noqa: F401
+"""Kernel dispatch: the ops the engine calls.
+
+Every op has a torch reference (also the CPU path) in ``reference.py``; Triton kernels live in
+``vvs_engine.triton_kernels`` and CUDA kernels in ``vvs_engine._C``. Per op the first available of
+cuda -> triton -> reference runs (``backends.choose``); ``VVS_KERNELS=reference|triton|cuda`` forces
+one. Off the CPU fast path the calls go through the ``torch.ops.vvs.*`` custom ops (``ops.py``), which
+carry fake implementations for torch.compile and CUDA graphs.
+
+Conventions: KV cache ``[L, B, H, S, D]`` (one layer ``[B, H, S, D]``); lengths and indices are device
+int64 tensors; nothing syncs with the host; shapes are static.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import ops, reference
+from .backends import ENV, BACKENDS, choose, describe  # noqa: F401
+from .reference import local_visibility  # noqa: F401
+
+__all__ = [
+    "tree_attention", "local_visibility", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
+    "accept_walk", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe",
+]
+
+
+def _reference_fast_path(t: torch.Tensor) -> bool:
+    # CPU tensors and no forced backend: call the reference directly, skipping the custom-op layer
+    # (the engine calls tree_attention in every layer of every step).
+    return t.device.type == "cpu" and not os.environ.get(ENV)
+
+
+def tree_attention(q, k, v, prefix_len, local, key_valid=None):
+    """q [B, H, Q, D] over the prefix ``[0, P)`` of k, v [B, H, S, D] plus the local block
+    ``[P, P + Q)`` under ``local`` [Q, Q] -> [B, H, Q, D]. See ``reference.tree_attention``."""
+    if _reference_fast_path(q):
+        return reference.tree_attention(q, k, v, prefix_len, local, key_valid)
+    return ops.tree_attention(q, k, v, prefix_len, local, key_valid)
+
+
+def draft_topk(logits, cfg_scale: float, temperature: float, top_k: int, top_p: float, k: int, noise=None):
+    """-> (tokens [B, k] int64, logp [B, k] float32). See ``reference.draft_topk``."""
+    if _reference_fast_path(logits):
+        return reference.draft_topk(logits, cfg_scale, temperature, top_k, top_p, k, noise)
+    return ops.draft_topk(logits, float(cfg_scale), float(temperature), int(top_k), float(top_p), int(k), noise)
+
+
+def lantern_mass(p, tokens, neighbors, delta: float, ratio: bool):
+    """-> (relaxed [M] float32, m_star [M] int64). See ``reference.lantern_mass``."""
+    if _reference_fast_path(p):
+        return reference.lantern_mass(p, tokens, neighbors, delta, ratio)
+    return ops.lantern_mass(p, tokens, neighbors, float(delta), bool(ratio))
+
+
+def group_mass(p, q, members):
+    """-> (sum_p [M], sum_q [M]) float32. See ``reference.group_mass``."""
+    if _reference_fast_path(p):
+        return reference.group_mass(p, q, members)
+    return ops.group_mass(p, q, members)
+
+
+def tree_meta(parents, max_depth: int):
+    """-> (ancestor_mask [N, N] bool, depth [N] int64, paths [N, max_depth + 1] int64, is_leaf [N] bool).
+    See ``reference.tree_meta``."""
+    if _reference_fast_path(parents):
+        return reference.tree_meta(parents, max_depth)
+    return ops.tree_meta(parents, int(max_depth))
+
+
+def accept_walk(accepted, first_child, next_sibling, max_depth: int):
+    """-> (path [max_depth + 1] int64, n_accepted [1] int64, last [1] int64). See ``reference.accept_walk``."""
+    if _reference_fast_path(accepted):
+        return reference.accept_walk(accepted, first_child, next_sibling, max_depth)
+    return ops.accept_walk(accepted, first_child, next_sibling, int(max_depth))
+
+
+def kv_compact(k, v, src, dst) -> None:
+    """In place on K and V [L, B, H, S, D]: slots ``dst`` take what slots ``src`` held (overlap-safe)."""
+    if _reference_fast_path(k):
+        return reference.kv_compact(k, v, src, dst)
+    ops.kv_compact(k, v, src, dst)
+
+
+def gather_rows(x, idx):
+    """x [B, S, D], idx [n] -> x[:, idx] as a new [B, n, D]."""
+    if _reference_fast_path(x):
+        return reference.gather_rows(x, idx)
+    return ops.gather_rows(x, idx)
+
+
+def scatter_rows_(x, idx, src) -> None:
+    """In place: x[:, idx] = src for x [B, S, D], idx [n], src [B, n, D]."""
+    if _reference_fast_path(x):
+        return reference.scatter_rows_(x, idx, src)
+    ops.scatter_rows_(x, idx, src)

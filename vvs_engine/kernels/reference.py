@@ -42,3 +42,158 @@ def kv_compact(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.T
     before any write, so overlapping ranges are fine."""
     for buf in (k, v):
         buf.index_copy_(3, dst, buf.index_select(3, src))
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` [n] of ``x`` [B, S, D] -> a new [B, n, D] (read stale features of committed tokens)."""
+    return x.index_select(1, idx)
+
+
+def scatter_rows_(x: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """In place: ``x[:, idx[j]] = src[:, j]`` for x [B, S, D], idx [n], src [B, n, D] (append or
+    overwrite stale features). Duplicate indices leave one of the candidate rows (unspecified which)."""
+    x.index_copy_(1, idx, src.to(x.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fused draft sampling
+
+
+def draft_probs(logits: torch.Tensor, cfg_scale: float, temperature: float, top_k: int,
+                top_p: float) -> torch.Tensor:
+    """The processed draft distribution p [B, V] float32: CFG combine of rows ``[cond; uncond]`` (when
+    ``cfg_scale != 1``), then exactly ``vvs_engine.sampling.process_logits`` (temperature > 0)."""
+    from ..sampling import SamplingParams, cfg_combine, process_logits
+
+    if not temperature > 0:
+        raise ValueError(f"draft sampling needs temperature > 0 (pass 1.0 for greedy runs), got {temperature}")
+    x = logits.float()
+    if cfg_scale != 1.0:
+        x = cfg_combine(x, cfg_scale)
+    return process_logits(x, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, cfg_scale=1.0))
+
+
+def draft_topk(logits: torch.Tensor, cfg_scale: float, temperature: float, top_k: int, top_p: float,
+               k: int, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` draft candidates of every row: ``(tokens [B, k] int64, logp [B, k] float32)``.
+
+    Without ``noise`` the ``k`` most probable tokens under the processed p (ties: lower index first);
+    with ``noise`` [B, V] of Exp(1) samples the ``k`` largest ``p / noise``, i.e. ``k`` draws without
+    replacement from p (the exponential race). ``logp`` is ``log p`` of each token (-inf where p = 0)."""
+    p = draft_probs(logits, cfg_scale, temperature, top_k, top_p)
+    score = p if noise is None else p / noise.float()
+    # A stable descending sort breaks ties by index, which the kernels reproduce.
+    tokens = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
+    return tokens, p.gather(1, tokens).log()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Relaxed acceptance (LANTERN) and grouped acceptance (GSD)
+
+
+def lantern_mass(p: torch.Tensor, tokens: torch.Tensor, neighbors: torch.Tensor, delta: float,
+                 ratio: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """LANTERN's relaxed acceptance mass for M draft tokens at once.
+
+    p [M, V] target probabilities, tokens [M] the drafted tokens x, neighbors [V, k] each token's
+    latent-space neighbours in order (negative entries = padding, contributing 0). With
+    ``c_m = sum_{j<m} p[neighbors[x, j]]`` (m = 1..k), ``bound = delta`` (TVD budget, ``ratio=False``)
+    or ``(delta - 1) * p[x]`` (LANTERN++ lambda, ``ratio=True``), ``m* = #{m : c_m <= bound}``; returns
+    ``relaxed = p[x] + c_{m*}`` [M] float32 and ``m*`` [M] int64."""
+    p = p.float()
+    nb = neighbors.index_select(0, tokens)  # [M, k]
+    vals = p.gather(1, nb.clamp(min=0)).masked_fill(nb < 0, 0.0)
+    c = vals.cumsum(1)  # c_1..c_k, non-decreasing since p >= 0
+    p_x = p.gather(1, tokens[:, None]).squeeze(1)
+    bound = (delta - 1.0) * p_x if ratio else torch.full_like(p_x, delta)
+    m_star = (c <= bound[:, None]).sum(1)
+    c_pad = torch.cat([torch.zeros_like(c[:, :1]), c], dim=1)  # c_0 = 0
+    relaxed = p_x + c_pad.gather(1, m_star[:, None]).squeeze(1)
+    return relaxed, m_star
+
+
+def group_mass(p: torch.Tensor, q: torch.Tensor, members: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSD grouped acceptance: ``(sum_p [M], sum_q [M])`` float32, the masses of p and q over the
+    tokens listed in ``members`` [M, G] (-1 = padding)."""
+    valid = members >= 0
+    idx = members.clamp(min=0)
+    sum_p = p.float().gather(1, idx).masked_fill(~valid, 0.0).sum(1)
+    sum_q = q.float().gather(1, idx).masked_fill(~valid, 0.0).sum(1)
+    return sum_p, sum_q
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tree metadata and the acceptance walk
+
+
+def tree_meta(parents: torch.Tensor, max_depth: int):
+    """Metadata of a draft tree given by ``parents`` [N] int64 (node 0 is the root with parent -1,
+    ``parents[i] < i`` otherwise; depth at most ``max_depth``):
+
+    - ``ancestor_mask`` [N, N] bool: node i sees j iff j is i or an ancestor of i;
+    - ``depth`` [N] int64 (root 0);
+    - ``paths`` [N, max_depth + 1] int64: row i lists the root -> i path, -1 padded;
+    - ``is_leaf`` [N] bool.
+
+    Vectorised: one step per depth level, no per-node Python loop."""
+    N = parents.shape[0]
+    dev = parents.device
+    eye = torch.eye(N, dtype=torch.bool, device=dev)
+    has_parent = (parents >= 0)[:, None]
+    par = parents.clamp(min=0)
+    anc = eye
+    # After t steps every ancestor within distance t is set; the deepest node needs max_depth steps.
+    for _ in range(max_depth):
+        anc = eye | (anc.index_select(0, par) & has_parent)
+    depth = anc.sum(1) - 1
+    # parents[i] < i, so sorting a node's ancestors by index gives the root -> node order: the
+    # ancestor j of i lands in column (number of ancestors of i with index <= j) - 1.
+    col = anc.long().cumsum(1) - 1
+    spill = max_depth + 1  # extra column that swallows non-ancestors (and anything deeper than max_depth)
+    col = torch.where(anc & (col <= max_depth), col, torch.full_like(col, spill))
+    nodes = torch.arange(N, device=dev).expand(N, N)
+    paths = torch.full((N, max_depth + 2), -1, dtype=torch.long, device=dev).scatter_(1, col, nodes)
+    # The spill column receives arbitrary nodes; drop it.
+    paths = paths[:, : max_depth + 1].contiguous()
+    n_children = torch.zeros(N, dtype=torch.long, device=dev).scatter_add_(0, par, has_parent.squeeze(1).long())
+    return anc, depth, paths, n_children == 0
+
+
+def first_accepted_sibling(accepted: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+    """For every node x: the first node at or after x in its sibling list (``next_sibling`` order) with
+    ``accepted`` set, or -1. Pointer jumping: ceil(log2 N) + 1 vectorised rounds."""
+    N = accepted.shape[0]
+    idx = torch.arange(N, device=accepted.device)
+    found = torch.where(accepted, idx, torch.full_like(idx, -1))
+    nxt = next_sibling.clone()
+    for _ in range(max(1, (N - 1).bit_length()) + 1):
+        # Invariant: found[x] covers the 2^r list entries starting at x; nxt[x] is the entry after them.
+        has_next = nxt >= 0
+        nxt_c = nxt.clamp(min=0)
+        found = torch.where((found < 0) & has_next, found.index_select(0, nxt_c), found)
+        nxt = torch.where(has_next, nxt.index_select(0, nxt_c), nxt)
+    return found
+
+
+def accept_walk(accepted: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor,
+                max_depth: int):
+    """Walk a verified draft tree: from the root (node 0), move to the first child (first-child /
+    next-sibling order) whose ``accepted`` flag is set, until none is. Returns ``path``
+    [max_depth + 1] int64 (node indices from the root, -1 padded), ``n_accepted`` [1] int64 (accepted
+    non-root nodes) and ``last`` [1] int64 (the last node on the path). One step per depth level plus
+    a pointer-jumping pass over the sibling lists; no host sync."""
+    dev = accepted.device
+    first_ok = first_accepted_sibling(accepted.bool(), next_sibling)
+    # A node "-1" (walk ended) maps to -1 through a padded lookup table at index N.
+    neg = torch.full((1,), -1, dtype=torch.long, device=dev)
+    step = torch.cat([torch.where(first_child >= 0, first_ok.index_select(0, first_child.clamp(min=0)), -1), neg])
+    N = accepted.shape[0]
+    cur = torch.zeros(1, dtype=torch.long, device=dev)
+    path = [cur]
+    for _ in range(max_depth):
+        cur = step.index_select(0, torch.where(cur >= 0, cur, N))
+        path.append(cur)
+    path = torch.cat(path)
+    n_accepted = (path[1:] >= 0).sum().reshape(1)
+    last = path.index_select(0, n_accepted)
+    return path, n_accepted, last

@@ -1,0 +1,139 @@
+"""The kernels as ``torch.library`` custom ops (namespace ``vvs``), each with a fake (meta)
+implementation, so torch.compile and CUDA-graph capture trace them as opaque nodes of known shape.
+
+Each op's real implementation asks ``backends.choose`` which backend runs it and calls that backend's
+launcher; the launchers and the references have the same signatures.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .backends import choose, cuda_module, triton_module
+
+
+def _impl(op: str, device: torch.device):
+    backend = choose(op, device)
+    if backend == "cuda":
+        return getattr(cuda_module(), op)
+    if backend == "triton":
+        return getattr(triton_module(), op)
+    return getattr(reference, op)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+@torch.library.custom_op("vvs::tree_attention", mutates_args=())
+def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, local: Tensor,
+                   key_valid: Optional[Tensor]) -> Tensor:
+    return _impl("tree_attention", q.device)(q, k, v, prefix_len, local, key_valid)
+
+
+@tree_attention.register_fake
+def _(q, k, v, prefix_len, local, key_valid):
+    return q.new_empty(q.shape)
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+
+
+@torch.library.custom_op("vvs::draft_topk", mutates_args=())
+def draft_topk(logits: Tensor, cfg_scale: float, temperature: float, top_k: int, top_p: float, k: int,
+               noise: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    tokens, logp = _impl("draft_topk", logits.device)(logits, cfg_scale, temperature, top_k, top_p, k, noise)
+    return tokens.contiguous(), logp.contiguous()
+
+
+@draft_topk.register_fake
+def _(logits, cfg_scale, temperature, top_k, top_p, k, noise):
+    rows = logits.shape[0] // 2 if cfg_scale != 1.0 else logits.shape[0]
+    return (logits.new_empty((rows, k), dtype=torch.int64), logits.new_empty((rows, k), dtype=torch.float32))
+
+
+# ------------------------------------------------------------------------------------- relaxed acceptance
+
+
+@torch.library.custom_op("vvs::lantern_mass", mutates_args=())
+def lantern_mass(p: Tensor, tokens: Tensor, neighbors: Tensor, delta: float, ratio: bool) -> tuple[Tensor, Tensor]:
+    return _impl("lantern_mass", p.device)(p, tokens, neighbors, delta, ratio)
+
+
+@lantern_mass.register_fake
+def _(p, tokens, neighbors, delta, ratio):
+    M = p.shape[0]
+    return p.new_empty((M,), dtype=torch.float32), p.new_empty((M,), dtype=torch.int64)
+
+
+@torch.library.custom_op("vvs::group_mass", mutates_args=())
+def group_mass(p: Tensor, q: Tensor, members: Tensor) -> tuple[Tensor, Tensor]:
+    return _impl("group_mass", p.device)(p, q, members)
+
+
+@group_mass.register_fake
+def _(p, q, members):
+    M = members.shape[0]
+    return p.new_empty((M,), dtype=torch.float32), p.new_empty((M,), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------- tree and walk
+
+
+@torch.library.custom_op("vvs::tree_meta", mutates_args=())
+def tree_meta(parents: Tensor, max_depth: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return tuple(t.contiguous() for t in _impl("tree_meta", parents.device)(parents, max_depth))
+
+
+@tree_meta.register_fake
+def _(parents, max_depth):
+    N = parents.shape[0]
+    return (parents.new_empty((N, N), dtype=torch.bool), parents.new_empty((N,), dtype=torch.int64),
+            parents.new_empty((N, max_depth + 1), dtype=torch.int64), parents.new_empty((N,), dtype=torch.bool))
+
+
+@torch.library.custom_op("vvs::accept_walk", mutates_args=())
+def accept_walk(accepted: Tensor, first_child: Tensor, next_sibling: Tensor,
+                max_depth: int) -> tuple[Tensor, Tensor, Tensor]:
+    return _impl("accept_walk", accepted.device)(accepted, first_child, next_sibling, max_depth)
+
+
+@accept_walk.register_fake
+def _(accepted, first_child, next_sibling, max_depth):
+    new = accepted.new_empty
+    return new((max_depth + 1,), dtype=torch.int64), new((1,), dtype=torch.int64), new((1,), dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------- data movement
+
+
+@torch.library.custom_op("vvs::kv_compact", mutates_args=("k", "v"))
+def kv_compact(k: Tensor, v: Tensor, src: Tensor, dst: Tensor) -> None:
+    _impl("kv_compact", k.device)(k, v, src, dst)
+
+
+@kv_compact.register_fake
+def _(k, v, src, dst):
+    return None
+
+
+@torch.library.custom_op("vvs::gather_rows", mutates_args=())
+def gather_rows(x: Tensor, idx: Tensor) -> Tensor:
+    return _impl("gather_rows", x.device)(x, idx)
+
+
+@gather_rows.register_fake
+def _(x, idx):
+    return x.new_empty((x.shape[0], idx.shape[0], x.shape[2]))
+
+
+@torch.library.custom_op("vvs::scatter_rows_", mutates_args=("x",))
+def scatter_rows_(x: Tensor, idx: Tensor, src: Tensor) -> None:
+    _impl("scatter_rows_", x.device)(x, idx, src)
+
+
+@scatter_rows_.register_fake
+def _(x, idx, src):
+    return None
