@@ -15,15 +15,22 @@ AVAILABLE = importlib.util.find_spec("triton") is not None
 __all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass"]
 
 
+_LAUNCHERS = {
+    "tree_attention": "tree_attention",
+    "draft_topk": "draft_topk",
+    "lantern_mass": "relaxed_acceptance",
+    "group_mass": "relaxed_acceptance",
+}
+
+
 def __getattr__(name):
     # Lazy: ``import vvs_engine.triton_kernels`` stays cheap and works without Triton installed.
-    if name == "tree_attention":
-        from .tree_attention import tree_attention
-        return tree_attention
-    if name == "draft_topk":
-        from .draft_topk import draft_topk
-        return draft_topk
-    if name in ("lantern_mass", "group_mass"):
-        from . import relaxed_acceptance
-        return getattr(relaxed_acceptance, name)
-    raise AttributeError(name)
+    if name not in _LAUNCHERS:
+        raise AttributeError(name)
+    import importlib
+
+    launcher = getattr(importlib.import_module(f"{__name__}.{_LAUNCHERS[name]}"), name)
+    # Importing submodule ``tree_attention`` binds the module to that package attribute; rebind the
+    # name to the launcher function so ``triton_kernels.tree_attention(...)`` calls the launcher.
+    globals()[name] = launcher
+    return launcher

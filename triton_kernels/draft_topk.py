@@ -106,10 +106,12 @@ def _draft_topk_kernel(
 
 
 def draft_topk(logits: torch.Tensor, cfg_scale: float, temperature: float, top_k: int, top_p: float,
-               k: int, noise: torch.Tensor | None = None, *, seed_offset: torch.Tensor | None = None):
+               k: int, noise: torch.Tensor | None = None, *, seed_offset: torch.Tensor | None = None,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """logits [R, V] (R = 2B with CFG, rows [cond; uncond]) -> (tokens [B, k] int64, logp [B, k] fp32).
     ``noise`` [B, V] Exp(1) samples, or ``seed_offset`` int64 [2] (seed, offset) on the device for
-    in-kernel Philox noise (the offset is advanced by B * V in place), or neither for greedy top-k."""
+    in-kernel Philox noise (the offset is advanced by B * V in place), or neither for greedy top-k.
+    ``out``: optional preallocated (tokens, logp)."""
     if not temperature > 0:
         raise ValueError(f"draft sampling needs temperature > 0 (pass 1.0 for greedy runs), got {temperature}")
     use_cfg = cfg_scale != 1.0
@@ -118,8 +120,10 @@ def draft_topk(logits: torch.Tensor, cfg_scale: float, temperature: float, top_k
     if k > V:
         raise ValueError(f"k={k} exceeds the vocabulary ({V})")
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    tokens = torch.empty((B, k), dtype=torch.int64, device=logits.device)
-    logp = torch.empty((B, k), dtype=torch.float32, device=logits.device)
+    if out is None:
+        out = (torch.empty((B, k), dtype=torch.int64, device=logits.device),
+               torch.empty((B, k), dtype=torch.float32, device=logits.device))
+    tokens, logp = out
     if noise is not None:
         mode = NOISE_TENSOR
         noise = noise if noise.stride(1) == 1 else noise.contiguous()

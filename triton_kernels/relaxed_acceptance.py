@@ -56,13 +56,15 @@ def _group_mass_kernel(
     tl.store(sum_q_ptr + row, tl.sum(q, 0))
 
 
-def lantern_mass(p: torch.Tensor, tokens: torch.Tensor, neighbors: torch.Tensor, delta: float, ratio: bool):
+def lantern_mass(p: torch.Tensor, tokens: torch.Tensor, neighbors: torch.Tensor, delta: float, ratio: bool,
+                 *, out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """p [M, V]; tokens [M] int64; neighbors [V, k] int64 (negative = padding) -> (relaxed [M] fp32,
-    m_star [M] int64)."""
+    m_star [M] int64), written into ``out`` if given."""
     M = p.shape[0]
     k = neighbors.shape[1]
-    relaxed = torch.empty(M, dtype=torch.float32, device=p.device)
-    m_star = torch.empty(M, dtype=torch.int64, device=p.device)
+    if out is None:
+        out = (torch.empty(M, dtype=torch.float32, device=p.device), torch.empty(M, dtype=torch.int64, device=p.device))
+    relaxed, m_star = out
     if M == 0:
         return relaxed, m_star
     _lantern_mass_kernel[(M,)](
@@ -73,11 +75,14 @@ def lantern_mass(p: torch.Tensor, tokens: torch.Tensor, neighbors: torch.Tensor,
     return relaxed, m_star
 
 
-def group_mass(p: torch.Tensor, q: torch.Tensor, members: torch.Tensor):
-    """p, q [M, V]; members [M, G] int64 (-1 = padding) -> (sum_p [M], sum_q [M]) fp32."""
+def group_mass(p: torch.Tensor, q: torch.Tensor, members: torch.Tensor, *,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """p, q [M, V]; members [M, G] int64 (-1 = padding) -> (sum_p [M], sum_q [M]) fp32, written into
+    ``out`` if given."""
     M, G = members.shape
-    sum_p = torch.empty(M, dtype=torch.float32, device=p.device)
-    sum_q = torch.empty(M, dtype=torch.float32, device=p.device)
+    if out is None:
+        out = (torch.empty(M, dtype=torch.float32, device=p.device), torch.empty(M, dtype=torch.float32, device=p.device))
+    sum_p, sum_q = out
     if M == 0:
         return sum_p, sum_q
     _group_mass_kernel[(M,)](

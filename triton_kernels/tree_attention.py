@@ -111,12 +111,13 @@ def _tree_attention_kernel(
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor,
                    local: torch.Tensor, key_valid: torch.Tensor | None = None, *,
-                   block_n: int = 64) -> torch.Tensor:
+                   block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, Q, D]; k, v [B, H, S, D] (any strides); prefix_len [1] int64; local [Q, Q] bool;
-    key_valid [B or 1, S] bool or None -> [B, H, Q, D] in q's dtype."""
+    key_valid [B or 1, S] bool or None -> [B, H, Q, D] in q's dtype (written into ``out`` if given)."""
     B, H, Q, D = q.shape
     S = k.shape[2]
-    out = torch.empty((B, H, Q, D), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((B, H, Q, D), dtype=q.dtype, device=q.device)
     # uint8 views: one byte per mask entry, loaded as integers (bool pointers are awkward in Triton).
     local_u8 = local.to(torch.bool).view(torch.uint8)
     if key_valid is not None:
