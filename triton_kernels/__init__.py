@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 
-AVAILABLE = importlib.util.find_spec("triton") is not None
+try:
+    AVAILABLE = importlib.util.find_spec("triton") is not None
+except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None to block it
+    AVAILABLE = False
 
 __all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass"]
 

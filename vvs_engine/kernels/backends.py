@@ -48,7 +48,10 @@ def cuda_module():
 def triton_module():
     """``vvs_engine.triton_kernels`` (installed package, or ``triton_kernels/`` of a source checkout),
     or None when Triton is not installed."""
-    if importlib.util.find_spec("triton") is None:
+    try:
+        if importlib.util.find_spec("triton") is None:
+            return None
+    except (ImportError, ValueError):
         return None
     name = "vvs_engine.triton_kernels"
     try:
