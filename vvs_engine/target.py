@@ -55,15 +55,15 @@ class TargetSession:
 
     # --- prefill ------------------------------------------------------------------------------
     def prefill(self) -> torch.Tensor:
-        """Run the condition; returns the features of the last condition position [rows, D]
-        (its logits predict image token 0)."""
+        """Run the condition; returns the features of every condition position [rows, c, D] (the
+        last one's logits predict image token 0)."""
         c = self.c
         pos = torch.arange(c, device=self.device)
         vis = (self.slot_ids[None, :] <= pos[:, None])[None] & self.key_valid[:, None, :]
         vis = vis | (self.slot_ids[None, None, :] == pos[None, :, None])  # a padded query sees itself
         x = self.model.embed_condition(self.cond_rows)
         h = self.model.forward_hidden(x, pos, self.kv, pos, vis.unsqueeze(1))
-        return h[:, -1]
+        return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.logits(h)

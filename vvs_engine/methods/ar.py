@@ -15,7 +15,7 @@ from .common import MethodResult, progress
 
 def generate(session: TargetSession, params, gen: torch.Generator, opts=None, show_progress=False) -> MethodResult:
     s = session
-    h = s.prefill()
+    h = s.prefill()[:, -1]
     tok = sample(process_logits(guided_logits(s.logits(h), params), params), gen)  # [n]
     out = [tok]
     pos = torch.full((1,), s.c, dtype=torch.long, device=s.device)

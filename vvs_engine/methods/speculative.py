@@ -1,0 +1,334 @@
+"""The draft -> (skip | verify) loop shared by EAGLE, LANTERN(++), VVS and CASCADE.
+
+One image at a time (batch 1, both CFG rows), gpt-fast style: static caches, device-side lengths.
+
+    prefill target; root ~ p; drafter eats the condition features; tree = draft(root)
+    loop:
+      if schedule says skip:                          # VVS, no target forward
+          commit a truncated random tree path unverified; its last token becomes the root;
+          drafter eats stale cached target features; tree = draft(root)
+      else:                                           # verify (with the pending chain, if any)
+          one target forward over [pending chain | tree]; p = processed target distributions
+          accept a path with the rule; next token from the residual; compact KV; cache features
+          drafter eats the fresh features; tree = draft(next)
+
+The only host read per round is the committed-token count (termination and VVS's "not in the first
+5 tokens" rule); VVS-D's similarity decision and ``post_verify=reject`` add one more.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..acceptance import make_rule, verify_tree
+from ..drafting import DraftSession, TreeSpec
+from ..errors import VVSError
+from ..sampling import guided_logits, process_logits, sample
+from ..target import TargetSession
+from ..tree import STATIC_TREES
+from .common import MethodResult, progress
+from . import schedule as sched
+
+
+@dataclass
+class SpecOptions:
+    accept: Optional[str] = None  # exact | lantern | lantern++ | registered rules; None = method default
+    lantern_k: Optional[int] = None  # None = codebook_size // 16 (LANTERN: 1000 of 16384)
+    lantern_delta: float = 0.2
+    lantern_lambda: float = 2.0
+    lantern_reference_residual: bool = False
+    tree: Optional[str] = None  # dynamic | static | chain; None = method default
+    tree_total: int = 59
+    tree_depth: int = 4
+    tree_topk: int = 10
+    static_tree: str = "naive_extend_57"
+    # VVS
+    skip_policy: str = "never"  # never | uniform | dynamic
+    skip_interval: int = 2
+    skip_threshold: float = 0.65
+    select: str = "random"  # random | confidence
+    post_verify: str = "fill"  # fill | reject
+    feature_reuse: str = "latest"  # latest | repeat
+    rule_options: dict = field(default_factory=dict)  # extra options for registered rules
+
+    def validate(self):
+        if self.tree not in (None, "dynamic", "static", "chain"):
+            raise VVSError(f"tree must be dynamic, static or chain, got '{self.tree}'")
+        for name in ("tree_total", "tree_depth", "tree_topk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise VVSError(f"{name.replace('_', '-')} must be an integer >= 1, got {v}")
+        if self.tree_total < 2:
+            raise VVSError("tree-total must be >= 2 (root + one draft)")
+        if self.static_tree not in STATIC_TREES:
+            raise VVSError(f"unknown static tree '{self.static_tree}'; known: {', '.join(STATIC_TREES)}")
+        d = self.lantern_delta
+        if not isinstance(d, (int, float)) or math.isnan(d) or not 0 <= d <= 1:
+            raise VVSError(f"lantern-delta must be in [0, 1], got {d}")
+        lam = self.lantern_lambda
+        if not isinstance(lam, (int, float)) or math.isnan(lam) or lam < 1:
+            raise VVSError(f"lantern-lambda must be >= 1, got {lam}")
+        if self.lantern_k is not None and (isinstance(self.lantern_k, bool) or not isinstance(self.lantern_k, int)
+                                           or self.lantern_k < 1):
+            raise VVSError(f"lantern-k must be an integer >= 1, got {self.lantern_k}")
+        if self.skip_policy not in ("never", "uniform", "dynamic"):
+            raise VVSError(f"skip-policy must be uniform or dynamic, got '{self.skip_policy}'")
+        i = self.skip_interval
+        if isinstance(i, bool) or not isinstance(i, int) or i < 1:
+            raise VVSError(f"skip-interval must be an integer >= 1, got {i}")
+        s = self.skip_threshold
+        if not isinstance(s, (int, float)) or math.isnan(s) or not -1 <= s <= 1:
+            raise VVSError(f"skip-threshold must be in [-1, 1], got {s}")
+        if self.select not in ("random", "confidence"):
+            raise VVSError(f"select must be random or confidence, got '{self.select}'")
+        if self.post_verify not in ("fill", "reject"):
+            raise VVSError(f"post-verify must be fill or reject, got '{self.post_verify}'")
+        if self.feature_reuse not in ("latest", "repeat"):
+            raise VVSError(f"feature-reuse must be latest or repeat, got '{self.feature_reuse}'")
+        return self
+
+    def check_engine(self, engine):
+        if engine.drafter is None:
+            raise VVSError("this method needs a drafter (--drafter PATH, or use the Zoo model)")
+
+    def tree_spec(self) -> TreeSpec:
+        return TreeSpec(self.tree or "dynamic", self.tree_total, self.tree_depth, self.tree_topk, self.static_tree)
+
+
+def run(engine, cond, key_mask, n, params, gen, opts: SpecOptions, show_progress=False) -> MethodResult:
+    rule = make_rule(opts.accept or "exact", engine,
+                     lantern_k=opts.lantern_k or max(1, _codebook(engine) // 16),
+                     lantern_delta=opts.lantern_delta, lantern_lambda=opts.lantern_lambda,
+                     reference_residual=opts.lantern_reference_residual, **opts.rule_options)
+    rows_per = 2 if params.use_cfg else 1
+    out, st = [], Stats()
+    for i in progress(range(n), show_progress, "images"):
+        idx = torch.tensor([i, i + n] if params.use_cfg else [i], device=cond.device)
+        c_i = cond.index_select(0, idx)
+        km = key_mask.index_select(0, idx) if key_mask is not None else None
+        out.append(decode_one(engine, c_i, km, params, gen, opts, rule, st))
+    return MethodResult(torch.stack(out), st.summary(n, engine.tokens_per_image))
+
+
+def _codebook(engine):
+    return engine.vq.config.codebook_size if engine.vq is not None else engine.config.vocab_size
+
+
+class Stats:
+    def __init__(self):
+        self.verified = 0
+        self.skipped = 0
+        self.accepted = []  # device [1] tensors: accepted drafts per verified round
+        self.unverified = 0
+        self.staleness = []
+        self.t = {"draft": 0.0, "verify": 0.0, "accept": 0.0}
+        self.rolled_back = 0
+
+    def summary(self, n, T):
+        acc = torch.cat(self.accepted).cpu() if self.accepted else torch.zeros(0, dtype=torch.long)
+        depth_rate = {}
+        if acc.numel():
+            for d in range(1, int(acc.max()) + 2):
+                depth_rate[str(d)] = float((acc >= d).float().mean())
+        hist = {}
+        for s in self.staleness:
+            hist[str(s)] = hist.get(str(s), 0) + 1
+        return {
+            "target_forward_passes": self.verified,
+            "verified_steps": self.verified,
+            "skip_steps": self.skipped,
+            "mean_accepted_length": float(acc.float().mean() + 1) if acc.numel() else 0.0,
+            "acceptance_rate_by_depth": depth_rate,
+            "tokens_committed_unverified": self.unverified,
+            "staleness_histogram": hist,
+            "post_verify_rollbacks": self.rolled_back,
+            "time_split_s": {k: round(v, 4) for k, v in self.t.items()},
+        }
+
+
+def decode_one(engine, cond, key_mask, params, gen, o: SpecOptions, rule, st: Stats) -> torch.Tensor:
+    dev = engine.device
+    spec = o.tree_spec()
+    N = spec.max_nodes
+    Dmax = (spec.depth + 1) if spec.kind == "dynamic" else (spec.depth if spec.kind == "chain" else None)
+    if Dmax is None:
+        from ..tree import static_layout
+
+        Dmax = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
+    Cmax = Dmax + 1  # a pending chain: old root + up to Dmax - 1 drafts (+ slack)
+    s = TargetSession(engine.gpt, cond, 1, params.use_cfg, key_mask, extra_slots=2 * (N + Cmax) + 8)
+    c, T = s.c, s.T
+    ds = DraftSession(engine.drafter, s.rows, s.S, params, spec)
+    ar = lambda k: torch.arange(k, device=dev)
+    t0 = time.perf_counter()
+    H0 = s.prefill()  # [rows, c, D]
+    root = sample(process_logits(guided_logits(s.logits(H0[:, -1]), params), params), gen)  # [1]
+    out = torch.zeros(T + 2 * Cmax + N, dtype=torch.long, device=dev)
+    out[:1] = root
+    n_out = torch.ones(1, dtype=torch.long, device=dev)
+    P_t = torch.full((1,), c, dtype=torch.long, device=dev)  # target KV length
+    feats = torch.zeros(s.rows, s.S, H0.shape[-1], dtype=H0.dtype, device=dev)  # target feature cache
+    feats[:, :c] = H0
+    dtok = torch.cat([torch.zeros(c - 1, dtype=torch.long, device=dev), root])
+    hd = ds.extend(H0, dtok, torch.zeros(1, dtype=torch.long, device=dev))
+    P_d = P_t.clone()
+    tree = ds.build(root, hd[:, -1], P_d, gen)
+    st.t["draft"] += time.perf_counter() - t0
+
+    schedule = sched.make(o, engine)
+    pending = None  # (tokens [Cmax], length [1]) of a skipped chain awaiting post-verification
+    step = 0
+    last_skip = False
+    while True:
+        committed = int(n_out)  # the per-round host read (termination, VVS's warm-up rule)
+        if committed >= T:
+            break
+        if schedule.skip(step, committed, last_skip, tree):
+            t0 = time.perf_counter()
+            b = _select_path(tree, o.select, gen)
+            leaf = tree.is_leaf
+            mean_len = ((tree.depth + 1) * leaf).sum() // leaf.sum()  # floor of mean path length incl. root
+            a = torch.minimum(tree.depth[b], mean_len - 1).clamp(min=1).reshape(1)
+            path = tree.paths[b]  # [Dmax + 1]
+            new_root = tree.tokens[path[a]]
+            out.index_copy_(0, n_out + ar(Dmax), tree.tokens[path[1:].clamp(min=0)])
+            n_out = n_out + a
+            chain = tree.tokens[path.clamp(min=0)]  # [Cmax]; valid first a entries
+            pending = (chain, a)
+            # Stale features: the a most recent cached target features ("latest") or the last one repeated.
+            if o.feature_reuse == "latest":
+                fidx = (P_t - a + ar(Dmax)).clamp(min=0)
+            else:
+                fidx = (P_t - 1).expand(Dmax)
+            hd = ds.extend(feats[:, fidx], tree.tokens[path[1:].clamp(min=0)], P_d)
+            h_root = hd.index_select(1, a - 1)[:, 0]
+            P_d = P_d + a
+            tree = ds.build(new_root, h_root, P_d, gen)
+            st.skipped += 1
+            st.unverified += int(a)  # stats only (skip rounds already read n_out next round)
+            st.staleness.append(int(a))
+            st.t["draft"] += time.perf_counter() - t0
+            last_skip = True
+            step += 1
+            continue
+
+        # --- verification ---------------------------------------------------------------------
+        t0 = time.perf_counter()
+        if pending is not None:
+            chain, a = pending
+            Q = Cmax + N
+            toks = torch.cat([chain, tree.tokens])
+            pos = torch.cat([P_t + ar(Cmax), P_t + a + tree.depth])
+            local = _post_verify_mask(tree.mask, a, Cmax)
+            off = Cmax
+        else:
+            a = torch.zeros(1, dtype=torch.long, device=dev)
+            toks, pos, local, off = tree.tokens, P_t + tree.depth, tree.mask, 0
+        pos = pos.clamp(max=c + T - 1)  # overrun past the last image token is discarded anyway
+        H = s.forward(toks[None], pos, P_t, local)  # [rows, Q, D]
+        logits = guided_logits(s.logits(H), params)[0]  # [Q, V]
+        p = process_logits(logits[off:], params)
+        st.t["verify"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if pending is not None and o.post_verify == "reject":
+            k, drafted = _check_chain(logits[:off], params, rule, chain, a, tree, gen)
+            if k is not None:  # a skipped token was rejected: roll back to it
+                n_out, P_t, P_d, tree = _rollback(s, ds, out, feats, H, logits, params, gen,
+                                                  drafted, a, k, n_out, P_t, rule)
+                pending, last_skip = None, False
+                st.verified += 1
+                st.rolled_back += 1
+                st.accepted.append(torch.zeros(1, dtype=torch.long, device=dev))
+                step += 1
+                st.t["accept"] += time.perf_counter() - t0
+                continue
+        res = verify_tree(tree, p, rule, gen, params.greedy, logits=logits[off:], hidden=H[:, off:], engine=engine)
+        path, n_acc = res.path, res.n_accepted
+        src = P_t + off + path.clamp(min=0)
+        dst = P_t + a + ar(Dmax + 1)
+        s.kv.move(src, dst)
+        if pending is not None:
+            feats[:, (P_t + ar(Cmax)).clamp(max=s.S - 1)] = H[:, :Cmax]
+        feats[:, dst.clamp(max=s.S - 1)] = H[:, off + path.clamp(min=0)]
+        out.index_copy_(0, n_out + ar(Dmax), tree.tokens[path[1:].clamp(min=0)])
+        out.index_copy_(0, n_out + n_acc, res.next_token)
+        n_out = n_out + n_acc + 1
+        P_t = P_t + a + n_acc + 1
+        st.t["accept"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        nxt_tok = tree.tokens[path[1:].clamp(min=0)].clone()
+        nxt_tok = torch.cat([nxt_tok, res.next_token]).index_copy(0, n_acc, res.next_token)
+        hd = ds.extend(H[:, off + path.clamp(min=0)], nxt_tok, P_d)
+        h_root = hd.index_select(1, n_acc)[:, 0]
+        P_d = P_d + n_acc + 1
+        tree = ds.build(res.next_token, h_root, P_d, gen)
+        st.t["draft"] += time.perf_counter() - t0
+        st.verified += 1
+        st.accepted.append(n_acc)
+        pending, last_skip = None, False
+        step += 1
+    return out[:T]
+
+
+def _select_path(tree, how, gen):
+    """A root-to-leaf path: uniform over leaves (VVS default), or the most confident one."""
+    leaf = tree.is_leaf
+    if how == "random":
+        score = torch.rand(leaf.shape, device=leaf.device, generator=gen)
+    else:  # confidence: highest cumulative draft log-prob along the path
+        lp = tree.draft_logp if tree.draft_logp is not None else torch.zeros(leaf.shape, device=leaf.device)
+        score = torch.where(tree.paths >= 0, lp[tree.paths.clamp(min=0)], torch.zeros_like(lp[tree.paths.clamp(min=0)])).sum(1)
+    return torch.where(leaf, score, torch.full_like(score, -float("inf"))).argmax()
+
+
+def _post_verify_mask(tree_mask, a, Cmax):
+    """[Cmax + N]^2 local mask: a causal valid chain (first a of Cmax slots), padded chain slots that
+    see only themselves, and the tree seeing the valid chain plus its own ancestor mask."""
+    N = tree_mask.shape[0]
+    dev = tree_mask.device
+    j = torch.arange(Cmax, device=dev)
+    valid = j < a
+    chain = (j[None, :] <= j[:, None]) & valid[None, :]
+    chain = chain | torch.eye(Cmax, dtype=torch.bool, device=dev)
+    top = torch.cat([chain, torch.zeros(Cmax, N, dtype=torch.bool, device=dev)], 1)
+    bottom = torch.cat([valid[None, :].expand(N, Cmax), tree_mask], 1)
+    return torch.cat([top, bottom], 0)
+
+
+def _check_chain(chain_logits, params, rule, chain, a, tree, gen):
+    """post_verify=reject: test the skipped tokens (chain[1:a] and the new root = tree root) with the
+    rule against the chain's own logits. Returns the first rejected chain index, or None."""
+    A = int(a)
+    drafted = torch.cat([chain[1:A], tree.tokens[:1]])  # the a tokens committed unverified
+    p = process_logits(chain_logits[:A], params)
+    u = torch.rand(A, device=p.device, generator=gen)
+    ok, _ = rule.accept(p, drafted, torch.ones(A, device=p.device), u, None)
+    if params.greedy:
+        ok = p.argmax(-1) == drafted
+    bad = (~ok).nonzero()
+    return (None, drafted) if bad.numel() == 0 else (int(bad[0, 0]), drafted)
+
+
+def _rollback(s, ds, out, feats, H, logits, params, gen, drafted, a, k, n_out, P_t, rule):
+    """drafted[k] (predicted by chain position k) was rejected: keep chain[:k+1] (their KV is valid),
+    resample that token from the residual, and redraft from there."""
+    dev = out.device
+    A = int(a)
+    p = process_logits(logits[k:k + 1], params)
+    r = rule.residual(p, None, drafted[k:k + 1], None)
+    tok = r.argmax(-1) if params.greedy else sample(r, gen)
+    keep = k + 1  # chain entries 0..k stay committed
+    start = n_out - A + k  # out index of drafted[k]; later skipped tokens are dropped
+    out.index_copy_(0, start, tok)
+    n_out = start + 1
+    feats[:, P_t + torch.arange(keep, device=dev)] = H[:, :keep]
+    P_t = P_t + keep
+    # Drafter: pair (fresh f at chain position k, tok) at drafter position P_t - 1.
+    hd = ds.extend(H[:, k:k + 1], tok, P_t - 1)
+    P_d = P_t.clone()
+    tree = ds.build(tok, hd[:, 0], P_d, gen)
+    return n_out, P_t, P_d, tree

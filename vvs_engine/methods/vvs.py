@@ -1,0 +1,34 @@
+"""VVS: speculative decoding that skips verification on some rounds (arXiv 2511.13587).
+
+The shared loop with a skip schedule: on a skipped round one truncated, uniformly chosen tree path is
+committed unverified and the next tree is drafted from stale cached target features; the next
+verified round post-verifies the chain in the same target forward. LANTERN's rule by default, like
+the paper; any registered rule composes (``accept``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import register
+from .speculative import SpecOptions, run
+
+
+@dataclass
+class VVSOptions(SpecOptions):
+    skip_policy: str = "uniform"
+
+    def validate(self):
+        if self.skip_policy == "never":
+            from ..errors import VVSError
+
+            raise VVSError("skip-policy must be uniform or dynamic for vvs (use --method lantern for none)")
+        return super().validate()
+
+
+@register("vvs", VVSOptions)
+def run_vvs(engine, cond, key_mask, n, params, gen, opts, progress):
+    if opts.accept is None:
+        opts.accept = "lantern"
+    if opts.tree is None:
+        opts.tree = "dynamic"
+    return run(engine, cond, key_mask, n, params, gen, opts, progress)

@@ -1,0 +1,157 @@
+"""Draft trees: the shape a drafter's guesses take before one target pass verifies them all.
+
+A :class:`DraftTree` has ``N`` nodes; node 0 is the root (the last committed-but-unverified token:
+EAGLE's bonus token), ``parents[i] < i``. Everything is a fixed-shape device tensor so the verify
+step can be captured in a CUDA graph: tokens, parents, the ancestor mask (the target's ``N x N``
+local attention mask), depths (RoPE position offsets), every root-to-node path, and a children table
+(sibling order = drafter rank) that acceptance rules walk.
+
+Trees come from :mod:`vvs_engine.drafting`: dynamic EAGLE-2 trees (best ``total - 1`` nodes by
+cumulative draft log-probability), static EAGLE-1 trees from choice lists (LANTERN++), and chains.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from .errors import VVSError
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] int64, node 0 = root
+    parents: torch.Tensor  # [N] int64, -1 for the root
+    mask: torch.Tensor  # [N, N] bool: node i sees node j iff j is i or an ancestor of i
+    depth: torch.Tensor  # [N] int64, root 0
+    paths: torch.Tensor  # [N, max_depth + 1] node ids of the root -> i path, -1 padded
+    is_leaf: torch.Tensor  # [N] bool
+    children: torch.Tensor  # [N, max_children] child ids in sibling order, -1 padded
+    q: Optional[torch.Tensor] = None  # [N, V] drafter distribution at each node (for its children)
+    draft_logp: Optional[torch.Tensor] = None  # [N] drafter log-prob of each node given its parent
+    draft_feats: Optional[torch.Tensor] = None  # [rows, N, D] drafter features (CASCADE, ablations)
+    sampled: bool = False  # drafts were sampled from q (static trees): acceptance divides by q(x)
+
+    @property
+    def n(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[1] - 1
+
+    def leaf_paths(self):
+        """[P, max_depth + 1] root-to-leaf paths (host-side selection; tests and VVS-D only)."""
+        return self.paths[self.is_leaf]
+
+
+def tree_structure(parents: torch.Tensor, max_depth: int, max_children: int):
+    """parents [N] -> (mask, depth, paths, is_leaf, children). Vectorised: loops over depth levels
+    and sibling ranks only, never over nodes (the CUDA kernel of the Kernels issue does the same)."""
+    from . import kernels
+
+    meta = getattr(kernels, "tree_meta", tree_meta_reference)
+    mask, depth, paths, is_leaf = meta(parents, max_depth)
+    children = children_table(parents, max_children)
+    return mask, depth, paths, is_leaf, children
+
+
+def tree_meta_reference(parents: torch.Tensor, max_depth: int):
+    """Ancestor mask, depth, root->node paths and leaf flags from parent ids (loop over depth only)."""
+    N = parents.shape[0]
+    dev = parents.device
+    ids = torch.arange(N, device=dev)
+    anc = [ids]  # anc[k][i] = k-th ancestor of i (-1 past the root)
+    for _ in range(max_depth):
+        prev = anc[-1]
+        anc.append(torch.where(prev >= 0, parents[prev.clamp(min=0)], prev))
+    A = torch.stack(anc)  # [max_depth + 1, N]
+    mask = torch.zeros(N, N, dtype=torch.bool, device=dev)
+    valid = A >= 0
+    mask[ids[None, :].expand_as(A)[valid], A[valid]] = True
+    depth = valid.long().sum(0) - 1
+    d = torch.arange(max_depth + 1, device=dev)
+    k = depth[:, None] - d[None, :]  # ancestor order for path slot d
+    paths = torch.where(k >= 0, A.gather(0, k.clamp(min=0).t()).t(), torch.full_like(k, -1))
+    is_leaf = ~(parents[None, :] == ids[:, None]).any(1)
+    return mask, depth, paths, is_leaf
+
+
+def children_table(parents: torch.Tensor, max_children: int) -> torch.Tensor:
+    """[N] parents -> [N, max_children] children ids in increasing id order (= sibling rank order,
+    since builders number nodes by rank), -1 padded."""
+    N = parents.shape[0]
+    dev = parents.device
+    ids = torch.arange(N, device=dev)
+    is_child = parents[None, :] == ids[:, None]  # [N parent, N child]
+    rank = is_child.long().cumsum(1) - 1  # rank of child j among parent i's children
+    out = torch.full((N, max_children + 1), -1, dtype=torch.long, device=dev)
+    col = torch.where(is_child & (rank < max_children), rank, torch.full_like(rank, max_children))
+    out.scatter_(1, col, torch.where(is_child, ids[None, :].expand(N, N), torch.full_like(rank, -1)))
+    return out[:, :max_children]
+
+
+# --- static trees ------------------------------------------------------------------------------
+# EAGLE-1 / LANTERN++ choice lists: each entry is the list of child ranks from the root to a node.
+def _naive_extend_57() -> List[List[int]]:
+    # 57 nodes: 5, 13, 16, 14, 9 per depth (LANTERN's LlamaGen static default has this profile).
+    per_depth_children = [
+        [5],  # root -> 5
+        [4, 3, 2, 2, 2],  # depth-1 ranks 0..4 -> 13
+        [3, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 0, 0],  # -> 16
+        [2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0],  # -> 14
+        [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0],  # -> 9
+    ]
+    return _choices_from_profile(per_depth_children)
+
+
+def _mc_sim_25() -> List[List[int]]:
+    return _choices_from_profile([[4], [3, 2, 2, 1], [1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 0]])
+
+
+def _choices_from_profile(profile) -> List[List[int]]:
+    level = [[]]
+    out = []
+    for counts in profile:
+        nxt = []
+        for parent, c in zip(level, counts):
+            for r in range(c):
+                nxt.append(parent + [r])
+        out += nxt
+        level = nxt
+    return out
+
+
+STATIC_TREES = {
+    "naive_extend_57": _naive_extend_57,
+    "mc_sim_25": _mc_sim_25,
+    "chain5": lambda: [[0] * d for d in range(1, 6)],
+}
+
+
+def static_layout(choices: Sequence[Sequence[int]], device) -> dict:
+    """Choice list -> fixed tree layout: per node its parent, depth and rank (node 0 = root).
+    Nodes are ordered by depth, then by (parent, rank) so siblings are consecutive in rank order."""
+    ch = sorted((list(c) for c in choices), key=lambda c: (len(c), c))
+    if not ch:
+        raise VVSError("empty static tree")
+    index = {(): 0}
+    parents, ranks, depths = [-1], [0], [0]
+    for c in ch:
+        if tuple(c[:-1]) not in index:
+            raise VVSError(f"static tree choice {c} has no parent {c[:-1]}")
+        index[tuple(c)] = len(parents)
+        parents.append(index[tuple(c[:-1])])
+        ranks.append(c[-1])
+        depths.append(len(c))
+    max_depth = max(depths)
+    max_rank = max(ranks) + 1
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    by_level = [t([i for i, d in enumerate(depths) if d == lvl]) for lvl in range(max_depth + 1)]
+    return dict(parents=t(parents), ranks=t(ranks), depths=t(depths), max_depth=max_depth,
+                max_rank=max_rank, by_level=by_level, n=len(parents))
+
+
+def chain_choices(depth: int) -> List[List[int]]:
+    return [[0] * d for d in range(1, depth + 1)]
