@@ -1,0 +1,421 @@
+"""The ``vvs-engine`` command (also ``python -m vvs_engine``).
+
+Subcommands:
+
+* ``generate``       generate images with any decoding method (the contract other tools rely on, see
+                     README "Command line"): writes ``tokens.npz``, ``stats.json`` and one PNG per image.
+* ``zoo list|train`` list the shipped models / retrain them (``vvs_engine.zoo``).
+* ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.eval``).
+* ``bench``          speed benchmarks (``vvs_engine.bench``).
+* ``train-drafter``  train an EAGLE-style drafter (``vvs_engine.drafter``).
+
+Error policy: bad input never produces a traceback. Argument errors print one ``error: ...`` line and
+exit 2 (like argparse, minus the usage dump); every other user error (:class:`VVSError`, a file that
+cannot be read or written, a bad value) prints one ``error: ...`` line and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from typing import List, Optional, Sequence
+
+from .errors import VVSError
+
+# Flags of the decoding methods: (flag, type, help). The option name passed to
+# ``Engine.generate(..., **opts)`` is the flag in snake case (``--lantern-k`` -> ``lantern_k``). They all
+# default to None, meaning "not given": the method registry drops None so the method's own default
+# applies, and a method that does not take an option is only told about it when the user set it.
+METHOD_FLAGS = [
+    ("--accept", str, "acceptance rule: exact|greedy|lantern|lantern++ (default: the method's own)"),
+    ("--lantern-k", int, "LANTERN: number of codebook neighbours k"),
+    ("--lantern-delta", float, "LANTERN: total-variation bound delta"),
+    ("--lantern-lambda", float, "LANTERN++: multiplicative cap lambda"),
+    ("--tree", str, "draft tree: dynamic|static|chain"),
+    ("--tree-total", int, "draft tree: total nodes"),
+    ("--tree-depth", int, "draft tree: depth"),
+    ("--tree-topk", int, "draft tree: children per expanded node"),
+    ("--skip-policy", str, "VVS: skip schedule uniform|dynamic"),
+    ("--skip-interval", int, "VVS: verify every N-th step (uniform policy)"),
+    ("--skip-threshold", float, "VVS: dynamic skip threshold in [-1, 1]"),
+    ("--select", str, "VVS: verification-free token selector random|confidence"),
+    ("--post-verify", str, "VVS: post-verification of skipped tokens fill|reject"),
+    ("--jacobi-window", int, "SJD/GSD: Jacobi window length"),
+    ("--jacobi-init", str, "SJD/GSD: initialisation of new window positions"),
+    ("--gsd-group", int, "GSD: group size"),
+    ("--gsd-prob-threshold", float, "GSD: probability threshold"),
+    ("--gsd-dist-threshold", float, "GSD: codebook distance threshold"),
+    ("--cascade-breadth-threshold", float, "CASCADE: breadth similarity threshold tau_b"),
+    ("--cascade-depth-threshold", float, "CASCADE: depth convergence threshold tau_d"),
+    ("--cascade-gate", str, "CASCADE: uncertainty gate"),
+    ("--cascade-source", str, "CASCADE: similarity source drafter|target-logits|target-hidden"),
+]
+
+
+def option_name(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+# --- argument parsing ---------------------------------------------------------------------------
+class UsageError(Exception):
+    """Raised instead of argparse's print-usage-and-exit so that main() prints one line and returns 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse calls this for every bad argument
+        raise UsageError(message)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="vvs-engine", description="Fast autoregressive image generation with speculative decoding.")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"vvs-engine {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate images (writes tokens.npz, stats.json, PNGs)",
+                       description="Generate one image per class label (or prompt).")
+    m = g.add_argument_group("model")
+    m.add_argument("--gpt-ckpt", default=None, metavar="PATH",
+                   help="target checkpoint: official LlamaGen .pt/.pth or the project's .safetensors (+ .json "
+                        "config). Default: the shipped Zoo model")
+    m.add_argument("--gpt-model", default=None, metavar="NAME",
+                   help="preset for official checkpoints without a config file: GPT-B, GPT-L, GPT-XL, GPT-XXL, "
+                        "GPT-XXXL, GPT-1B, GPT-3B, GPT-7B")
+    m.add_argument("--vq-ckpt", default=None, metavar="PATH",
+                   help="VQ tokenizer checkpoint (without one only tokens are written, no PNGs)")
+    m.add_argument("--vq-model", default="VQ-16", metavar="NAME", help="tokenizer preset for official VQ files "
+                                                                      "(VQ-16 or VQ-8; default VQ-16)")
+    m.add_argument("--image-size", type=int, default=None, metavar="PX",
+                   help="image size in pixels (default: from the config file, else 256)")
+    m.add_argument("--t5-path", default=None, metavar="DIR", help="local flan-t5 directory (text-conditional models)")
+    m.add_argument("--drafter", default=None, metavar="PATH", help="drafter checkpoint (speculative methods)")
+    m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available; default)")
+    m.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+
+    c = g.add_argument_group("conditions")
+    c.add_argument("--class-labels", default=None, metavar="L1,L2,...",
+                   help="comma-separated class labels, one image each, in order (repeats allowed)")
+    c.add_argument("--prompts", default=None, metavar="FILE", help="text file, one prompt per line (t2i models)")
+
+    s = g.add_argument_group("sampling")
+    s.add_argument("--method", default="ar", help="decoding method (default ar); e.g. ar, eagle, lantern, vvs, "
+                                                   "sjd, gsd, cascade")
+    s.add_argument("--cfg-scale", type=float, default=4.0, help="classifier-free guidance scale (default 4.0; 1 = off)")
+    s.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0; 0 = greedy)")
+    s.add_argument("--top-k", type=int, default=0, help="top-k filter (default 0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="top-p (nucleus) filter in (0, 1] (default 1.0 = off)")
+    s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+
+    mo = g.add_argument_group("method options (default: the method's own)")
+    for flag, typ, help_ in METHOD_FLAGS:
+        mo.add_argument(flag, type=typ, default=None, help=help_)
+
+    o = g.add_argument_group("output")
+    o.add_argument("--out", default="out", metavar="DIR", help="output folder (default ./out)")
+    o.add_argument("--no-images", action="store_true", help="do not decode PNGs even with a tokenizer")
+    o.add_argument("--profile", default=None, metavar="PATH", help="write a torch.profiler (Chrome) trace here")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(func=cmd_generate)
+
+    z = sub.add_parser("zoo", help="the shipped model family")
+    zsub = z.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
+    zsub.required = True
+    zl = zsub.add_parser("list", help="list the shipped models")
+    zl.set_defaults(func=cmd_zoo_list)
+    zt = zsub.add_parser("train", help="retrain every Zoo model from scratch (fixed seeds)")
+    zt.add_argument("--out", default=None, metavar="DIR", help="where to write the checkpoints "
+                                                                "(default: the package's zoo/checkpoints)")
+    zt.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    zt.set_defaults(func=cmd_zoo_train)
+
+    e = sub.add_parser("eval", help="quality metrics of a generate output folder")
+    e.add_argument("--images", required=True, metavar="DIR", help="a `generate` output folder")
+    e.add_argument("--out", default=None, metavar="JSON", help="metrics file (default DIR/metrics.json)")
+    e.set_defaults(func=cmd_eval)
+
+    # These parse their own flags: main() hands everything after the subcommand over as a list
+    # (see PASSTHROUGH); they are listed here for `vvs-engine --help`.
+    sub.add_parser("bench", help="speed benchmarks (flags: vvs-engine bench --help)", add_help=False)
+    sub.add_parser("train-drafter", help="train an EAGLE-style drafter (flags: vvs-engine train-drafter --help)",
+                   add_help=False)
+    return p
+
+
+# --- generate -----------------------------------------------------------------------------------
+def parse_class_labels(text: str) -> List[int]:
+    """"3,141,207" -> [3, 141, 207]. The range is checked later, against the loaded model."""
+    labels = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            labels.append(int(part))
+        except ValueError:
+            raise VVSError(f"class labels must be integers separated by commas, got {part!r}") from None
+    return labels
+
+
+def read_prompts(path: str) -> List[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    except OSError as e:
+        raise VVSError(f"cannot read prompts file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise VVSError(f"prompts file {path} is not UTF-8 text") from None
+    if not prompts:
+        raise VVSError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def method_options(args) -> dict:
+    """The method flags as ``Engine.generate`` keyword options (None = not given)."""
+    return {option_name(flag): getattr(args, option_name(flag)) for flag, _, _ in METHOD_FLAGS}
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .engine import Engine, resolve_device, resolve_dtype
+    from .sampling import SamplingParams
+
+    # Everything that can be checked without the model is checked first, so bad flags fail in
+    # milliseconds instead of after loading a multi-GB checkpoint.
+    if args.class_labels is not None and args.prompts is not None:
+        raise VVSError("give either --class-labels or --prompts, not both")
+    if args.class_labels is None and args.prompts is None:
+        raise VVSError("give --class-labels (class-conditional) or --prompts FILE (text-conditional)")
+    labels = parse_class_labels(args.class_labels) if args.class_labels is not None else None
+    prompts = read_prompts(args.prompts) if args.prompts is not None else None
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
+    device = str(resolve_device(pick_device(args.device)))
+    resolve_dtype(args.dtype)
+    if args.gpt_ckpt is None:
+        _require_default_model()
+
+    engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
+                         vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
+                         device=device, dtype=args.dtype, t5_path=args.t5_path)
+    if prompts is not None:
+        enc = engine.caption_encoder
+        if engine.config.model_type == "t2i" and enc is not None and enc.dim != engine.config.caption_dim:
+            raise VVSError(f"T5 features have {enc.dim} channels but the model expects {engine.config.caption_dim}")
+
+    def run():
+        return engine.generate(class_labels=labels, prompts=prompts, method=args.method,
+                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                               cfg_scale=args.cfg_scale, seed=args.seed, decode_images=not args.no_images,
+                               progress=not args.quiet, **method_options(args))
+
+    if args.profile:
+        out = profiled(run, args.profile, device)
+    else:
+        out = run()
+
+    write_outputs(args.out, out)
+    print_stats(out.stats, args.out, len(out.images))
+    return 0
+
+
+def _require_default_model() -> None:
+    """Engine.load() without a checkpoint uses the Zoo; say so clearly while the Zoo is not installed."""
+    try:
+        zoo = importlib.import_module("vvs_engine.zoo")
+    except ModuleNotFoundError:
+        zoo = None
+    if zoo is None or not hasattr(zoo, "default_paths"):
+        raise VVSError("no default model is installed (the Zoo is missing): pass --gpt-ckpt PATH "
+                       "(and --gpt-model for official LlamaGen files)")
+
+
+def profiled(fn, trace_path: str, device: str):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=False) as prof:
+        result = fn()
+    d = os.path.dirname(os.path.abspath(trace_path))
+    os.makedirs(d, exist_ok=True)
+    prof.export_chrome_trace(trace_path)
+    print(f"profiler trace: {trace_path}", file=sys.stderr)
+    return result
+
+
+def json_ready(x):
+    """Stats may hold tensors, numpy values and infinities; JSON wants plain numbers (inf -> null)."""
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            x = x.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    if hasattr(x, "item") and not isinstance(x, (list, dict, str)):
+        try:
+            x = x.item()
+        except (ValueError, TypeError):
+            x = x.tolist()
+    if isinstance(x, dict):
+        return {str(k): json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_ready(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def write_outputs(out_dir: str, out) -> None:
+    """tokens.npz (tokens int64 [n, T], labels int64 [n] (-1 for prompts), prompts for t2i),
+    stats.json, and 000000.png, 000001.png, ... in row order."""
+    import numpy as np
+
+    os.makedirs(out_dir, exist_ok=True)
+    tokens = out.tokens.cpu().numpy().astype(np.int64)
+    n = tokens.shape[0]
+    arrays = {"tokens": tokens}
+    if out.labels is not None:
+        arrays["labels"] = np.asarray(out.labels, dtype=np.int64)
+    else:
+        arrays["labels"] = np.full(n, -1, dtype=np.int64)
+        arrays["prompts"] = np.asarray(out.prompts, dtype=np.str_)
+    np.savez(os.path.join(out_dir, "tokens.npz"), **arrays)
+    stats = dict(out.stats)
+    if out.labels is not None:
+        stats["labels"] = list(out.labels)
+    with open(os.path.join(out_dir, "stats.json"), "w") as f:
+        json.dump(json_ready(stats), f, indent=2)
+    # Zero-padded names: sorting the file names gives the row order of tokens.npz.
+    for i, img in enumerate(out.images):
+        img.save(os.path.join(out_dir, f"{i:06d}.png"))
+
+
+def print_stats(stats: dict, out_dir: str, n_png: int) -> None:
+    wall = stats.get("wall_time_s") or 0.0
+    rows = [("method", stats.get("method")), ("images", stats.get("n_images")),
+            ("tokens / image", stats.get("tokens_per_image")),
+            ("tokens generated", stats.get("tokens_generated")),
+            ("target forward passes", stats.get("target_forward_passes")),
+            ("tokens / forward (tpf)", _fmt(stats.get("tpf"))),
+            ("wall time (s)", _fmt(wall)),
+            ("tokens / s", _fmt(stats["tokens_generated"] / wall) if wall else "-")]
+    shown = {"method", "n_images", "tokens_per_image", "tokens_generated", "target_forward_passes", "tpf",
+             "wall_time_s", "sampling", "labels"}
+    # Method-specific scalars (mean accepted length, skip steps, ...) follow the common ones.
+    rows += [(k, _fmt(v)) for k, v in stats.items()
+             if k not in shown and isinstance(v, (int, float, str)) and not isinstance(v, bool)]
+    width = max(len(k) for k, _ in rows)
+    print(f"{'stat':<{width}}  value")
+    print(f"{'-' * width}  {'-' * 12}")
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print(f"wrote {out_dir}/tokens.npz, stats.json" + (f" and {n_png} PNGs" if n_png else ""))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+# --- other subcommands: thin dispatch to the modules that implement them -------------------------
+def call_provided(module: str, attr: str, what: str, *args):
+    """Call ``module.attr(*args)``; a missing module or function (not built yet, or an optional
+    dependency not installed) is a one-line error instead of a traceback."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if module == missing or module.startswith(missing + "."):
+            raise VVSError(f"'{what}' is not available in this build ({module} is missing)") from None
+        raise VVSError(f"'{what}' needs the Python package '{missing.split('.')[0]}' "
+                       f"(pip install -e \".[zoo]\")") from None
+    fn = getattr(mod, attr, None)
+    if fn is None:
+        raise VVSError(f"'{what}' is not available in this build ({module}.{attr} is missing)")
+    return fn(*args)
+
+
+def cmd_zoo_list(args) -> int:
+    return _exit_code(call_provided("vvs_engine.zoo", "cli_list", "zoo list"))
+
+
+def cmd_zoo_train(args) -> int:
+    out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "checkpoints")
+    return _exit_code(call_provided("vvs_engine.zoo.train", "train_all", "zoo train", out_dir, args.seed))
+
+
+def cmd_eval(args) -> int:
+    if not os.path.isdir(args.images):
+        raise VVSError(f"not a folder: {args.images}")
+    out_json = args.out or os.path.join(args.images, "metrics.json")
+    metrics = call_provided("vvs_engine.eval", "evaluate_dir", "eval", args.images, out_json)
+    if isinstance(metrics, dict):
+        print(json.dumps(json_ready(metrics), indent=2))
+        return 0
+    return _exit_code(metrics)
+
+
+def cmd_bench(rest: List[str]) -> int:
+    return _exit_code(call_provided("vvs_engine.bench", "main", "bench", rest))
+
+
+def cmd_train_drafter(rest: List[str]) -> int:
+    return _exit_code(call_provided("vvs_engine.drafter", "cli_train", "train-drafter", rest))
+
+
+# Subcommands that own their flags: they receive the rest of the command line unparsed.
+PASSTHROUGH = {"bench": cmd_bench, "train-drafter": cmd_train_drafter}
+
+
+def _exit_code(result) -> int:
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+# --- entry point --------------------------------------------------------------------------------
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 1 user error, 2 bad arguments, 130 interrupted)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv and argv[0] in PASSTHROUGH:
+            return PASSTHROUGH[argv[0]](argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (VVSError, ValueError, OSError) as e:
+        # VVSError is a ValueError. OSError covers unwritable output folders, full disks and the like.
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
