@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import pickle
+import re
 import zipfile
 from typing import Dict
 
@@ -44,11 +45,12 @@ def read_state_dict(path: str) -> Dict[str, torch.Tensor]:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError,
-            AttributeError, TypeError, KeyError) as e:
-        msg = _first_line(e)
-        if "weights_only" in msg or "Unsupported global" in msg:
+            AttributeError, TypeError, KeyError, IndexError, MemoryError, OverflowError) as e:
+        # torch wraps the refusal in a multi-line message; the class it refused is on a later line.
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        if refused:
             raise VVSError(f"refusing to unpickle {path}: it contains objects other than tensors "
-                           f"({msg[:160]})") from None
+                           f"({refused.group(1)})") from None
         raise VVSError(f"not a readable checkpoint (truncated or not a torch file): {path}") from None
     if isinstance(obj, dict):
         for k in _CONTAINER_KEYS:
