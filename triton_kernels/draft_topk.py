@@ -26,9 +26,11 @@ NOISE_NONE, NOISE_TENSOR, NOISE_PHILOX = 0, 1, 2
 
 @triton.jit
 def _order_key(x):
-    """Map float32 to int64 with the same order (flip the magnitude bits of negatives)."""
+    """Map float32 to int32 with the same order (flip the magnitude bits of negatives). The keys stay
+    int32 (half the registers of int64); the bisection bounds are int64 scalars, and every midpoint
+    fits in int32, so comparisons cast the midpoint down."""
     bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
@@ -58,11 +60,11 @@ def _draft_topk_kernel(
         hi = tl.full((), 2147483648, tl.int64)  # invariant: count(key >= hi) < top_k
         for _ in range(32):
             mid = lo + (hi - lo) // 2
-            count = tl.sum(tl.where(keep & (key >= mid), 1, 0), 0)
+            count = tl.sum(tl.where(keep & (key >= mid.to(tl.int32)), 1, 0), 0)
             ok = count >= top_k
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid)
-        keep = keep & (key >= lo)
+        keep = keep & (key >= lo.to(tl.int32))
 
     if USE_TOP_P:
         x_max = tl.max(tl.where(keep, x, float("-inf")), 0)
@@ -74,11 +76,11 @@ def _draft_topk_kernel(
         hi = tl.full((), 2147483647, tl.int64)  # invariant: mass(key > hi) <= top_p (nothing above)
         for _ in range(32):
             mid = lo + (hi - lo) // 2
-            mass = tl.sum(tl.where(key > mid, prob, 0.0), 0)
+            mass = tl.sum(tl.where(key > mid.to(tl.int32), prob, 0.0), 0)
             ok = mass <= top_p
             hi = tl.where(ok, mid, hi)
             lo = tl.where(ok, lo, mid)
-        keep = keep & (key >= hi)
+        keep = keep & (key >= hi.to(tl.int32))
 
     x_max = tl.max(tl.where(keep, x, float("-inf")), 0)
     e = tl.where(keep, tl.exp(x - x_max), 0.0)
@@ -138,7 +140,8 @@ def draft_topk(logits: torch.Tensor, cfg_scale: float, temperature: float, top_k
         V, B, logits.stride(0), noise.stride(0) if noise is not None else 0, tokens.stride(0), logp.stride(0),
         float(cfg_scale), float(temperature), int(top_k), float(top_p),
         K=k, USE_CFG=use_cfg, USE_TOP_K=0 < top_k < V, USE_TOP_P=top_p < 1.0, NOISE=mode, BLOCK_V=block_v,
-        num_warps=4 if block_v <= 2048 else (8 if block_v <= 8192 else 16),
+        # The whole row lives in registers: more warps for larger vocabularies (32 warps at 65536).
+        num_warps=4 if block_v <= 2048 else (8 if block_v <= 8192 else (16 if block_v <= 16384 else 32)),
     )
     if mode == NOISE_PHILOX:
         seed_offset[1:].add_(B * V)  # on the device: the next call (or graph replay) draws new noise
