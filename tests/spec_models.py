@@ -1,0 +1,29 @@
+"""Small random models for the speculative-decoding tests (float64 so greedy ties cannot flip)."""
+from __future__ import annotations
+
+import torch
+
+from vvs_engine.drafter import Drafter, DrafterConfig
+from vvs_engine.engine import Engine
+from vvs_engine.models.gpt import GPT, GPTConfig
+from vvs_engine.models.vq import VQConfig, VQModel
+
+
+def tiny_engine(vocab=64, block=16, seed=0, peak=1.0, dtype=torch.float64, with_vq=True, dim=32, n_layer=2):
+    """A random c2i target + drafter (+ a VQ whose codebook defines LANTERN neighbours). ``peak``
+    scales the output heads so the distributions are less flat than at initialisation."""
+    torch.manual_seed(seed)
+    g = GPT(GPTConfig(dim=dim, n_layer=n_layer, n_head=4, vocab_size=vocab, num_classes=5, block_size=block,
+                      multiple_of=32))
+    with torch.no_grad():
+        g.output.weight.mul_(peak)
+    d = Drafter(DrafterConfig(dim=dim, n_head=4)).attach(g)
+    vq = None
+    if with_vq:
+        vq = VQModel(VQConfig(codebook_size=vocab, codebook_embed_dim=8, encoder_ch_mult=[1, 2],
+                              decoder_ch_mult=[1, 2], z_channels=32, base_channels=32))
+    e = Engine(g, vq, d)
+    g.to(dtype)
+    d.to(dtype)
+    e.dtype = dtype
+    return e

@@ -1,0 +1,361 @@
+"""Speculative core: lossless modes are lossless, relaxed rules do what their formulas say, trees and
+KV compaction match slow references."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spec_models import tiny_engine
+from vvs_engine.acceptance import ExactRule, LanternRule, lantern_mass_reference, neighbor_table, verify_tree
+from vvs_engine.drafting import DraftSession, TreeSpec
+from vvs_engine.methods import speculative
+from vvs_engine.sampling import SamplingParams, guided_logits, process_logits
+from vvs_engine.target import TargetSession
+from vvs_engine.tree import children_table, tree_meta_reference
+
+LABELS = [0, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return tiny_engine(vocab=64, block=36, peak=8.0)
+
+
+@pytest.fixture(scope="module")
+def greedy_ar(eng):
+    return eng.generate(class_labels=LABELS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+
+
+@pytest.mark.parametrize("method,opts", [
+    ("eagle", {}),
+    ("eagle", {"tree": "static"}),
+    ("eagle", {"tree": "chain", "tree_depth": 3}),
+    ("eagle", {"tree_total": 7, "tree_depth": 2, "tree_topk": 3}),
+    ("lantern", {"lantern_delta": 0.0}),
+    ("vvs", {"skip_interval": 1}),  # a schedule that never fires
+])
+def test_greedy_speculative_equals_greedy_ar(eng, greedy_ar, method, opts):
+    out = eng.generate(class_labels=LABELS, temperature=0, cfg_scale=3.0, method=method, decode_images=False, **opts)
+    assert torch.equal(out.tokens, greedy_ar)
+    assert out.stats["target_forward_passes"] == out.stats["verified_steps"]
+    assert out.stats["tpf"] >= 1.0
+
+
+def test_greedy_without_cfg(eng):
+    ar = eng.generate(class_labels=LABELS, temperature=0, cfg_scale=1.0, decode_images=False).tokens
+    sp = eng.generate(class_labels=LABELS, temperature=0, cfg_scale=1.0, method="eagle", decode_images=False).tokens
+    assert torch.equal(ar, sp)
+
+
+def test_never_firing_vvs_equals_lantern_sampled(eng):
+    """Same seed, sampling on: VVS whose schedule never fires is LANTERN token for token."""
+    kw = dict(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=7, decode_images=False)
+    a = eng.generate(method="lantern", lantern_delta=0.2, **kw).tokens
+    b = eng.generate(method="vvs", skip_interval=1, lantern_delta=0.2, **kw).tokens
+    assert torch.equal(a, b)
+
+
+def test_lantern_delta_zero_equals_exact_sampled(eng):
+    kw = dict(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=3, decode_images=False)
+    a = eng.generate(method="eagle", **kw).tokens
+    b = eng.generate(method="lantern", lantern_delta=0.0, **kw).tokens
+    assert torch.equal(a, b)
+
+
+def test_seeded_reproducibility(eng):
+    kw = dict(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, decode_images=False, method="vvs")
+    a = eng.generate(seed=11, **kw).tokens
+    b = eng.generate(seed=11, **kw).tokens
+    c = eng.generate(seed=12, **kw).tokens
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+# --- the exact rule reproduces the target distribution ---------------------------------------------
+def _exact_joint(eng, label, n_tok, cfg):
+    """Exact target probability of every sequence of the first n_tok tokens (by enumeration)."""
+    V = eng.config.vocab_size
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * n_tok).reshape(-1, n_tok)
+    lg = eng.score(class_labels=[label] * len(seqs), tokens=seqs, cfg_scale=cfg)  # [S, n_tok, V]
+    logp = torch.log_softmax(lg.double(), -1).gather(2, seqs[:, :, None])[:, :, 0].sum(1)
+    return seqs, logp.exp()
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_exact_sampling_matches_target_distribution(tree):
+    """Chi-square goodness of fit of the first two tokens (V=4: 16 cells) from speculative sampling
+    against the target's exact joint. Power: with 1200 samples the test rejects a sampler whose
+    distribution is 0.1 away in total variation with probability > 0.99 (checked by the negative
+    control below, which breaks the residual)."""
+    eng = tiny_engine(vocab=4, block=4, seed=1, peak=25.0, with_vq=False)
+    seqs, probs = _exact_joint(eng, 1, 2, 2.0)
+    opts = dict(tree=tree, tree_total=5, tree_depth=2, tree_topk=2)
+    if tree == "static":
+        opts = dict(tree="chain", tree_depth=2)
+    n = 1200
+    out = eng.generate(class_labels=[1] * n, temperature=1.0, cfg_scale=2.0, method="eagle", seed=5,
+                       decode_images=False, **opts)
+    stat, dof = _chi2(out.tokens[:, :2], seqs, probs)
+    assert stat < _chi2_crit(dof), (stat, dof)
+    # The test has power: accepting every draft (no verification) is rejected.
+    speculative_rule = ExactRule.accept
+    try:
+        ExactRule.accept = lambda self, r, x, qx, u, ctx: (torch.ones_like(x, dtype=torch.bool), None)
+        bad = eng.generate(class_labels=[1] * n, temperature=1.0, cfg_scale=2.0, method="eagle", seed=5,
+                           decode_images=False, **opts)
+    finally:
+        ExactRule.accept = speculative_rule
+    stat_bad, _ = _chi2(bad.tokens[:, :2], seqs, probs)
+    assert stat_bad > _chi2_crit(dof)
+
+
+def _chi2(samples, seqs, probs):
+    V = int(seqs.max()) + 1
+    idx = samples[:, 0] * V + samples[:, 1]
+    counts = torch.bincount(idx, minlength=V * V).double()
+    exp = probs * samples.shape[0]
+    keep = exp >= 5  # merge tiny cells into one, as the test requires
+    stat = (((counts[keep] - exp[keep]) ** 2) / exp[keep]).sum()
+    rest_c, rest_e = counts[~keep].sum(), exp[~keep].sum()
+    dof = int(keep.sum()) - 1
+    if rest_e > 0:
+        stat = stat + (rest_c - rest_e) ** 2 / max(rest_e, 1e-9)
+        dof += 1
+    return float(stat), dof
+
+
+def _chi2_crit(dof, alpha=1e-3):
+    # Wilson–Hilferty approximation of the chi-square quantile (no scipy needed).
+    z = 3.090232  # 1 - 1e-3 normal quantile
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+# --- relaxed acceptance against hand-computed cases ----------------------------------------------
+def test_lantern_mass_hand_computed():
+    p = torch.tensor([[0.30, 0.05, 0.10, 0.15, 0.40]])
+    nb = torch.tensor([[1, 2, 3, 4]] * 5)  # x=0's neighbours in order 1, 2, 3, 4
+    x = torch.tensor([0])
+    # c = 0.05, 0.15, 0.30, 0.70 ; delta 0.2 -> m*=2, relaxed = 0.30 + 0.15
+    r, m = lantern_mass_reference(p, x, nb, 0.2, ratio=False)
+    assert m.item() == 2 and r.item() == pytest.approx(0.45)
+    # LANTERN++ lambda = 2: bound (2-1)*0.30 = 0.30 -> m* = 3, relaxed 0.60 (= 2 * p(x))
+    r, m = lantern_mass_reference(p, x, nb, 2.0, ratio=True)
+    assert m.item() == 3 and r.item() == pytest.approx(0.60)
+    # nothing fits
+    r, m = lantern_mass_reference(p, x, nb, 0.01, ratio=False)
+    assert m.item() == 0 and r.item() == pytest.approx(0.30)
+
+
+def test_relaxed_accept_and_residual():
+    p = torch.tensor([[0.30, 0.05, 0.10, 0.15, 0.40]])
+    nb = torch.tensor([[1, 2, 3, 4]] * 5)
+    x = torch.tensor([0])
+    rule = LanternRule(nb, 0.2)
+    ok, moved = rule.accept(p, x, torch.ones(1), torch.tensor([0.44]), None)
+    assert ok.item()
+    ok, moved = rule.accept(p, x, torch.ones(1), torch.tensor([0.46]), None)
+    assert not ok.item()
+    # principled residual: x and the 2 credited neighbours (1, 2) removed, renormalised
+    res = rule.residual(p, None, x, moved)
+    assert torch.allclose(res, torch.tensor([[0, 0, 0, 0.15 / 0.55, 0.40 / 0.55]]))
+    ref = LanternRule(nb, 0.2, reference_residual=True)
+    _, moved_ref = ref.accept(p, x, torch.ones(1), torch.tensor([0.46]), None)
+    res_ref = ref.residual(p, None, x, moved_ref)  # all k neighbours removed: only x's... nothing left
+    assert torch.isfinite(res_ref).all() and res_ref.sum().item() == pytest.approx(1.0)
+
+
+def test_neighbor_table():
+    cb = torch.tensor([[0.0], [1.0], [3.0], [10.0]])
+    nb = neighbor_table(cb, 2)
+    assert nb.tolist() == [[1, 2], [0, 2], [1, 0], [2, 1]]
+
+
+# --- trees ------------------------------------------------------------------------------------------
+def _slow_tree_meta(parents, max_depth):
+    N = len(parents)
+    mask = torch.zeros(N, N, dtype=torch.bool)
+    depth = [0] * N
+    paths = torch.full((N, max_depth + 1), -1)
+    for i in range(N):
+        chain, j = [], i
+        while j >= 0:
+            chain.append(j)
+            mask[i, j] = True
+            j = parents[j]
+        chain.reverse()
+        depth[i] = len(chain) - 1
+        paths[i, :len(chain)] = torch.tensor(chain)
+    leaf = [all(parents[j] != i for j in range(N)) for i in range(N)]
+    return mask, torch.tensor(depth), paths, torch.tensor(leaf)
+
+
+def test_tree_meta_against_slow_reference():
+    g = torch.Generator().manual_seed(0)
+    for N in (1, 2, 7, 30, 59):
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)]
+        md = 12
+        got = tree_meta_reference(torch.tensor(parents), md)
+        want = _slow_tree_meta(parents, md)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        ch = children_table(torch.tensor(parents), N)
+        for i in range(N):
+            kids = [j for j in range(N) if parents[j] == i]
+            assert ch[i, :len(kids)].tolist() == kids and (ch[i, len(kids):] == -1).all()
+
+
+def _session_and_drafts(eng, label=2):
+    params = SamplingParams(temperature=1.0, cfg_scale=3.0)
+    cond, _ = eng.condition_rows([label], None, True)
+    s = TargetSession(eng.gpt, cond, 1, True, None, extra_slots=200)
+    spec = TreeSpec("dynamic", total=12, depth=3, topk=3)
+    ds = DraftSession(eng.drafter, s.rows, s.S, params, spec)
+    H0 = s.prefill()
+    root = torch.tensor([5])
+    hd = ds.extend(H0, root, torch.zeros(1, dtype=torch.long))
+    return s, ds, H0, hd, root, params
+
+
+def test_dynamic_tree_against_slow_eagle2(eng):
+    """Rebuild EAGLE-2's selection without any cache: every node's drafter output is recomputed by a
+    causal run over the whole pair sequence of its path."""
+    s, ds, H0, hd, root, params = _session_and_drafts(eng)
+    P_d = torch.tensor([s.c])
+    tree = ds.build(root, hd[:, -1], P_d, None)
+    d = eng.drafter
+
+    def q_of(out):
+        return process_logits(guided_logits(d.logits(out), ds.dparams), ds.dparams)[0, -1]
+
+    def run_path(tokens):  # outputs of the last pair along [committed pair, path pairs...]
+        feats, toks, out = H0, root.clone(), None
+        for t in tokens:
+            full = d(feats, toks[None].expand(2, -1), torch.arange(toks.shape[0]))
+            out = full[:, -1:]
+            feats = torch.cat([feats, out], 1)
+            toks = torch.cat([toks, torch.tensor([t])])
+        full = d(feats, toks[None].expand(2, -1), torch.arange(toks.shape[0]))
+        return full[:, -1:]
+
+    K, depth, total = 3, 3, 12
+    cands = []  # (score, level, path tokens)
+    lp, tk = torch.log(q_of(run_path([]))).topk(K)
+    frontier = [(lp[i].item(), [tk[i].item()]) for i in range(K)]
+    cands += [(sc, 1, pth) for sc, pth in frontier]
+    for lvl in range(depth):
+        children = []
+        for sc, pth in frontier:
+            clp, ctk = torch.log(q_of(run_path(pth))).topk(K)
+            children += [(sc + clp[j].item(), pth + [ctk[j].item()]) for j in range(K)]
+        cands += [(sc, lvl + 2, pth) for sc, pth in children]
+        frontier = sorted(children, key=lambda t: -t[0])[:K]
+    best = sorted(cands, key=lambda t: -(t[0] - 1e-6 * t[1]))[:total - 1]
+    want = sorted(tuple(p) for _, _, p in best)
+    got = sorted(tuple(tree.tokens[tree.paths[i, 1:tree.depth[i] + 1]].tolist()) for i in range(1, tree.n))
+    assert got == want
+
+
+def test_kv_after_compaction_equals_fresh_forward(eng):
+    """Verify a tree, move an accepted path into place, and compare the cache with a fresh causal
+    forward over the committed tokens."""
+    s, ds, H0, hd, root, params = _session_and_drafts(eng)
+    P = torch.tensor([s.c])
+    tree = ds.build(root, hd[:, -1], P, None)
+    H = s.forward(tree.tokens[None], P + tree.depth, P, tree.mask)
+    leaf = int(tree.is_leaf.nonzero()[-1])
+    path = tree.paths[leaf]
+    L = int(tree.depth[leaf]) + 1
+    s.kv.move(P + path.clamp(min=0), P + torch.arange(path.shape[0]))
+    committed = tree.tokens[path[:L]]
+    fresh = TargetSession(eng.gpt, s.cond_rows, 1, True, None, extra_slots=200)
+    fresh.prefill()
+    fresh.forward(committed[None], P + torch.arange(L), P, torch.ones(L, L, dtype=torch.bool).tril())
+    n = s.c + L
+    assert torch.allclose(s.kv.k[:, :, :, :n], fresh.kv.k[:, :, :, :n], atol=1e-10)
+    assert torch.allclose(s.kv.v[:, :, :, :n], fresh.kv.v[:, :, :, :n], atol=1e-10)
+    # and the features of the path equal the fresh ones
+    Hf = fresh.forward(committed[None], P + torch.arange(L), P, torch.ones(L, L, dtype=torch.bool).tril())
+    assert torch.allclose(H[:, path[:L]], Hf, atol=1e-10)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(method="eagle"),
+    dict(method="vvs", skip_interval=2),
+    dict(method="vvs", skip_policy="dynamic", skip_threshold=-1.0),
+    dict(method="vvs", skip_interval=2, post_verify="reject"),
+    dict(method="lantern++", skip_policy="uniform", skip_interval=2),
+])
+def test_cache_equals_fresh_forward_after_any_rounds(eng, opts):
+    """After any mix of skip and verify rounds, the target KV of every committed (verified) token
+    equals a fresh causal forward over the committed tokens."""
+    seen = {}
+
+    def hook(**kw):
+        seen.update(kw)
+
+    speculative.DEBUG_HOOK = hook
+    try:
+        out = eng.generate(class_labels=[1], temperature=1.0, cfg_scale=3.0, seed=4, decode_images=False, **opts)
+    finally:
+        speculative.DEBUG_HOOK = None
+    s, P_t = seen["session"], int(seen["P_t"])
+    P_t = min(P_t, s.c + s.T)  # positions past the image are clamped (and discarded)
+    toks = seen["out"][: P_t - s.c]  # tokens whose KV is committed
+    assert torch.equal(toks[: out.tokens.shape[1]], out.tokens[0, : toks.shape[0]])
+    with torch.inference_mode():  # the session's caches are inference tensors
+        fresh = TargetSession(eng.gpt, s.cond_rows, 1, True, None, extra_slots=8)
+        fresh.prefill()
+        L = toks.shape[0]
+        c = torch.tensor([s.c])
+        Hf = fresh.forward(toks[None], c + torch.arange(L), c, torch.ones(L, L, dtype=torch.bool).tril())
+    assert torch.allclose(s.kv.k[:, :, :, :P_t], fresh.kv.k[:, :, :, :P_t], atol=1e-9)
+    assert torch.allclose(s.kv.v[:, :, :, :P_t], fresh.kv.v[:, :, :, :P_t], atol=1e-9)
+    # the feature cache holds fresh target features for every committed position
+    assert torch.allclose(seen["feats"][:, s.c:P_t], Hf, atol=1e-9)
+    if opts["method"] == "vvs" and opts.get("post_verify") != "reject":
+        assert out.stats["skip_steps"] > 0 and out.stats["tokens_committed_unverified"] > 0
+
+
+def test_vvs_stats_and_tpf_counts_skipped_tokens(eng):
+    out = eng.generate(class_labels=[0, 1], temperature=1.0, cfg_scale=3.0, method="vvs", skip_interval=2,
+                       seed=0, decode_images=False)
+    st = out.stats
+    assert st["target_forward_passes"] == st["verified_steps"]
+    assert st["tpf"] == pytest.approx(st["tokens_generated"] / st["verified_steps"])
+    assert st["skip_steps"] >= 1 and sum(st["staleness_histogram"].values()) == st["skip_steps"]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(skip_interval=0), dict(skip_threshold=1.5), dict(select="best"), dict(post_verify="maybe"),
+    dict(tree="forest"), dict(tree_total=1), dict(lantern_delta=-0.1), dict(lantern_lambda=0.5),
+    dict(accept="nope"), dict(bogus_option=1),
+])
+def test_bad_options_are_clear_errors(eng, bad):
+    from vvs_engine.errors import VVSError
+
+    with pytest.raises(VVSError) as e:
+        eng.generate(class_labels=[0], method="vvs", decode_images=False, **bad)
+    assert "\n" not in str(e.value)
+    # and the engine still works
+    eng.generate(class_labels=[0], method="vvs", decode_images=False, temperature=0)
+
+
+def test_schedules():
+    from vvs_engine.methods.schedule import Dynamic, Uniform, path_similarity
+
+    u = Uniform(2)
+    assert [u.skip(s, 10, False, None) for s in range(6)] == [False, True, False, True, False, True]
+    assert not u.skip(1, 10, True, None)  # never two skips in a row
+    assert not u.skip(1, 5, False, None)  # not within the first 5 tokens
+    assert not any(Uniform(1).skip(s, 100, False, None) for s in range(10))
+    u4 = Uniform(4)
+    assert [u4.skip(s, 10, False, None) for s in range(8)] == [False, True, False, False, False, True, False, False]
+    cb = torch.nn.functional.normalize(torch.randn(10, 4), dim=-1)
+    tokens = torch.tensor([0, 1, 1, 2, 2])
+    same = torch.tensor([[0, 1, 3], [0, 2, 4], [0, 1, 3]])  # kept paths: rows 0 and 2 (stride 2)
+    assert path_similarity(same, tokens, cb).item() == pytest.approx(1.0, abs=1e-6)
+    # unequal lengths: the missing depth counts as 0 similarity
+    uneq = torch.tensor([[0, 1, 3], [0, 2, -1], [0, 1, -1]])
+    w0 = 1 / (1 + 0.9)
+    assert path_similarity(uneq, tokens, cb).item() == pytest.approx(w0, abs=1e-6)
