@@ -13,7 +13,9 @@ One image at a time (batch 1, both CFG rows), gpt-fast style: static caches, dev
           drafter eats the fresh features; tree = draft(next)
 
 The only host read per round is the committed-token count (termination and VVS's "not in the first
-5 tokens" rule); VVS-D's similarity decision and ``post_verify=reject`` add one more.
+5 tokens" rule), and on CUDA it is read one round late (``LateRead``) so the GPU never waits for the
+host; a round that runs after the image is complete writes into slack slots and is discarded.
+VVS-D's similarity decision and ``post_verify=reject`` each add one synchronous read per round.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 from ..acceptance import make_rule, verify_tree
 from ..drafting import DraftSession, TreeSpec
 from ..errors import VVSError
+from ..profiling import nvtx_range
 from ..sampling import guided_logits, process_logits, sample
 from ..target import TargetSession
 from ..tree import STATIC_TREES
@@ -123,8 +126,7 @@ class Stats:
         self.verified = 0
         self.skipped = 0
         self.accepted = []  # device [1] tensors: accepted drafts per verified round
-        self.unverified = 0
-        self.staleness = []
+        self.skip_lengths = []  # device [1] tensors: tokens committed unverified per skip
         self.t = {"draft": 0.0, "verify": 0.0, "accept": 0.0}
         self.rolled_back = 0
 
@@ -134,149 +136,190 @@ class Stats:
         if acc.numel():
             for d in range(1, int(acc.max()) + 2):
                 depth_rate[str(d)] = float((acc >= d).float().mean())
-        hist = {}
-        for s in self.staleness:
-            hist[str(s)] = hist.get(str(s), 0) + 1
+        # A skip that commits a tokens feeds the drafter features a positions older than fresh ones.
+        skips = torch.cat(self.skip_lengths).cpu() if self.skip_lengths else torch.zeros(0, dtype=torch.long)
+        hist = {str(int(v)): int(c) for v, c in zip(*torch.unique(skips, return_counts=True))}
         return {
             "target_forward_passes": self.verified,
             "verified_steps": self.verified,
             "skip_steps": self.skipped,
             "mean_accepted_length": float(acc.float().mean() + 1) if acc.numel() else 0.0,
             "acceptance_rate_by_depth": depth_rate,
-            "tokens_committed_unverified": self.unverified,
+            "tokens_committed_unverified": int(skips.sum()),
             "staleness_histogram": hist,
             "post_verify_rollbacks": self.rolled_back,
             "time_split_s": {k: round(v, 4) for k, v in self.t.items()},
         }
 
 
-def decode_one(engine, cond, key_mask, params, gen, o: SpecOptions, rule, st: Stats) -> torch.Tensor:
-    dev = engine.device
-    spec = o.tree_spec()
-    N = spec.max_nodes
-    Dmax = (spec.depth + 1) if spec.kind == "dynamic" else (spec.depth if spec.kind == "chain" else None)
-    if Dmax is None:
-        from ..tree import static_layout
+class LoopState:
+    """Device-side state of one image's decode: caches, lengths, the current tree, a pending chain."""
 
-        Dmax = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
-    Cmax = Dmax + 1  # a pending chain: old root + up to Dmax - 1 drafts (+ slack)
-    s = TargetSession(engine.gpt, cond, 1, params.use_cfg, key_mask, extra_slots=2 * (N + Cmax) + 8)
-    c, T = s.c, s.T
-    ds = DraftSession(engine.drafter, s.rows, s.S, params, spec)
-    ar = lambda k: torch.arange(k, device=dev)
-    t0 = time.perf_counter()
-    H0 = s.prefill()  # [rows, c, D]
-    root = sample(process_logits(guided_logits(s.logits(H0[:, -1]), params), params), gen)  # [1]
-    out = torch.zeros(T + 2 * Cmax + N, dtype=torch.long, device=dev)
-    out[:1] = root
-    n_out = torch.ones(1, dtype=torch.long, device=dev)
-    P_t = torch.full((1,), c, dtype=torch.long, device=dev)  # target KV length
-    feats = torch.zeros(s.rows, s.S, H0.shape[-1], dtype=H0.dtype, device=dev)  # target feature cache
-    feats[:, :c] = H0
-    dtok = torch.cat([torch.zeros(c - 1, dtype=torch.long, device=dev), root])
-    hd = ds.extend(H0, dtok, torch.zeros(1, dtype=torch.long, device=dev))
-    P_d = P_t.clone()
-    tree = ds.build(root, hd[:, -1], P_d, gen)
-    st.t["draft"] += time.perf_counter() - t0
-
-    schedule = sched.make(o, engine)
-    pending = None  # (tokens [Cmax], length [1]) of a skipped chain awaiting post-verification
-    step = 0
-    last_skip = False
-    while True:
-        committed = int(n_out)  # the per-round host read (termination, VVS's warm-up rule)
-        if committed >= T:
-            break
-        if schedule.skip(step, committed, last_skip, tree):
-            t0 = time.perf_counter()
-            b = _select_path(tree, o.select, gen)
-            leaf = tree.is_leaf
-            mean_len = ((tree.depth + 1) * leaf).sum() // leaf.sum()  # floor of mean path length incl. root
-            a = torch.minimum(tree.depth[b], mean_len - 1).clamp(min=1).reshape(1)
-            path = tree.paths[b]  # [Dmax + 1]
-            new_root = tree.tokens[path[a]]
-            out.index_copy_(0, n_out + ar(Dmax), tree.tokens[path[1:].clamp(min=0)])
-            n_out = n_out + a
-            chain = tree.tokens[path.clamp(min=0)]  # [Cmax]; valid first a entries
-            pending = (chain, a)
-            # Stale features: the a most recent cached target features ("latest") or the last one repeated.
-            if o.feature_reuse == "latest":
-                fidx = (P_t - a + ar(Dmax)).clamp(min=0)
-            else:
-                fidx = (P_t - 1).expand(Dmax)
-            hd = ds.extend(feats[:, fidx], tree.tokens[path[1:].clamp(min=0)], P_d)
-            h_root = hd.index_select(1, a - 1)[:, 0]
-            P_d = P_d + a
-            tree = ds.build(new_root, h_root, P_d, gen)
-            st.skipped += 1
-            st.unverified += int(a)  # stats only (skip rounds already read n_out next round)
-            st.staleness.append(int(a))
-            st.t["draft"] += time.perf_counter() - t0
-            last_skip = True
-            step += 1
-            continue
-
-        # --- verification ---------------------------------------------------------------------
-        t0 = time.perf_counter()
-        if pending is not None:
-            chain, a = pending
-            Q = Cmax + N
-            toks = torch.cat([chain, tree.tokens])
-            pos = torch.cat([P_t + ar(Cmax), P_t + a + tree.depth])
-            local = _post_verify_mask(tree.mask, a, Cmax)
-            off = Cmax
+    def __init__(self, engine, cond, key_mask, params, o: SpecOptions, gen):
+        dev = engine.device
+        spec = o.tree_spec()
+        self.N = spec.max_nodes
+        if spec.kind == "dynamic":
+            self.Dmax = spec.depth + 1
+        elif spec.kind == "chain":
+            self.Dmax = spec.depth
         else:
-            a = torch.zeros(1, dtype=torch.long, device=dev)
-            toks, pos, local, off = tree.tokens, P_t + tree.depth, tree.mask, 0
-        pos = pos.clamp(max=c + T - 1)  # overrun past the last image token is discarded anyway
-        H = s.forward(toks[None], pos, P_t, local)  # [rows, Q, D]
-        logits = guided_logits(s.logits(H), params)[0]  # [Q, V]
-        p = process_logits(logits[off:], params)
-        st.t["verify"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        if pending is not None and o.post_verify == "reject":
-            k, drafted = _check_chain(logits[:off], params, rule, chain, a, tree, gen)
-            if k is not None:  # a skipped token was rejected: roll back to it
-                n_out, P_t, P_d, tree = _rollback(s, ds, out, feats, H, logits, params, gen,
-                                                  drafted, a, k, n_out, P_t, rule)
-                pending, last_skip = None, False
-                st.verified += 1
-                st.rolled_back += 1
-                st.accepted.append(torch.zeros(1, dtype=torch.long, device=dev))
-                step += 1
-                st.t["accept"] += time.perf_counter() - t0
-                continue
-        res = verify_tree(tree, p, rule, gen, params.greedy, logits=logits[off:], hidden=H[:, off:], engine=engine)
-        path, n_acc = res.path, res.n_accepted
-        src = P_t + off + path.clamp(min=0)
-        dst = P_t + a + ar(Dmax + 1)
-        s.kv.move(src, dst)
-        if pending is not None:
-            feats[:, (P_t + ar(Cmax)).clamp(max=s.S - 1)] = H[:, :Cmax]
-        feats[:, dst.clamp(max=s.S - 1)] = H[:, off + path.clamp(min=0)]
-        out.index_copy_(0, n_out + ar(Dmax), tree.tokens[path[1:].clamp(min=0)])
-        out.index_copy_(0, n_out + n_acc, res.next_token)
-        n_out = n_out + n_acc + 1
-        P_t = P_t + a + n_acc + 1
-        st.t["accept"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        nxt_tok = tree.tokens[path[1:].clamp(min=0)].clone()
-        nxt_tok = torch.cat([nxt_tok, res.next_token]).index_copy(0, n_acc, res.next_token)
-        hd = ds.extend(H[:, off + path.clamp(min=0)], nxt_tok, P_d)
-        h_root = hd.index_select(1, n_acc)[:, 0]
-        P_d = P_d + n_acc + 1
-        tree = ds.build(res.next_token, h_root, P_d, gen)
-        st.t["draft"] += time.perf_counter() - t0
-        st.verified += 1
-        st.accepted.append(n_acc)
-        pending, last_skip = None, False
+            from ..tree import static_layout
+
+            self.Dmax = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
+        self.Cmax = self.Dmax + 1  # a pending chain: old root + up to Dmax - 1 drafts (+ slack)
+        self.s = s = TargetSession(engine.gpt, cond, 1, params.use_cfg, key_mask,
+                                   extra_slots=2 * (self.N + self.Cmax) + 8)
+        self.ds = DraftSession(engine.drafter, s.rows, s.S, params, spec)
+        self.c, self.T, self.dev = s.c, s.T, dev
+        with nvtx_range("prefill"):
+            H0 = s.prefill()  # [rows, c, D]
+            root = sample(process_logits(guided_logits(s.logits(H0[:, -1]), params), params), gen)  # [1]
+        self.out = torch.zeros(self.T + 2 * self.Cmax + self.N, dtype=torch.long, device=dev)
+        self.out[:1] = root
+        self.n_out = torch.ones(1, dtype=torch.long, device=dev)  # tokens in out (chain + root included)
+        self.P_t = torch.full((1,), s.c, dtype=torch.long, device=dev)  # target KV length
+        self.feats = torch.zeros(s.rows, s.S, H0.shape[-1], dtype=H0.dtype, device=dev)  # target features
+        self.feats[:, : s.c] = H0
+        with nvtx_range("draft"):
+            dtok = torch.cat([torch.zeros(s.c - 1, dtype=torch.long, device=dev), root])
+            hd = self.ds.extend(H0, dtok, torch.zeros(1, dtype=torch.long, device=dev))
+            self.P_d = self.P_t.clone()  # drafter length (= P_t + pending chain length)
+            self.tree = self.ds.build(root, hd[:, -1], self.P_d, gen)
+        self.pending = None  # (chain tokens [Cmax], length [1]) awaiting post-verification
+
+    def ar(self, k):
+        return torch.arange(k, device=self.dev)
+
+
+class LateRead:
+    """Host view of a device counter. On CUDA it is read one round late (copy to pinned memory +
+    event), so the host never stalls the GPU; on the CPU it is read at once."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.buf = torch.zeros(1, dtype=torch.long, pin_memory=self.cuda)
+        self.event = None
+        self.value = 0
+
+    def push(self, t: torch.Tensor) -> int:
+        if not self.cuda:
+            self.value = int(t)
+            return self.value
+        if self.event is not None:
+            self.event.synchronize()
+            self.value = int(self.buf)
+        self.buf.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+        return self.value
+
+
+def decode_one(engine, cond, key_mask, params, gen, o: SpecOptions, rule, st: Stats) -> torch.Tensor:
+    t0 = time.perf_counter()
+    L = LoopState(engine, cond, key_mask, params, o, gen)
+    st.t["draft"] += time.perf_counter() - t0
+    schedule = sched.make(o, engine)
+    committed = LateRead(L.dev)
+    step, last_skip = 0, False
+    while committed.push(L.n_out) < L.T:  # one (late on CUDA) host read per round
+        if schedule.skip(step, committed.value, last_skip, L.tree):
+            with nvtx_range("skip"):
+                skip_round(L, o, gen, st)
+            last_skip = True
+        else:
+            verify_round(L, o, params, rule, gen, engine, st)
+            last_skip = False
         step += 1
     if DEBUG_HOOK is not None:  # tests inspect the final caches
-        DEBUG_HOOK(session=s, out=out, n_out=n_out, P_t=P_t, pending=pending, feats=feats)
-    return out[:T]
+        DEBUG_HOOK(session=L.s, out=L.out, n_out=L.n_out, P_t=L.P_t, pending=L.pending, feats=L.feats)
+    return L.out[: L.T]
 
 
 DEBUG_HOOK = None
+
+
+def skip_round(L: LoopState, o: SpecOptions, gen, st: Stats) -> None:
+    """VVS: commit a truncated tree path without the target; draft the next tree from stale features."""
+    t0 = time.perf_counter()
+    tree, Dmax = L.tree, L.Dmax
+    b = _select_path(tree, o.select, gen)
+    leaf = tree.is_leaf
+    mean_len = ((tree.depth + 1) * leaf).sum() // leaf.sum()  # floor of the mean path length, root incl.
+    a = torch.minimum(tree.depth[b], mean_len - 1).clamp(min=1).reshape(1)  # dynamic truncation
+    path = tree.paths[b]  # [Dmax + 1]
+    drafted = tree.tokens[path[1:].clamp(min=0)]  # path[a] is the next root
+    L.out.index_copy_(0, L.n_out + L.ar(Dmax), drafted)
+    L.n_out = L.n_out + a
+    L.pending = (tree.tokens[path.clamp(min=0)], a)  # old root + a - 1 drafts: no target KV yet
+    # Stale features: the a most recent cached target features ("latest"), or the last one repeated.
+    if o.feature_reuse == "latest":
+        fidx = (L.P_t - a + L.ar(Dmax)).clamp(min=0)
+    else:
+        fidx = (L.P_t - 1).expand(Dmax)
+    hd = L.ds.extend(L.feats[:, fidx], drafted, L.P_d)
+    h_root = hd.index_select(1, a - 1)[:, 0]
+    L.P_d = L.P_d + a
+    L.tree = L.ds.build(tree.tokens[path[a]], h_root, L.P_d, gen)
+    st.skipped += 1
+    st.skip_lengths.append(a)
+    st.t["draft"] += time.perf_counter() - t0
+
+
+def verify_round(L: LoopState, o: SpecOptions, params, rule, gen, engine, st: Stats) -> None:
+    """One target forward over [pending chain | tree]; accept a path; compact; redraft."""
+    t0 = time.perf_counter()
+    s, tree, Dmax, Cmax = L.s, L.tree, L.Dmax, L.Cmax
+    with nvtx_range("verify"):
+        if L.pending is not None:  # post-verification: the skipped chain rides along, causal
+            chain, a = L.pending
+            toks = torch.cat([chain, tree.tokens])
+            pos = torch.cat([L.P_t + L.ar(Cmax), L.P_t + a + tree.depth])
+            local, off = _post_verify_mask(tree.mask, a, Cmax), Cmax
+        else:
+            a = torch.zeros(1, dtype=torch.long, device=L.dev)
+            toks, pos, local, off = tree.tokens, L.P_t + tree.depth, tree.mask, 0
+        pos = pos.clamp(max=L.c + L.T - 1)  # overrun past the last image token is discarded anyway
+        H = s.forward(toks[None], pos, L.P_t, local)  # [rows, Q, D]
+        logits = guided_logits(s.logits(H), params)[0]  # [Q, V]
+        p = process_logits(logits[off:], params)
+    st.t["verify"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with nvtx_range("accept"):
+        if L.pending is not None and o.post_verify == "reject":
+            k, drafted = _check_chain(logits[:off], params, rule, chain, a, tree, gen)
+            if k is not None:  # a skipped token was rejected: roll back to it
+                _rollback(L, H, logits, params, gen, drafted, a, k, rule)
+                L.pending = None
+                st.verified += 1
+                st.rolled_back += 1
+                st.accepted.append(torch.zeros(1, dtype=torch.long, device=L.dev))
+                st.t["accept"] += time.perf_counter() - t0
+                return
+        res = verify_tree(tree, p, rule, gen, params.greedy, logits=logits[off:], hidden=H[:, off:], engine=engine)
+        path, n_acc = res.path, res.n_accepted
+        node = off + path.clamp(min=0)
+        dst = L.P_t + a + L.ar(Dmax + 1)
+        s.kv.move(L.P_t + node, dst)  # accepted path -> contiguous slots after the chain
+        if L.pending is not None:
+            L.feats[:, (L.P_t + L.ar(Cmax)).clamp(max=s.S - 1)] = H[:, :Cmax]
+        L.feats[:, dst.clamp(max=s.S - 1)] = H[:, node]
+        L.out.index_copy_(0, L.n_out + L.ar(Dmax), tree.tokens[path[1:].clamp(min=0)])
+        L.out.index_copy_(0, L.n_out + n_acc, res.next_token)
+        L.n_out = L.n_out + n_acc + 1
+        L.P_t = L.P_t + a + n_acc + 1
+    st.t["accept"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with nvtx_range("draft"):
+        # Drafter pairs (fresh f at each accepted node, the token after it); the last is the new root.
+        nxt = torch.cat([tree.tokens[path[1:].clamp(min=0)], res.next_token]).index_copy(0, n_acc, res.next_token)
+        hd = L.ds.extend(H[:, node], nxt, L.P_d)
+        L.P_d = L.P_d + n_acc + 1
+        L.tree = L.ds.build(res.next_token, hd.index_select(1, n_acc)[:, 0], L.P_d, gen)
+    st.t["draft"] += time.perf_counter() - t0
+    st.verified += 1
+    st.accepted.append(n_acc)
+    L.pending = None
 
 
 def _select_path(tree, how, gen):
@@ -318,22 +361,19 @@ def _check_chain(chain_logits, params, rule, chain, a, tree, gen):
     return (None, drafted) if bad.numel() == 0 else (int(bad[0, 0]), drafted)
 
 
-def _rollback(s, ds, out, feats, H, logits, params, gen, drafted, a, k, n_out, P_t, rule):
-    """drafted[k] (predicted by chain position k) was rejected: keep chain[:k+1] (their KV is valid),
+def _rollback(L: LoopState, H, logits, params, gen, drafted, a, k, rule) -> None:
+    """drafted[k] (predicted at chain position k) was rejected: keep chain[:k+1] (their KV is valid),
     resample that token from the residual, and redraft from there."""
-    dev = out.device
     A = int(a)
     p = process_logits(logits[k:k + 1], params)
     r = rule.residual(p, None, drafted[k:k + 1], None)
     tok = r.argmax(-1) if params.greedy else sample(r, gen)
     keep = k + 1  # chain entries 0..k stay committed
-    start = n_out - A + k  # out index of drafted[k]; later skipped tokens are dropped
-    out.index_copy_(0, start, tok)
-    n_out = start + 1
-    feats[:, P_t + torch.arange(keep, device=dev)] = H[:, :keep]
-    P_t = P_t + keep
-    # Drafter: pair (fresh f at chain position k, tok) at drafter position P_t - 1.
-    hd = ds.extend(H[:, k:k + 1], tok, P_t - 1)
-    P_d = P_t.clone()
-    tree = ds.build(tok, hd[:, 0], P_d, gen)
-    return n_out, P_t, P_d, tree
+    start = L.n_out - A + k  # out index of drafted[k]; later skipped tokens are dropped
+    L.out.index_copy_(0, start, tok)
+    L.n_out = start + 1
+    L.feats[:, L.P_t + L.ar(keep)] = H[:, :keep]
+    L.P_t = L.P_t + keep
+    hd = L.ds.extend(H[:, k:k + 1], tok, L.P_t - 1)  # pair (fresh f at chain position k, tok)
+    L.P_d = L.P_t.clone()
+    L.tree = L.ds.build(tok, hd[:, 0], L.P_d, gen)
