@@ -161,7 +161,7 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generato
         r = torch.where(rej[:, None], rule.residual(r, qn, x, moved), r)
         if q is not None:
             q = torch.where(rej[:, None], q.scatter(1, x[:, None], 0.0), q)
-    path, n_acc, last = _walk(accepted_child, tree.max_depth)
+    path, n_acc, last = _walk(accepted_child, tree.children, tree.max_depth)
     dist = r[last]  # [1, V]
     if greedy:
         nxt = dist.argmax(-1)
@@ -179,22 +179,21 @@ def _greedy_ok(rule, r, x, moved):
     return relaxed.argmax(-1) == x
 
 
-def _walk(accepted_child: torch.Tensor, max_depth: int):
-    """Follow accepted children from the root: a loop over depth, device ops only."""
-    node = torch.zeros(1, dtype=torch.long, device=accepted_child.device)
-    path = [node]
-    n = torch.zeros(1, dtype=torch.long, device=accepted_child.device)
-    for _ in range(max_depth):
-        nxt = accepted_child[node]
-        ok = nxt >= 0
-        node = torch.where(ok, nxt, node)
-        path.append(torch.where(ok, nxt, torch.full_like(nxt, -1)))
-        n = n + ok.long()
-    # once a step fails, later ones repeat the same node and fail again; mask them out
-    P = torch.cat(path)
-    idx = torch.arange(max_depth + 1, device=P.device)
-    P = torch.where(idx <= n, P, torch.full_like(P, -1))
-    return P, n, node
+def _walk(accepted_child: torch.Tensor, children: torch.Tensor, max_depth: int):
+    """Follow accepted children from the root (the acceptance-walk kernel: first-child / next-sibling
+    order, a loop over depth only, device ops, no host sync)."""
+    from . import kernels
+
+    N, C = children.shape
+    dev = children.device
+    accepted = torch.zeros(N + 1, dtype=torch.bool, device=dev)
+    has = accepted_child >= 0
+    accepted.scatter_(0, torch.where(has, accepted_child, torch.full_like(accepted_child, N)), has)
+    next_sibling = torch.full((N + 1,), -1, dtype=torch.long, device=dev)
+    src, nxt = children[:, :-1].reshape(-1), children[:, 1:].reshape(-1)
+    next_sibling.scatter_(0, torch.where(src >= 0, src, torch.full_like(src, N)), nxt)
+    path, n, last = kernels.accept_walk(accepted[:N], children[:, 0].contiguous(), next_sibling[:N], max_depth)
+    return path, n, last
 
 
 def make_rule(name: str, engine=None, lantern_k: int = 1000, lantern_delta: float = 0.2,

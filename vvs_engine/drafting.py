@@ -66,6 +66,16 @@ class DraftSession:
         vis = local_visibility(start, local, self.S)
         return self.drafter(feats, tokens[None].expand(self.rows, M), pos, self.kv, pos, vis.unsqueeze(1))
 
+    def _topk(self, h: torch.Tensor, k: int):
+        """drafter features [rows, F, D] -> (log-probs [F, k], tokens [F, k]) of the k best drafts under
+        the guided, processed drafter distribution: the fused draft-sampling kernel's job."""
+        from . import kernels
+
+        lg = self.drafter.logits(h)
+        tok, lp = kernels.draft_topk(lg.reshape(-1, lg.shape[-1]), self.dparams.cfg_scale if self.params.use_cfg
+                                     else 1.0, self.dparams.temperature, self.dparams.top_k, self.dparams.top_p, k)
+        return lp.to(h.dtype if h.dtype == torch.float64 else torch.float32), tok
+
     def _q(self, h: torch.Tensor) -> torch.Tensor:
         """drafter features [rows, F, D] -> processed guided distribution [F, V]."""
         return process_logits(guided_logits(self.drafter.logits(h), self.dparams), self.dparams)[0]
@@ -91,8 +101,8 @@ class DraftSession:
     def _dynamic(self, root, h_root, P_d) -> DraftTree:
         K, depth, total = self.spec.topk, self.spec.depth, self.spec.total
         dev = self.device
-        q0 = self._q(h_root[:, None])[0]  # [V]
-        lp, tok = torch.log(q0).topk(K)
+        lp, tok = self._topk(h_root[:, None], K)
+        lp, tok = lp[0], tok[0]
         cand_tok, cand_score, cand_parent = [tok], [lp], [torch.full((K,), -1, device=dev, dtype=torch.long)]
         cand_lp = [lp]
         f_tok, f_score, f_gid = tok, lp, torch.arange(K, device=dev)
@@ -104,7 +114,7 @@ class DraftSession:
             anc = torch.cat([anc, eye], 1)  # frontier f sees its ancestors' slots and its own
             cols = d * K + torch.arange(K, device=dev)
             out = self._run_nodes(f_feat, f_tok, P_d + d, P_d, cols, anc)
-            clp, ctok = torch.log(self._q(out)).topk(K, dim=-1)  # [K, K]
+            clp, ctok = self._topk(out, K)  # [K, K]
             cum = f_score[:, None] + clp
             cand_tok.append(ctok.flatten())
             cand_score.append(cum.flatten())
