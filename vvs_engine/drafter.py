@@ -239,3 +239,73 @@ def train_drafter(target, tokens: torch.Tensor, labels: torch.Tensor, steps: int
         if log and (step + 1) % max(1, steps // 10) == 0:
             log(f"drafter step {step + 1}/{steps} loss {loss.item():.4f} reg {reg.item():.4f} ce {ce.item():.4f}")
     return d.eval()
+
+
+# --- command line -------------------------------------------------------------------------------
+def cli_train(argv) -> int:
+    """``vvs-engine train-drafter``: train an EAGLE drafter on a c2i target's teacher-forced features.
+
+    Token data: ``--tokens FILE`` (.npz or .pt with ``tokens`` [N, T] and ``labels`` [N]) or, by default,
+    crops of the Zoo photos (or ``--data-root`` image folder) encoded with the tokenizer."""
+    import argparse
+
+    import numpy as np
+
+    from .checkpoint import save_safetensors
+    from .engine import Engine
+
+    ap = argparse.ArgumentParser(prog="vvs-engine train-drafter")
+    ap.add_argument("--gpt-ckpt", default=None, help="target checkpoint (default: the Zoo target)")
+    ap.add_argument("--gpt-model", default=None)
+    ap.add_argument("--vq-ckpt", default=None)
+    ap.add_argument("--tokens", default=None, help=".npz/.pt with tokens [N, T] and labels [N]")
+    ap.add_argument("--data-root", default=None, help="image folder (one sub-folder per class)")
+    ap.add_argument("--per-class", type=int, default=300, help="crops per class when encoding images")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cascade-weighting", action="store_true",
+                    help="CASCADE: 2x classification weight on tokens redundant with a later token")
+    ap.add_argument("--out", required=True, help="output .safetensors path (a .json config is written beside)")
+    a = ap.parse_args(argv)
+    if a.steps < 1 or a.batch_size < 1 or not a.lr > 0:
+        raise VVSError("steps and batch-size must be >= 1 and lr > 0")
+    if not a.out.endswith(".safetensors"):
+        raise VVSError("--out must end with .safetensors")
+    eng = Engine.load(gpt_ckpt=a.gpt_ckpt, gpt_model=a.gpt_model, vq_ckpt=a.vq_ckpt)
+    if eng.config.model_type != "c2i":
+        raise VVSError("train-drafter supports class-conditional targets")
+    if a.tokens:
+        if a.tokens.endswith(".npz"):
+            with np.load(a.tokens, allow_pickle=False) as z:
+                tokens, labels = torch.as_tensor(z["tokens"]), torch.as_tensor(z["labels"])
+        else:
+            d = torch.load(a.tokens, map_location="cpu", weights_only=True)
+            tokens, labels = d["tokens"], d["labels"]
+    else:
+        if eng.vq is None:
+            raise VVSError("no tokenizer loaded: pass --vq-ckpt or --tokens")
+        from .zoo.data import folder_sources, make_crops
+        from .zoo.train import encode_crops
+
+        sources = folder_sources(a.data_root)[0] if a.data_root else None
+        crops, labels = make_crops(a.per_class, seed=a.seed, split="train", sources=sources)
+        tokens = encode_crops(eng.vq, crops)
+        labels = torch.as_tensor(labels)
+    tokens, labels = tokens.long(), labels.long()
+    if tokens.dim() != 2 or tokens.shape[1] != eng.tokens_per_image or len(labels) != len(tokens):
+        raise VVSError(f"tokens must be [N, {eng.tokens_per_image}] with one label per row")
+    weights = None
+    if a.cascade_weighting:
+        from .cascade_train import redundancy_weights
+
+        weights = redundancy_weights
+    d = train_drafter(eng.gpt.float().train(False), tokens, labels, steps=a.steps, batch_size=a.batch_size,
+                      lr=a.lr, seed=a.seed, n_layer=a.layers, loss_weights=weights)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    save_safetensors(d, a.out, d.config.to_dict(), kind="drafter",
+                     extra={"steps": a.steps, "seed": a.seed, "cascade_weighting": a.cascade_weighting})
+    print(f"wrote {a.out}")
+    return 0

@@ -1,0 +1,195 @@
+"""One-run comparison of every decoding method on the Zoo model (CPU or GPU).
+
+Same labels, same seed, same sampling settings for every row; each row reports TPF (tokens per target
+forward, prefill excluded), mean accepted length, wall-clock ratio to plain AR measured in this run
+(batch 1 per image, like the speculative methods), and the Zoo quality metrics (class accuracy, FD in
+the classifier space, FID with the bundled InceptionV3). Writes markdown + JSON under
+benchmarks/results/ and the quality-vs-TPF plot docs/vvs_pareto.png.
+
+    python benchmarks/spec_zoo.py                      # full table (slow on CPU)
+    python benchmarks/spec_zoo.py --quick --no-inception
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from vvs_engine import Engine  # noqa: E402
+
+# (row name, method, options). VVS rows come in fill and reject variants.
+CORE_ROWS = [
+    ("AR", "ar", {}),
+    ("EAGLE-2", "eagle", {}),
+    ("LANTERN d=0.1", "lantern", {"lantern_delta": 0.1}),
+    ("LANTERN d=0.2", "lantern", {"lantern_delta": 0.2}),
+    ("LANTERN d=0.3", "lantern", {"lantern_delta": 0.3}),
+    ("LANTERN++", "lantern++", {}),
+]
+VVS_ROWS = [
+    (f"VVS-U i={i} {pv}", "vvs", {"skip_policy": "uniform", "skip_interval": i, "post_verify": pv, "lantern_delta": 0.2})
+    for i in (2, 4) for pv in ("fill", "reject")
+] + [
+    (f"VVS-D s={s} {pv}", "vvs", {"skip_policy": "dynamic", "skip_threshold": s, "post_verify": pv, "lantern_delta": 0.2})
+    for s in (0.65, 0.7) for pv in ("fill", "reject")
+]
+
+
+def extra_rows():
+    """Rows contributed by the Jacobi and CASCADE modules, when present."""
+    rows = []
+    try:
+        from jacobi_zoo import ROWS as J  # noqa
+        rows += J
+    except Exception:
+        rows += [("SJD", "sjd", {}), ("GSD G=3", "gsd", {"gsd_group": 3}), ("GSD G=5", "gsd", {"gsd_group": 5})]
+    try:
+        from cascade_zoo import ROWS as C  # noqa
+        rows += C
+    except Exception:
+        rows += [("EAGLE-1 (static)", "eagle", {"tree": "static"}), ("CASCADE", "cascade", {})]
+    return rows
+
+
+def run_row(eng, name, method, opts, labels, seed, sampling, inception, per_image_repeats=1):
+    from vvs_engine.errors import VVSError
+
+    try:
+        t0 = time.perf_counter()
+        out = eng.generate(class_labels=labels, method=method, seed=seed, **sampling, **opts)
+        wall = time.perf_counter() - t0
+    except VVSError as e:
+        return {"name": name, "method": method, "options": opts, "error": str(e)}
+    st = out.stats
+    row = {"name": name, "method": method, "options": opts, "tpf": st["tpf"],
+           "mean_accepted_length": st.get("mean_accepted_length"),
+           "target_forward_passes": st["target_forward_passes"], "wall_s": wall,
+           "wall_s_per_image": wall / len(labels), "skip_steps": st.get("skip_steps"),
+           "acceptance_rate_by_depth": st.get("acceptance_rate_by_depth"),
+           "time_split_s": st.get("time_split_s")}
+    from vvs_engine.eval import evaluate_images
+
+    m = evaluate_images(out.images, labels, inception=inception, progress=None)
+    row.update({k: m[k] for k in ("class_accuracy", "fd_classifier", "fid_inception", "precision", "recall") if k in m})
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--per-class", type=int, default=4, help="images per class (all classes)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="2 images per class, core rows only")
+    ap.add_argument("--no-inception", action="store_true")
+    ap.add_argument("--rows", default="core,vvs,extra", help="comma list of core,vvs,extra")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--temperature", type=float, default=None)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "spec_zoo"))
+    ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "vvs_pareto.png"))
+    a = ap.parse_args(argv)
+    eng = Engine.load(device=a.device, dtype=a.dtype)
+    from vvs_engine import zoo
+
+    defaults = zoo.sampling_defaults() if hasattr(zoo, "sampling_defaults") else {}
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 4.0}
+    sampling.update({k: v for k, v in defaults.items() if k in sampling})
+    if a.temperature is not None:
+        sampling["temperature"] = a.temperature
+    ncls = eng.config.num_classes
+    per = 2 if a.quick else a.per_class
+    labels = [c for c in range(ncls) for _ in range(per)]
+    groups = {"core": CORE_ROWS, "vvs": VVS_ROWS, "extra": extra_rows()}
+    rows_spec = []
+    for g in a.rows.split(","):
+        rows_spec += groups[g]
+    if a.quick:
+        rows_spec = CORE_ROWS[:2] + [r for r in VVS_ROWS if r[0] == "VVS-U i=2 fill"] + CORE_ROWS[3:4]
+    results = []
+    for name, method, opts in rows_spec:
+        print(f"[spec_zoo] {name} ...", flush=True)
+        r = run_row(eng, name, method, opts, labels, a.seed, sampling, not a.no_inception)
+        results.append(r)
+        print(f"[spec_zoo] {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in r.items() if isinstance(v, float)), flush=True)
+    ar = next((r for r in results if r["method"] == "ar" and "error" not in r), None)
+    for r in results:
+        if ar and "wall_s" in r:
+            r["speedup_vs_ar"] = ar["wall_s"] / r["wall_s"]
+    meta = {"device": str(eng.device), "dtype": a.dtype, "host": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "n_images": len(labels),
+            "labels": f"{per} per class x {ncls} classes", "seed": a.seed, "sampling": sampling,
+            "tokens_per_image": eng.tokens_per_image, "vq_decode_in_wall": True,
+            "command": "python benchmarks/spec_zoo.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": results}, f, indent=2)
+    md = to_markdown(meta, results)
+    with open(a.out + ".md", "w") as f:
+        f.write(md)
+    print(md)
+    if a.plot and not a.quick:
+        plot(results, a.plot)
+
+
+def _fmt(v, nd=3):
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def to_markdown(meta, rows):
+    lines = [f"# Speculative methods on the Zoo model ({meta['device']}, {meta['dtype']})", "",
+             f"{meta['n_images']} images ({meta['labels']}), seed {meta['seed']}, sampling {meta['sampling']}, "
+             f"{meta['tokens_per_image']} tokens/image; torch {meta['torch']}, {meta['threads']} threads. "
+             f"Wall-clock includes VQ decoding; speed-up = AR wall / row wall, same run.", "",
+             f"Command: `{meta['command']}`", "",
+             "| method | TPF | mean accepted | speed-up vs AR | class acc | FD (classifier) | FID | skip steps |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | error: {r['error']} |||||||")
+            continue
+        lines.append(f"| {r['name']} | {_fmt(r['tpf'], 2)} | {_fmt(r.get('mean_accepted_length'), 2)} | "
+                     f"{_fmt(r.get('speedup_vs_ar'), 2)} | {_fmt(r.get('class_accuracy'), 3)} | "
+                     f"{_fmt(r.get('fd_classifier'), 2)} | {_fmt(r.get('fid_inception'), 1)} | {_fmt(r.get('skip_steps'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((axes[0], "fd_classifier", "FD (classifier features) ↓"),
+                           (axes[1], "class_accuracy", "class accuracy ↑")):
+        for r in rows:
+            if "error" in r or key not in r:
+                continue
+            fam = r["name"].split()[0]
+            marker = {"AR": "s", "EAGLE-2": "^", "LANTERN": "o", "LANTERN++": "D", "VVS-U": "*", "VVS-D": "P"}.get(fam, "x")
+            ax.scatter(r["tpf"], r[key], marker=marker, s=60)
+            ax.annotate(r["name"], (r["tpf"], r[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("TPF (tokens per target forward) →")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle("Quality vs tokens per target forward on the Zoo model (one run, same seed and labels)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
