@@ -192,8 +192,9 @@ def train_drafter(target, tokens: torch.Tensor, labels: torch.Tensor, steps: int
     tc = target.config
     d = Drafter(DrafterConfig(dim=tc.dim, n_head=tc.n_head, n_layer=n_layer)).attach(target)
     target.eval()
+    was_trainable = [p.requires_grad for p in target.parameters()]
     for p in target.parameters():
-        p.requires_grad_(False)
+        p.requires_grad_(False)  # frozen: only the draft head learns
     opt = torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, steps // 30)) * max(0.05, 1 - s / steps))
@@ -238,6 +239,8 @@ def train_drafter(target, tokens: torch.Tensor, labels: torch.Tensor, steps: int
             it.set_postfix(loss=f"{loss.item():.4f}", top1=f"{acc.item():.3f}")
         if log and (step + 1) % max(1, steps // 10) == 0:
             log(f"drafter step {step + 1}/{steps} loss {loss.item():.4f} reg {reg.item():.4f} ce {ce.item():.4f}")
+    for p, t in zip(target.parameters(), was_trainable):
+        p.requires_grad_(t)
     return d.eval()
 
 
