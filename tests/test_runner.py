@@ -1,0 +1,268 @@
+"""Graph runner: the static-buffer path gives the same tokens as the plain loops.
+
+On the CPU the runner runs its static-buffer code eagerly, which covers the buffer plumbing (inputs
+copied into persistent buffers, outputs aliased until the next call, generator state handed in and
+out, persistent sessions reused across images and calls). On a GPU the same tests replay CUDA graphs,
+and the GPU-only tests check replay == eager and that steady-state rounds never sync with the host.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from spec_models import tiny_engine
+from vvs_engine import runner as runner_mod
+from vvs_engine.methods import ar, speculative
+from vvs_engine.runner import StaticCall, batch_bucket, get_runner, pad_conditions
+from vvs_engine.sampling import SamplingParams, make_generator
+
+GPU = torch.cuda.is_available()
+NO_GPU = "no CUDA device: CUDA-graph replay is exercised by benchmarks/gpu_suite.sh on a GPU machine"
+DEVICES = ["cpu"] + (["cuda"] if GPU else [])
+
+
+def _engine(device, **kw):
+    e = tiny_engine(**kw)
+    if device != "cpu":
+        e.to(device, torch.float32)  # fp32 on the GPU too: identical tokens need no near-ties
+    return e
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def eng(request):
+    return _engine(request.param, vocab=64, block=36, peak=8.0)
+
+
+def _ar_tokens(e, labels, params, seed, use_graphs):
+    with torch.inference_mode():
+        cond, km = e.condition_rows(labels, None, params.use_cfg)
+        s = e.session(cond, km, len(labels), params)
+        return ar.generate(s, params, make_generator(seed, e.device), use_graphs=use_graphs)
+
+
+PARAMS = [SamplingParams(1.0, 0, 1.0, 4.0), SamplingParams(0.0, 0, 1.0, 1.0), SamplingParams(1.0, 8, 0.9, 2.0)]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["sample-cfg", "greedy-nocfg", "topk-topp"])
+@pytest.mark.parametrize("labels", [[2], [0, 3, 4]], ids=["n1", "n3"])
+def test_ar_static_path_equals_plain_loop(eng, params, labels):
+    plain = _ar_tokens(eng, labels, params, 5, False).tokens
+    graphed = _ar_tokens(eng, labels, params, 5, True)
+    assert torch.equal(plain, graphed.tokens)
+    assert graphed.stats["cuda_graphs"] == (eng.device.type == "cuda")
+    # The runner is cached: a second call reuses its session (and graphs) and still agrees.
+    again = _ar_tokens(eng, labels, params, 5, True).tokens
+    assert torch.equal(plain, again)
+
+
+def test_ar_padded_bucket_equals_plain_loop_on_padded_batch(eng):
+    """9 images run in the 12-image bucket: the first 9 rows equal the plain loop on the padded batch."""
+    params = SamplingParams(1.0, 0, 1.0, 4.0)
+    labels = [i % 5 for i in range(9)]
+    assert batch_bucket(9) == 12
+    graphed = _ar_tokens(eng, labels, params, 3, True).tokens
+    with torch.inference_mode():
+        cond, km = eng.condition_rows(labels, None, True)
+        cond, km = pad_conditions(cond, km, 9, 12, True)
+        s = eng.session(cond, km, 12, params)
+        plain = ar.generate(s, params, make_generator(3, eng.device)).tokens
+    assert graphed.shape == (9, eng.tokens_per_image)
+    assert torch.equal(graphed, plain[:9])
+
+
+def test_pad_conditions_layout():
+    cond = torch.tensor([10, 11, 99, 99])  # two images with CFG: [cond; uncond]
+    padded, _ = pad_conditions(cond, None, 2, 4, True)
+    assert padded.tolist() == [10, 11, 10, 10, 99, 99, 99, 99]
+
+
+def test_static_call_aliases_outputs_and_restores_generator():
+    """Outputs are static buffers overwritten by the next call; a borrowed generator advances exactly
+    as if the function had drawn from it directly."""
+    gen = torch.Generator().manual_seed(0)
+    own = torch.Generator()
+    call = StaticCall("noise", lambda x: x + torch.rand(3, generator=own), [torch.zeros(3)], use_graph=False, gen=own)
+    ref = torch.Generator().manual_seed(0)
+    a = call(torch.ones(3), gen=gen)
+    a_val = a.clone()
+    expect_a = 1 + torch.rand(3, generator=ref)
+    b = call(torch.full((3,), 2.0), gen=gen)
+    expect_b = 2 + torch.rand(3, generator=ref)
+    assert a is b  # one static output buffer
+    assert torch.equal(a_val, expect_a) and torch.equal(b, expect_b)
+    assert torch.equal(gen.get_state(), ref.get_state())
+
+
+# --- the speculative loop through the runner ----------------------------------------------------
+def _loop_shapes(opts):
+    """N, Cmax, Dmax exactly as LoopState computes them."""
+    spec = opts.tree_spec()
+    N = spec.max_nodes
+    if spec.kind == "dynamic":
+        Dmax = spec.depth + 1
+    elif spec.kind == "chain":
+        Dmax = spec.depth
+    else:
+        from vvs_engine.tree import STATIC_TREES, static_layout
+
+        Dmax = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
+    return N, Dmax + 1, Dmax
+
+
+@contextlib.contextmanager
+def graphed_loop(monkeypatch, engine, method, method_opts, made):
+    """Emulate the lead's integration in LoopState.__init__ (see docs/gpu.md): the target and draft
+    sessions come from a cached GraphRunner, with graphs for the verify widths, both drafter extend
+    widths and the tree build."""
+    from vvs_engine.methods import get_method
+
+    _, opts = get_method(method, engine, dict(method_opts))
+    for default in ("accept", "tree"):  # the method fills these in before LoopState sees them
+        if getattr(opts, default) is None:
+            setattr(opts, default, {"accept": "lantern" if method in ("lantern", "vvs") else "exact",
+                                    "tree": "dynamic"}[default])
+    N, Cmax, Dmax = _loop_shapes(opts)
+
+    def target_session(model, cond, n, use_cfg, key_mask, extra_slots=0):
+        params = made["params"]
+        r = get_runner(model, cond, n, use_cfg, key_mask, params, use_graphs=True, extra_slots=extra_slots,
+                       drafter=engine.drafter, tree_spec=opts.tree_spec(), target_q=(N, Cmax + N),
+                       extend_m=(Dmax, Dmax + 1))
+        made["runner"] = r
+        return r.session
+
+    def draft_session(drafter, rows, n_slots, params, spec):
+        return made["runner"].draft
+
+    monkeypatch.setattr(speculative, "TargetSession", target_session)
+    monkeypatch.setattr(speculative, "DraftSession", draft_session)
+    yield
+    monkeypatch.undo()
+
+
+SPEC_CASES = [
+    ("eagle", {}),
+    ("eagle", {"tree": "static"}),
+    ("eagle", {"tree": "chain", "tree_depth": 3}),
+    ("lantern", {"lantern_delta": 0.2}),
+    ("vvs", {"skip_interval": 2}),
+    ("vvs", {"skip_interval": 2, "feature_reuse": "repeat", "select": "confidence"}),
+]
+
+
+@pytest.mark.parametrize("method,opts", SPEC_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_speculative_through_runner_equals_plain_loop(eng, monkeypatch, method, opts, temperature):
+    kw = dict(class_labels=[0, 3], temperature=temperature, cfg_scale=3.0, seed=11, decode_images=False,
+              method=method, **opts)
+    plain = eng.generate(**kw)
+    made = {"params": SamplingParams(temperature, 0, 1.0, 3.0)}
+    with graphed_loop(monkeypatch, eng, method, opts, made):
+        graphed = eng.generate(**kw)
+        graphed2 = eng.generate(**kw)  # the cached runner's sessions are reused image after image
+    assert torch.equal(plain.tokens, graphed.tokens)
+    assert torch.equal(plain.tokens, graphed2.tokens)
+    for k in ("verified_steps", "skip_steps", "mean_accepted_length"):
+        assert plain.stats[k] == graphed.stats[k]
+    used = made["runner"].stats()
+    assert "build" in used and any(k.startswith("verify_q") for k in used)
+    if method == "vvs":
+        assert plain.stats["skip_steps"] > 0
+        assert any(k.startswith("extend_m") for k in used)
+
+
+# --- GPU only -------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not GPU, reason=NO_GPU)
+
+
+def _print_skip_reason():
+    if not GPU:
+        print(f"\n[test_runner] GPU tests skipped: {NO_GPU}")
+
+
+_print_skip_reason()
+
+
+@gpu
+def test_gpu_graphs_were_captured(monkeypatch):
+    e = _engine("cuda", vocab=64, block=36, peak=8.0)
+    made = {"params": SamplingParams(1.0, 0, 1.0, 3.0)}
+    with graphed_loop(monkeypatch, e, "vvs", {"skip_interval": 2}, made):
+        e.generate(class_labels=[1], temperature=1.0, cfg_scale=3.0, method="vvs", skip_interval=2,
+                   decode_images=False)
+    st = made["runner"].stats()
+    assert all(v["graph"] for v in st.values()), st
+    assert st["build"]["replays"] > 0
+
+
+@gpu
+@pytest.mark.parametrize("peak,delta", [(0.05, 0.0), (50.0, 1.0)], ids=["zero-accept", "full-accept"])
+def test_gpu_replay_equals_eager_at_acceptance_extremes(monkeypatch, peak, delta):
+    """Near-flat distributions with exact acceptance reject almost every draft; LANTERN with delta 1
+    accepts every draft. Graph replay must give the plain loop's tokens in both regimes."""
+    e = _engine("cuda", vocab=64, block=36, peak=peak, seed=1)
+    kw = dict(class_labels=[0, 4], temperature=1.0, cfg_scale=3.0, seed=2, decode_images=False,
+              method="lantern", lantern_delta=delta)
+    plain = e.generate(**kw)
+    made = {"params": SamplingParams(1.0, 0, 1.0, 3.0)}
+    with graphed_loop(monkeypatch, e, "lantern", {"lantern_delta": delta}, made):
+        graphed = e.generate(**kw)
+    assert torch.equal(plain.tokens, graphed.tokens)
+    mal = plain.stats["mean_accepted_length"]
+    assert (mal < 1.5) if delta == 0.0 else (mal > 3.0), mal
+
+
+@gpu
+def test_gpu_ar_steady_state_never_syncs():
+    e = _engine("cuda", vocab=64, block=36, peak=8.0)
+    params = SamplingParams(1.0, 0, 1.0, 4.0)
+    _ar_tokens(e, [1], params, 0, True)  # capture (capture itself synchronises)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            cond, km = e.condition_rows([1], None, True)
+            r = get_runner(e.gpt, cond, 1, True, km, params, use_graphs=True)
+            first = torch.zeros(1, dtype=torch.long, device="cuda")
+            r.session.prefill()
+            tokens = r.ar_decode(first, make_generator(0, "cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert tokens.shape == (1, e.tokens_per_image)
+
+
+@gpu
+def test_gpu_speculative_steady_state_never_syncs(monkeypatch):
+    """Verify/skip rounds after capture: every graph replay and the eager glue between them run under
+    sync-debug 'error'. The committed-count read is one round late (LateRead: event + pinned copy),
+    which is not a synchronising call."""
+    e = _engine("cuda", vocab=64, block=36, peak=8.0)
+    kw = dict(class_labels=[1], temperature=1.0, cfg_scale=3.0, seed=0, decode_images=False, method="vvs",
+              skip_interval=2)
+    made = {"params": SamplingParams(1.0, 0, 1.0, 3.0)}
+    with graphed_loop(monkeypatch, e, "vvs", {"skip_interval": 2}, made):
+        e.generate(**kw)  # capture everything
+        torch.cuda.synchronize()
+        orig_round = speculative.verify_round
+
+        def strict(*a, **k):  # only the steady-state rounds run under the sync check
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return orig_round(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+        monkeypatch.setattr(speculative, "verify_round", strict)
+        orig_skip = speculative.skip_round
+
+        def strict_skip(*a, **k):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return orig_skip(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+        monkeypatch.setattr(speculative, "skip_round", strict_skip)
+        e.generate(**kw)
