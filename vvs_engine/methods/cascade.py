@@ -1,0 +1,51 @@
+"""CASCADE (arXiv 2605.07230): the shared speculative loop with CASCADE's relaxed acceptance
+(:mod:`vvs_engine.cascade_rule`) on an EAGLE-1 static tree.
+
+Defaults are the reconstruction's LlamaGen values (shared/reference/cascade.md §4): static tree
+``naive_extend_57`` (57 nodes, depth 5), τ_b 0.9 on the drafter's next-token distributions, τ_d 0.625
+on the target's logits at parent and child, KL gate κ 4.0. Every SpecOptions option applies too
+(``skip_policy`` for VVS skipping, ``tree dynamic`` with a target source, ...).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..cascade_rule import check_options
+from . import register
+from .speculative import SpecOptions, run
+
+
+@dataclass
+class CascadeOptions(SpecOptions):
+    cascade_breadth_threshold: float = 0.9  # τ_b: cosine of next-token predictions within a level
+    cascade_depth_threshold: float = 0.625  # τ_d: cosine of the target's state at parent and child
+    cascade_gate: str = "kl"  # kl | entropy | nucleus | none: target-uncertainty gate of the depth term
+    cascade_source: str = "drafter"  # drafter | target-logits | target-hidden: breadth predictions
+    cascade_kappa: float = 4.0  # κ (nats) of the kl and entropy gates
+    cascade_depth_source: str = "logits"  # logits | hidden: target state compared by the depth term
+    cascade_nucleus: float = 0.8  # mass of the nucleus gate
+
+    def rule_kwargs(self) -> dict:
+        return dict(breadth_threshold=self.cascade_breadth_threshold, depth_threshold=self.cascade_depth_threshold,
+                    gate=self.cascade_gate, source=self.cascade_source, kappa=self.cascade_kappa,
+                    depth_source=self.cascade_depth_source, nucleus=self.cascade_nucleus)
+
+    def validate(self):
+        check_options(**self.rule_kwargs(), flag=lambda n: "cascade-" + n.replace("_", "-"))
+        if self.tree == "dynamic" and self.cascade_source == "drafter" and self.accept in (None, "cascade"):
+            from ..errors import VVSError
+
+            raise VVSError("cascade-source drafter needs a static tree (dynamic trees keep no per-node drafter "
+                           "distributions); use --cascade-source target-logits or target-hidden")
+        return super().validate()
+
+
+@register("cascade", CascadeOptions)
+def run_cascade(engine, cond, key_mask, n, params, gen, opts: CascadeOptions, progress):
+    accept = opts.accept or "cascade"
+    rule_options = dict(opts.rule_options)
+    if accept == "cascade":  # other rules do not take CASCADE's options
+        rule_options = {**opts.rule_kwargs(), **rule_options}
+    opts = dataclasses.replace(opts, accept=accept, tree=opts.tree or "static", rule_options=rule_options)
+    return run(engine, cond, key_mask, n, params, gen, opts, progress)
