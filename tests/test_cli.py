@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from vvs_engine import Engine, VVSError
 from vvs_engine.checkpoint import save_safetensors
 from vvs_engine.cli import METHOD_FLAGS, main, method_options, build_parser
-from vvs_engine.models.gpt import GPT, GPTConfig, gpt_config
+from vvs_engine.models.gpt import GPT, GPTConfig
 from vvs_engine.models.vq import VQConfig, VQModel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -368,3 +368,17 @@ def test_ci_script_extracts_the_readme_command(tmp_path):
                        cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == readme_quick_start_commands()[1]
+
+
+@pytest.mark.parametrize("exit_code, expect_rc, message", [(5, 1, "no tests"), (0, 0, None), (3, 3, None)])
+def test_ci_script_exit_codes(tmp_path, exit_code, expect_rc, message):
+    """.ci/run propagates the test command's exit code, except pytest's 5 (nothing collected): a failure."""
+    (tmp_path / ".ci").mkdir()
+    (tmp_path / ".ci" / "run").write_text(open(os.path.join(REPO, ".ci", "run")).read())
+    (tmp_path / "README.md").write_text(
+        "# x\n\n## Quick start\n\n```bash\necho main job\n"
+        f"python -c 'import sys; sys.exit({exit_code})'\n```\n\n## Next\n")
+    r = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == expect_rc, r.stderr
+    if message:
+        assert message in r.stderr

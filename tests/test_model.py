@@ -4,12 +4,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from vvs_engine import Engine
 from vvs_engine.masks import causal_local
 from vvs_engine.models.gpt import GPT, GPTConfig, apply_rope, gpt_config, rope_table_2d
-from vvs_engine.sampling import SamplingParams
 from vvs_engine.target import TargetSession
 
 

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import sys
-import time
 from typing import List, Optional, Sequence
 
 from .errors import VVSError
@@ -187,8 +186,6 @@ def method_options(args) -> dict:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
     from .engine import Engine, resolve_device, resolve_dtype
     from .sampling import SamplingParams
 
@@ -242,7 +239,6 @@ def _require_default_model() -> None:
 
 
 def profiled(fn, trace_path: str, device: str):
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]

@@ -8,7 +8,7 @@ condition prefix then ends with the caption's last token, right before image tok
 from __future__ import annotations
 
 import os
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 
