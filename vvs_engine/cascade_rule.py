@@ -133,8 +133,9 @@ class CascadeRule(AcceptanceRule):
         self.depth_source, self.nucleus = depth_source, float(nucleus)
         # A cosine (clamped to [-1, 1]) can never exceed a threshold >= 1: such a term is off.
         self.breadth_on, self.depth_on = self.tau_b < 1.0, self.tau_d < 1.0
-        self._key = None  # (tree, p) of the cached per-tree terms
+        self._key = None  # (tree, p, logits, hidden) of the cached per-tree terms
         self._terms = None
+        self.counters = None  # set to {} to count, on the device, how often each term acts (benchmarks)
 
     # --- per-tree terms ---------------------------------------------------------------------------
     def _breadth_vectors(self, ctx):
@@ -176,7 +177,11 @@ class CascadeRule(AcceptanceRule):
         return torch.where(fire, s_d, torch.zeros_like(s_d)).reshape(N)
 
     def _tree_terms(self, ctx):
-        if self._key is not None and self._key[0] is ctx.tree and self._key[1] is ctx.p:
+        # verify_tree calls the rule once per sibling rank with the same tree and target outputs; the
+        # per-tree terms are computed at the first call. The key is object identity: every round makes
+        # a new p (and logits), even where a graph runner hands back one static tree object.
+        key = (ctx.tree, ctx.p, ctx.logits, ctx.hidden)
+        if self._key is not None and all(a is b for a, b in zip(self._key, key)):
             return self._terms
         tree = ctx.tree
         N = tree.tokens.shape[0]
@@ -185,7 +190,7 @@ class CascadeRule(AcceptanceRule):
             vec, has = self._breadth_vectors(ctx)
             S = similarity_sets(vec, tree.depth, has, self.tau_b)
         depth_credit = self._depth_credit(ctx) if self.depth_on else torch.zeros(N, device=ctx.p.device)
-        self._key, self._terms = (tree, ctx.p), (S, depth_credit)
+        self._key, self._terms = key, (S, depth_credit)
         return self._terms
 
     # --- the rule ---------------------------------------------------------------------------------
@@ -205,7 +210,22 @@ class CascadeRule(AcceptanceRule):
         if ctx is None:  # a chain check without a tree (VVS post-verification): nothing to relax against
             return u * qx < px, None
         A, moved = self.credit(r, x, ctx)
-        return u * qx < px + u * A, moved
+        ok = u * qx < px + u * A
+        if self.counters is not None:
+            self._count(ctx, ok, u * qx < px, A, ctx.child)
+        return ok, moved
+
+    def _count(self, ctx, ok, ok_exact, A, child):
+        """Device-side tallies over tested (parent, child) pairs: tested, accepted, accepted only thanks
+        to the relaxation, pairs with a non-empty S(x), pairs whose depth term fired."""
+        S, depth_credit = self._terms
+        v = ctx.valid
+        tallies = dict(tested=v, accepted=v & ok, relaxed_only=v & ok & ~ok_exact,
+                       depth_fired=v & (depth_credit[child] != 0))
+        if S is not None:
+            tallies["breadth_set"] = v & S[child].any(-1)
+        for k, t in tallies.items():
+            self.counters[k] = self.counters.get(k, 0) + t.sum()
 
     def residual(self, r, q, x, moved):
         # The unrelaxed EAGLE residual: credited tokens keep their mass (the spec's reconstruction).
