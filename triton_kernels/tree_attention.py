@@ -22,7 +22,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _online_softmax_step(scores, v_tile, m_i, l_i, acc):
+def _online_softmax_step(scores, v_tile, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores [BQ, BN] (masked = -inf) and its values [BN, BD] into the running
     (max, sum, accumulator). ``m_i`` starts at a finite -1e30 so fully masked tiles give exp2(-inf) = 0
     instead of NaN."""
@@ -30,7 +30,8 @@ def _online_softmax_step(scores, v_tile, m_i, l_i, acc):
     alpha = tl.exp2(m_i - m_new)
     prob = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(prob, 1)
-    acc = acc * alpha[:, None] + tl.dot(prob.to(v_tile.dtype), v_tile, out_dtype=tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(prob.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION,
+                                        out_dtype=tl.float32)
     return m_new, l_i, acc
 
 
@@ -83,7 +84,7 @@ def _tree_attention_kernel(
             v_tile = v_tile.to(tl.float32)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION, out_dtype=tl.float32) * qk_scale_log2
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(scores, v_tile, m_i, l_i, acc)
+        m_i, l_i, acc = _online_softmax_step(scores, v_tile, m_i, l_i, acc, DOT_PRECISION)
 
     # Stage 2: the local block in slots [P, P + Q), under the Q x Q visibility mask.
     for start in range(0, n_queries, BLOCK_N):
@@ -101,7 +102,7 @@ def _tree_attention_kernel(
             v_tile = v_tile.to(tl.float32)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION, out_dtype=tl.float32) * qk_scale_log2
         scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(scores, v_tile, m_i, l_i, acc)
+        m_i, l_i, acc = _online_softmax_step(scores, v_tile, m_i, l_i, acc, DOT_PRECISION)
 
     # A query that sees nothing gets 0/0 = NaN, like SDPA with an all-False mask row.
     out = acc / l_i[:, None]
