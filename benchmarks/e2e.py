@@ -1,0 +1,17 @@
+"""End-to-end benchmark (methods x settings, latency per image, TPF, speed-up over our AR baseline,
+trace replay on large random-weight models). A thin wrapper over ``vvs_engine.bench`` (the same as
+``vvs-engine bench``); see that module for the flags:
+
+    python benchmarks/e2e.py --quick                                   # CPU smoke run, < 60 s
+    python benchmarks/e2e.py --record benchmarks/results/trace_zoo.json  # Zoo model, records a trace
+    python benchmarks/e2e.py --replay benchmarks/results/trace_zoo.json --replay-models GPT-XL,GPT-7B
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from vvs_engine.bench import main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
