@@ -109,3 +109,15 @@ def test_cuda_ops_capture_in_a_cuda_graph(C):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(meta[1].cpu(), R.tree_meta(parents.cpu(), 6)[1])
+
+
+def test_default_dispatch_on_cuda_prefers_compiled_kernels(C, monkeypatch):
+    from vvs_engine.kernels import backends
+
+    monkeypatch.delenv(backends.ENV, raising=False)
+    chosen = backends.describe("cuda")
+    for op in backends.CUDA_OPS:
+        assert chosen[op] == "cuda", op
+    if backends.triton_module() is not None:
+        for op in backends.TRITON_OPS:
+            assert chosen[op] == "triton", op
