@@ -21,7 +21,7 @@ from .reference import local_visibility  # noqa: F401
 
 __all__ = [
     "tree_attention", "local_visibility", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
-    "accept_walk", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe",
+    "accept_walk", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
 ]
 
 
