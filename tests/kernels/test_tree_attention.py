@@ -92,3 +92,8 @@ def test_tree_attention_fuzz(triton_kernels, B, H, Q, D, P, extra, key_valid, se
     if key_valid and P > 0:
         case[5][:, 0] = True  # keep at least one prefix key per row so no query sees nothing
     check(triton_kernels, case, torch.float32)
+
+
+def test_tree_attention_more_queries_than_one_block(triton_kernels, device):
+    # Q > 128 spreads the queries over several programs per (b, h); each streams the prefix itself.
+    check(triton_kernels, make_case(1, 1, 133, 160, 16, 20, torch.float32, device, seed=5), torch.float32, block_n=64)
