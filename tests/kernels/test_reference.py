@@ -153,3 +153,23 @@ def test_draft_topk_ties_go_to_lower_index():
 def test_draft_topk_rejects_zero_temperature():
     with pytest.raises(ValueError, match="temperature"):
         R.draft_topk(torch.zeros(1, 4), 1.0, 0.0, 0, 1.0, 1)
+
+
+@FAST
+@given(n=st.integers(1, 30), max_depth=st.integers(1, 6), seed=st.integers(0, 2**31))
+def test_sibling_links_from_children_table(n, max_depth, seed):
+    from vvs_engine.tree import children_table
+
+    gen = torch.Generator().manual_seed(seed)
+    parents = O.random_tree(n, max_depth, gen)
+    fc, ns = R.sibling_links(children_table(parents, n))
+    # children_table lists children in index order: compare with sibling lists in that order.
+    want_fc = [-1] * n
+    want_ns = [-1] * n
+    for node in range(n):
+        kids = [i for i in range(n) if int(parents[i]) == node]
+        if kids:
+            want_fc[node] = kids[0]
+        for a, b in zip(kids, kids[1:]):
+            want_ns[a] = b
+    assert fc.tolist() == want_fc and ns.tolist() == want_ns

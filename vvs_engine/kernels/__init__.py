@@ -17,10 +17,10 @@ import torch
 
 from . import ops, reference
 from .backends import ENV, BACKENDS, choose, describe  # noqa: F401
-from .reference import local_visibility  # noqa: F401
+from .reference import local_visibility, sibling_links  # noqa: F401
 
 __all__ = [
-    "tree_attention", "local_visibility", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
+    "tree_attention", "local_visibility", "sibling_links", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
     "accept_walk", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
 ]
 

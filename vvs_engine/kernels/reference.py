@@ -197,3 +197,17 @@ def accept_walk(accepted: torch.Tensor, first_child: torch.Tensor, next_sibling:
     n_accepted = (path[1:] >= 0).sum().reshape(1)
     last = path.index_select(0, n_accepted)
     return path, n_accepted, last
+
+
+def sibling_links(children: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[N, C]`` children table (row i = children of node i in sibling order, -1 padded; the
+    layout of ``vvs_engine.tree.children_table``) -> ``(first_child [N], next_sibling [N])`` int64,
+    the linked-list form ``accept_walk`` takes. Vectorised, no host sync."""
+    N, C = children.shape
+    first_child = children[:, 0].clone() if C > 0 else torch.full((N,), -1, dtype=torch.long, device=children.device)
+    following = torch.cat([children[:, 1:], torch.full((N, 1), -1, dtype=children.dtype, device=children.device)], 1)
+    # Scatter "the entry after me" to every listed child; padding goes to a spill slot at index N.
+    slot = torch.where(children >= 0, children, torch.full_like(children, N))
+    next_sibling = torch.full((N + 1,), -1, dtype=torch.long, device=children.device)
+    next_sibling.scatter_(0, slot.reshape(-1), following.reshape(-1).long())
+    return first_child.long(), next_sibling[:N]
