@@ -146,7 +146,7 @@ class Stats:
             "jacobi_rounds": self.rounds,
             "jacobi_window": self.window,
             # committed tokens per forward (accepted drafts + the residual/bonus token)
-            "mean_accepted_length": float(acc.float().mean() + 1) if acc.numel() else 0.0,
+            "mean_accepted_length": float(acc.double().mean() + 1) if acc.numel() else 0.0,
             "accepted_drafts_histogram": hist,  # index k: rounds that accepted exactly k drafts
             "acceptance_rate_by_depth": by_pos,  # P(at least d drafts accepted)
             "accepted_drafts_carried": carried,
