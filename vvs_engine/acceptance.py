@@ -184,16 +184,12 @@ def _walk(accepted_child: torch.Tensor, children: torch.Tensor, max_depth: int):
     order, a loop over depth only, device ops, no host sync)."""
     from . import kernels
 
-    N, C = children.shape
-    dev = children.device
-    accepted = torch.zeros(N + 1, dtype=torch.bool, device=dev)
+    N = children.shape[0]
+    accepted = torch.zeros(N + 1, dtype=torch.bool, device=children.device)
     has = accepted_child >= 0
     accepted.scatter_(0, torch.where(has, accepted_child, torch.full_like(accepted_child, N)), has)
-    next_sibling = torch.full((N + 1,), -1, dtype=torch.long, device=dev)
-    src, nxt = children[:, :-1].reshape(-1), children[:, 1:].reshape(-1)
-    next_sibling.scatter_(0, torch.where(src >= 0, src, torch.full_like(src, N)), nxt)
-    path, n, last = kernels.accept_walk(accepted[:N], children[:, 0].contiguous(), next_sibling[:N], max_depth)
-    return path, n, last
+    first_child, next_sibling = kernels.sibling_links(children)
+    return kernels.accept_walk(accepted[:N], first_child, next_sibling, max_depth)
 
 
 def make_rule(name: str, engine=None, lantern_k: int = 1000, lantern_delta: float = 0.2,

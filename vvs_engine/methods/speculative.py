@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from ..acceptance import make_rule, verify_tree
+from ..kernels import gather_rows, scatter_rows_
 from ..drafting import DraftSession, TreeSpec
 from ..errors import VVSError
 from ..profiling import nvtx_range
@@ -257,7 +258,7 @@ def skip_round(L: LoopState, o: SpecOptions, gen, st: Stats) -> None:
         fidx = (L.P_t - a + L.ar(Dmax)).clamp(min=0)
     else:
         fidx = (L.P_t - 1).expand(Dmax)
-    hd = L.ds.extend(L.feats[:, fidx], drafted, L.P_d)
+    hd = L.ds.extend(gather_rows(L.feats, fidx), drafted, L.P_d)
     h_root = hd.index_select(1, a - 1)[:, 0]
     L.P_d = L.P_d + a
     L.tree = L.ds.build(tree.tokens[path[a]], h_root, L.P_d, gen)
@@ -301,9 +302,9 @@ def verify_round(L: LoopState, o: SpecOptions, params, rule, gen, engine, st: St
         node = off + path.clamp(min=0)
         dst = L.P_t + a + L.ar(Dmax + 1)
         s.kv.move(L.P_t + node, dst)  # accepted path -> contiguous slots after the chain
-        if L.pending is not None:
-            L.feats[:, (L.P_t + L.ar(Cmax)).clamp(max=s.S - 1)] = H[:, :Cmax]
-        L.feats[:, dst.clamp(max=s.S - 1)] = H[:, node]
+        if L.pending is not None:  # the skipped chain's fresh features replace nothing: they are new
+            scatter_rows_(L.feats, (L.P_t + L.ar(Cmax)).clamp(max=s.S - 1), H[:, :Cmax])
+        scatter_rows_(L.feats, dst.clamp(max=s.S - 1), gather_rows(H, node))
         L.out.index_copy_(0, L.n_out + L.ar(Dmax), tree.tokens[path[1:].clamp(min=0)])
         L.out.index_copy_(0, L.n_out + n_acc, res.next_token)
         L.n_out = L.n_out + n_acc + 1
@@ -372,7 +373,7 @@ def _rollback(L: LoopState, H, logits, params, gen, drafted, a, k, rule) -> None
     start = L.n_out - A + k  # out index of drafted[k]; later skipped tokens are dropped
     L.out.index_copy_(0, start, tok)
     L.n_out = start + 1
-    L.feats[:, L.P_t + L.ar(keep)] = H[:, :keep]
+    scatter_rows_(L.feats, L.P_t + L.ar(keep), H[:, :keep])
     L.P_t = L.P_t + keep
     hd = L.ds.extend(H[:, k:k + 1], tok, L.P_t - 1)  # pair (fresh f at chain position k, tok)
     L.P_d = L.P_t.clone()
