@@ -49,16 +49,21 @@ def settings_label(opts: dict) -> str:
     return " ".join(f"{k.replace('_', '-')}={v}" for k, v in opts.items()) or "defaults"
 
 
-def run_jacobi_rows(engine, labels, seed, settings=None, include_ar=False, return_tokens=False,
+def run_jacobi_rows(engine, labels, seed, settings=None, include_ar=False, return_tokens=False, warmup=False,
                     **sampling) -> list:
     """One row per (method, options) of ``settings`` (default :data:`SETTINGS`). ``sampling``:
     temperature, top_k, top_p, cfg_scale (the engine's defaults otherwise). ``return_tokens`` adds the
-    generated tokens [n, T] (for quality metrics) to each row."""
+    generated tokens [n, T] (for quality metrics) to each row; ``warmup`` first decodes one image
+    untimed per setting (allocator and kernel caches on a GPU)."""
     labels = list(labels)
     rows = []
     ar_wall = None
     runs = ([("ar", {})] if include_ar else []) + list(settings or SETTINGS)
     for method, opts in runs:
+        if warmup:
+            engine.generate(class_labels=labels[:1], method=method, seed=seed, decode_images=False, **sampling, **opts)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = engine.generate(class_labels=labels, method=method, seed=seed, decode_images=False, **sampling, **opts)
         wall = time.perf_counter() - t0

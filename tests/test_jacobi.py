@@ -275,11 +275,32 @@ def test_cli_option_names_reach_the_methods(eng):
 
 
 # --- the grouped rule inside the drafter-based methods ----------------------------------------------
-def test_accept_gsd_group_of_one_is_exact_in_eagle(eng):
-    kw = dict(class_labels=LABELS[:2], temperature=1.0, cfg_scale=3.0, seed=4, decode_images=False)
+@pytest.mark.parametrize("tree", ["dynamic", "static"])  # deterministic drafts / drafts sampled from q
+def test_accept_gsd_group_of_one_is_exact_in_eagle(eng, tree):
+    kw = dict(class_labels=LABELS[:2], temperature=1.0, cfg_scale=3.0, seed=4, decode_images=False, tree=tree)
     a = eng.generate(method="eagle", **kw)
     b = eng.generate(method="eagle", accept="gsd", rule_options={"gsd_group": 1}, **kw)
     assert torch.equal(a.tokens, b.tokens)
+
+
+def test_tree_draft_distribution_drops_rejected_siblings():
+    """Sampled trees: the q the grouped rule sums over is the parent's draft distribution without the
+    siblings already rejected this round, renormalised (what verify_tree divides by)."""
+    from types import SimpleNamespace
+
+    from vvs_engine.gsd_rule import _draft_distribution
+
+    V = 10
+    q0 = torch.softmax(torch.arange(V, dtype=torch.float32), 0)
+    tree = SimpleNamespace(sampled=True, q=torch.stack([q0, q0, q0, q0]), tokens=torch.tensor([0, 5, 7, 9]),
+                           children=torch.tensor([[1, 2, 3], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1]]))
+    ctx = SimpleNamespace(tree=tree, parent=torch.tensor([0]), child=torch.tensor([3]))
+    x = torch.tensor([9])
+    want = q0.clone()
+    want[[5, 7]] = 0
+    want /= want.sum()
+    got = _draft_distribution(None, x, want[9:10], ctx)
+    assert torch.allclose(got[0], want)
 
 
 @pytest.mark.parametrize("method,opts", [
