@@ -184,9 +184,10 @@ def make_grouped_rule(engine, gsd_group: int = DEFAULT_GROUP, gsd_prob_threshold
     return GroupedRule(gsd_group, gsd_prob_threshold, gsd_dist_threshold, codebook, neighbors)
 
 
-def _static_neighbors(codebook: torch.Tensor, k: int) -> torch.Tensor:
+def _static_neighbors(codebook: torch.Tensor, k: int, chunk: int = 2048) -> torch.Tensor:
     """[V, k] nearest other codes of every token in the unit codebook space; -1 for tokens without
-    a code and for missing neighbours."""
+    a code and for missing neighbours. Rows in chunks: a full V x V distance matrix is 1 GiB at
+    LlamaGen's 16384 codes."""
     V = codebook.shape[0]
     has_code = ~codebook.isnan().any(-1)
     k_eff = min(k, max(int(has_code.sum()) - 1, 0))
@@ -194,10 +195,12 @@ def _static_neighbors(codebook: torch.Tensor, k: int) -> torch.Tensor:
     if k_eff == 0:
         return out
     cb = torch.nan_to_num(codebook)
-    d = torch.cdist(cb, cb)
-    d[:, ~has_code] = float("inf")
-    d.fill_diagonal_(float("inf"))
-    out[:, :k_eff] = d.topk(k_eff, dim=1, largest=False).indices
+    for start in range(0, V, chunk):
+        rows = torch.arange(start, min(start + chunk, V), device=cb.device)
+        d = torch.cdist(cb[rows], cb)
+        d[:, ~has_code] = float("inf")
+        d[torch.arange(len(rows), device=cb.device), rows] = float("inf")  # not its own neighbour
+        out[rows, :k_eff] = d.topk(k_eff, dim=1, largest=False).indices
     return torch.where(has_code[:, None], out, torch.full_like(out, -1))
 
 
