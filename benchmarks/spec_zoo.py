@@ -94,9 +94,14 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--temperature", type=float, default=None)
+    ap.add_argument("--shard", default="1/1", help="i/n: run every n-th row starting at i (AR always runs,"
+                    " so each shard has its own same-run AR baseline); merge the shards with --merge")
+    ap.add_argument("--merge", nargs="+", default=None, help="merge shard JSON files into one table")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "spec_zoo"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "vvs_pareto.png"))
     a = ap.parse_args(argv)
+    if a.merge:
+        return merge(a.merge, a.out, a.plot)
     eng = Engine.load(device=a.device, dtype=a.dtype)
     from vvs_engine import zoo
 
@@ -114,6 +119,8 @@ def main(argv=None):
         rows_spec += groups[g]
     if a.quick:
         rows_spec = CORE_ROWS[:2] + [r for r in VVS_ROWS if r[0] == "VVS-U i=2 fill"] + CORE_ROWS[3:4]
+    i, n = (int(x) for x in a.shard.split("/"))
+    rows_spec = [r for k, r in enumerate(rows_spec) if r[1] == "ar" or k % n == i - 1]
     results = []
     for name, method, opts in rows_spec:
         print(f"[spec_zoo] {name} ...", flush=True)
@@ -138,6 +145,29 @@ def main(argv=None):
     print(md)
     if a.plot and not a.quick:
         plot(results, a.plot)
+
+
+def merge(files, out, plot_path):
+    """Shards -> one table; each row keeps the speed-up against its own shard's AR run."""
+    meta, rows, seen = None, [], set()
+    for f in files:
+        with open(f) as fh:
+            d = json.load(fh)
+        meta = meta or d["meta"]
+        for r in d["rows"]:
+            if r["name"] in seen:
+                continue
+            seen.add(r["name"])
+            rows.append(r)
+    meta["command"] = meta["command"] + f"  (merged from {len(files)} shards run side by side)"
+    with open(out + ".json", "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=2)
+    md = to_markdown(meta, rows)
+    with open(out + ".md", "w") as fh:
+        fh.write(md)
+    print(md)
+    if plot_path:
+        plot(rows, plot_path)
 
 
 def _fmt(v, nd=3):
