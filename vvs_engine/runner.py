@@ -8,9 +8,9 @@ Design (nano-vllm / SGLang style):
 
 * :class:`StaticCall` wraps a function whose inputs live in *static buffers*. A call copies the new
   inputs into those buffers and replays the graph; the outputs are static buffers too, valid until
-  the same call runs again. Capture happens lazily at the first call, with the real inputs, after
-  two warm-up runs on a side stream (cuBLAS/Triton autotuning and allocator caching must not happen
-  inside the capture). Warm-up changes nothing observable: the input buffers and the random-number
+  the same call runs again (they are allocated outside the graph pool; see ``_capture``). Capture
+  happens lazily at the first call, with the real inputs, after two warm-up runs on a side stream
+  (cuBLAS/Triton autotuning and allocator caching must not happen inside the capture). Warm-up changes nothing observable: the input buffers and the random-number
   generator are restored afterwards, and the functions captured here are idempotent in every other
   state they touch (KV writes go to slots the same call overwrites before reading).
 * Off CUDA (or with ``use_graphs=False``) exactly the same static-buffer code runs eagerly, outputs
@@ -19,7 +19,7 @@ Design (nano-vllm / SGLang style):
 * :class:`GraphRunner` owns *persistent* sessions (target KV cache, drafter KV cache): a captured
   graph is bound to the addresses of the caches it reads and writes, so the caches must outlive one
   image. Runners are cached per (model, batch bucket, CFG, condition-mask, sampling, tree) and reused
-  across ``generate`` calls; all their graphs share one memory pool (``graph_pool_handle``).
+  across ``generate`` calls. All graphs of all runners share one memory pool (``graph_pool_handle``).
 * Graphs: (1) the whole plain-AR step (forward, logits, CFG, processing, sampling, state advance);
   (2) target verification, one graph per verify width: ``N`` (no pending chain) and ``Cmax + N`` (a
   skipped chain pending post-verification; the chain part is already padded to ``Cmax`` with masked
@@ -48,6 +48,17 @@ from .target import TargetSession
 
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 WARMUP_RUNS = 2
+
+
+_POOL = None
+
+
+def shared_pool():
+    """The one CUDA-graph memory pool every captured graph allocates its intermediates from."""
+    global _POOL
+    if _POOL is None:
+        _POOL = torch.cuda.graph_pool_handle()
+    return _POOL
 
 
 def graphs_default(device) -> bool:
@@ -124,15 +135,21 @@ class StaticCall:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):  # autotuning, workspace and allocator caching happen here
-                self.fn(*self.inputs)
+                out = self.fn(*self.inputs)
                 for b, s in zip(self.inputs, saved):
                     b.copy_(s)
         torch.cuda.current_stream().wait_stream(side)
+        # Static outputs live OUTSIDE the shared pool and the graph copies its results into them.
+        # Then everything a graph allocates from the pool is dead when its replay ends, so graphs
+        # sharing the pool can be replayed in any order (the tree built by one graph survives the
+        # next verify graph's replay).
+        self.outputs = _clone_tree(out)
+        del out
         graph = torch.cuda.CUDAGraph()
         if self.gen is not None:
             graph.register_generator_state(self.gen)  # graph-safe Philox: seed/offset read at replay
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs = self.fn(*self.inputs)
+            _copy_tree_(self.outputs, self.fn(*self.inputs))
         for b, s in zip(self.inputs, saved):
             b.copy_(s)
         if rng is not None:
@@ -149,7 +166,7 @@ class GraphRunner:
         self.session = TargetSession(model, cond, n_images, use_cfg, key_mask, extra_slots)
         self.device, self.params = self.session.device, params
         self.use_graphs = use_graphs and self.device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # one pool, all graphs
+        self.pool = shared_pool() if self.use_graphs else None
         self.gen = torch.Generator(device=self.device)
         self.calls = {}
         self._eager_forward = self.session.forward
