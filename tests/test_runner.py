@@ -223,17 +223,19 @@ def test_gpu_ar_steady_state_never_syncs():
     e = _engine("cuda", vocab=64, block=36, peak=8.0)
     params = SamplingParams(1.0, 0, 1.0, 4.0)
     _ar_tokens(e, [1], params, 0, True)  # capture (capture itself synchronises)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.inference_mode():
-            cond, km = e.condition_rows([1], None, True)
-            r = get_runner(e.gpt, cond, 1, True, km, params, use_graphs=True)
-            first = torch.zeros(1, dtype=torch.long, device="cuda")
-            r.session.prefill()
-            tokens = r.ar_decode(first, make_generator(0, "cuda"))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    with torch.inference_mode():
+        # Setup outside the check: building the condition rows copies from host memory (a sync).
+        cond, km = e.condition_rows([1], None, True)
+        r = get_runner(e.gpt, cond, 1, True, km, params, use_graphs=True)
+        gen = make_generator(0, "cuda")
+        r.session.prefill()
+        first = torch.zeros(1, dtype=torch.long, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tokens = r.ar_decode(first, gen)  # T - 1 replays, no host sync allowed
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     assert tokens.shape == (1, e.tokens_per_image)
 
 

@@ -160,6 +160,13 @@ def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> d
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale,
               decode_images=args.decode_images and engine.vq is not None, **graphs_kwargs(engine, args.graphs), **opts)
     engine.generate(class_labels=[label_of(0)], seed=10_000, **kw)  # warm-up: graph capture, autotuning
+    if args.torch_trace:  # one extra, untimed generation under torch.profiler (Chrome trace)
+        from .profiling import torch_trace
+
+        os.makedirs(args.torch_trace, exist_ok=True)
+        name = "".join(c if c.isalnum() or c in "-_=." else "_" for c in setting.label)
+        with torch_trace(os.path.join(args.torch_trace, f"{name}.json")):
+            engine.generate(class_labels=[label_of(0)], seed=10_001, **kw)
     lat, stats = [], []
     for r in range(args.repeats):
         _sync(engine.device)
@@ -385,6 +392,8 @@ def parse_args(argv):
     p.add_argument("--out", default=RESULTS, help=f"output folder (default {RESULTS})")
     p.add_argument("--tag", default=None, help="file name tag (default: mode and device)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--torch-trace", default=None, metavar="DIR",
+                   help="also write one torch.profiler Chrome trace per setting here (untimed run)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     a = p.parse_args(argv)
     if a.repeats < 1:
