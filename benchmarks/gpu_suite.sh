@@ -7,8 +7,8 @@
 # Steps (each under its own time limit, at most ~8.5 minutes in all, usually less; it always leaves
 # its logs; a step that fails or times out is recorded and the suite goes on):
 #   1. build + install the package with its CUDA extension (sm_90a only, for build time)
-#   2. GPU tests: kernels, runner (graph replay == eager, incl. zero-/full-accept rounds; sync-debug
-#      "error" over steady-state AR and speculative rounds), speculative core
+#   2. GPU tests: runner (graph replay == eager, incl. zero-/full-accept rounds; sync-debug "error"
+#      over steady-state AR and speculative rounds), then the kernel tests
 #   3. kernel microbenchmarks (benchmarks/kernels/bench_*.py; --quick shapes unless FULL_KERNELS=1)
 #   4. plain-AR step, LlamaGen-XL shape, bf16, CFG batch 2: the eager step (benchmarks/ar_decode.py)
 #      and the CUDA-graph step (GraphRunner.ar_decode); target <= 0.6 ms per step
@@ -48,8 +48,8 @@ python -c "import vvs_engine.kernels as k; print(k.describe())" >> "$LOG" 2>&1 |
 
 PT_TIMEOUT=""
 python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT="--timeout=80"
-step tests 90 python -m pytest -q -rs -p no:cacheprovider $PT_TIMEOUT \
-  tests/kernels tests/test_runner.py tests/test_speculative.py
+# The runner tests first (graph replay == eager, sync-debug); CPU-only suites are CI's job.
+step tests 100 python -m pytest -q -rs -p no:cacheprovider $PT_TIMEOUT tests/test_runner.py tests/kernels
 
 KFLAG=--quick; [ "${FULL_KERNELS:-0}" = 1 ] && KFLAG=
 for b in benchmarks/kernels/bench_*.py; do

@@ -57,6 +57,18 @@ def test_ar_static_path_equals_plain_loop(eng, params, labels):
     assert torch.equal(plain, again)
 
 
+def test_ar_runner_leaves_the_callers_generator_where_the_plain_loop_does(eng):
+    params = SamplingParams(1.0, 0, 1.0, 4.0)
+    states = []
+    for use_graphs in (False, True):
+        gen = make_generator(9, eng.device)
+        with torch.inference_mode():
+            cond, km = eng.condition_rows([1, 2], None, True)
+            ar.generate(eng.session(cond, km, 2, params), params, gen, use_graphs=use_graphs)
+        states.append(gen.get_state())
+    assert torch.equal(states[0], states[1])
+
+
 def test_ar_padded_bucket_equals_plain_loop_on_padded_batch(eng):
     """9 images run in the 12-image bucket: the first 9 rows equal the plain loop on the padded batch."""
     params = SamplingParams(1.0, 0, 1.0, 4.0)

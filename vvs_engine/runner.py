@@ -171,14 +171,14 @@ class GraphRunner:
         self.calls = {}
         self._eager_forward = self.session.forward
         if target_q:  # verification widths run through graphs; every other width stays eager
-            self.session.forward = self._forward
+            self.session.forward = self.verify
         self.target_q = set(target_q)
         self.draft = None
         if drafter is not None:
             self.draft = DraftSession(drafter, self.session.rows, self.session.S, params, tree_spec)
             self._eager_extend, self._eager_build = self.draft.extend, self.draft.build
             self.extend_m = set(extend_m)
-            self.draft.extend, self.draft.build = self._extend, self._build
+            self.draft.extend, self.draft.build = self.draft_extend, self.draft_build
 
     # --- per image / per batch ----------------------------------------------------------------------
     def reset(self, cond, key_mask=None) -> TargetSession:
@@ -221,12 +221,16 @@ class GraphRunner:
         tok.copy_(first)
         pos.fill_(s.c)
         out[:, 0] = first
+        self.gen.set_state(gen.get_state())  # hand the caller's stream in once for the whole loop
         for _ in range(s.T - 1):
-            step(gen=gen)
+            step()
+        gen.set_state(self.gen.get_state())
         return out.clone()
 
     # --- (2) target verification --------------------------------------------------------------------
-    def _forward(self, tokens, positions, prefix_len, local):
+    def verify(self, tokens, positions, prefix_len, local):
+        """``TargetSession.forward`` through the graph of this width (installed as the persistent
+        session's ``forward``); returns the static features [rows, Q, D]."""
         Q = tokens.shape[1]
         if Q not in self.target_q:
             return self._eager_forward(tokens, positions, prefix_len, local)
@@ -234,7 +238,9 @@ class GraphRunner:
         return call(tokens, positions, prefix_len, local)
 
     # --- (3) drafter extend: Dmax stale features (skip path), Dmax + 1 fresh ones (verify path) -----
-    def _extend(self, feats, tokens, start):
+    def draft_extend(self, feats, tokens, start):
+        """``DraftSession.extend`` through the graph of this width (installed on the persistent
+        draft session); returns the static drafter features [rows, M, D]."""
         M = tokens.shape[0]
         if M not in self.extend_m:
             return self._eager_extend(feats, tokens, start)
@@ -242,7 +248,9 @@ class GraphRunner:
         return call(feats, tokens, start)
 
     # --- (4) drafter tree expansion ------------------------------------------------------------------
-    def _build(self, root, h_root, P_d, gen):
+    def draft_build(self, root, h_root, P_d, gen):
+        """``DraftSession.build`` through its graph; returns the static DraftTree (valid until the
+        next build). Random draws come from ``gen``'s stream (handed in and out)."""
         call = self._call("build", lambda r, h, p: self._eager_build(r, h, p, self.gen),
                           (root.reshape(1), h_root, P_d), self.gen)
         return call(root.reshape(1), h_root, P_d, gen=gen)
