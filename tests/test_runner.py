@@ -284,3 +284,23 @@ def test_gpu_speculative_steady_state_never_syncs(monkeypatch):
 
         monkeypatch.setattr(speculative, "skip_round", strict_skip)
         e.generate(**kw)
+
+
+@pytest.mark.skipif(GPU, reason="needs a machine where capture fails (no CUDA)")
+def test_failed_capture_falls_back_to_eager_and_leaves_no_trace():
+    """On the CPU a capture cannot even start: the call must warn, run eagerly with the same result,
+    and leave its inputs and the generator as they were before the attempt."""
+    own = torch.Generator().manual_seed(1)
+    state = torch.zeros(2)
+
+    def bump(x):
+        x.add_(1)  # in-place state, like the AR step
+        return x + torch.rand(2, generator=own)
+
+    call = StaticCall("bump", bump, [state], use_graph=True, gen=own)
+    ref_gen = torch.Generator().manual_seed(1)
+    with pytest.warns(UserWarning, match="capture of 'bump' failed"):
+        out = call()
+    assert call.capture_error is not None and call.graph is None and not call.use_graph
+    assert torch.equal(state, torch.ones(2))  # exactly one eager run took effect
+    assert torch.equal(out, torch.ones(2) + torch.rand(2, generator=ref_gen))

@@ -36,6 +36,7 @@ Design (nano-vllm / SGLang style):
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -105,6 +106,7 @@ class StaticCall:
         self.graph = None
         self.outputs = None
         self.replays = 0
+        self.capture_error = None
 
     def __call__(self, *args, gen: Optional[torch.Generator] = None):
         for buf, a in zip(self.inputs, args):
@@ -113,9 +115,13 @@ class StaticCall:
         borrowed = gen is not None and self.gen is not None and gen is not self.gen
         if borrowed:  # draw from the caller's random stream (host-side state: no sync)
             self.gen.set_state(gen.get_state())
-        if self.use_graph:
-            if self.graph is None:
+        if self.use_graph and self.graph is None:
+            try:
                 self._capture()
+            except Exception as e:  # an op that cannot be captured: keep working, eagerly, and say so
+                warnings.warn(f"CUDA-graph capture of '{self.name}' failed; it runs eagerly: {e}")
+                self.use_graph, self.capture_error, self.outputs = False, f"{type(e).__name__}: {e}", None
+        if self.use_graph:
             self.graph.replay()
             self.replays += 1
         else:
@@ -131,30 +137,32 @@ class StaticCall:
     def _capture(self) -> None:
         saved = [b.clone() for b in self.inputs]
         rng = self.gen.get_state() if self.gen is not None else None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):  # autotuning, workspace and allocator caching happen here
-                out = self.fn(*self.inputs)
-                for b, s in zip(self.inputs, saved):
-                    b.copy_(s)
-        torch.cuda.current_stream().wait_stream(side)
-        # Static outputs live OUTSIDE the shared pool and the graph copies its results into them.
-        # Then everything a graph allocates from the pool is dead when its replay ends, so graphs
-        # sharing the pool can be replayed in any order (the tree built by one graph survives the
-        # next verify graph's replay).
-        self.outputs = _clone_tree(out)
-        del out
-        graph = torch.cuda.CUDAGraph()
-        if self.gen is not None:
-            graph.register_generator_state(self.gen)  # graph-safe Philox: seed/offset read at replay
-        with torch.cuda.graph(graph, pool=self.pool):
-            _copy_tree_(self.outputs, self.fn(*self.inputs))
-        for b, s in zip(self.inputs, saved):
-            b.copy_(s)
-        if rng is not None:
-            self.gen.set_state(rng)
-        self.graph = graph
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):  # autotuning, workspace and allocator caching happen here
+                    out = self.fn(*self.inputs)
+                    for b, s in zip(self.inputs, saved):
+                        b.copy_(s)
+            torch.cuda.current_stream().wait_stream(side)
+            # Static outputs live OUTSIDE the shared pool and the graph copies its results into them.
+            # Then everything a graph allocates from the pool is dead when its replay ends, so graphs
+            # sharing the pool can be replayed in any order (the tree built by one graph survives the
+            # next verify graph's replay).
+            self.outputs = _clone_tree(out)
+            del out
+            graph = torch.cuda.CUDAGraph()
+            if self.gen is not None:
+                graph.register_generator_state(self.gen)  # graph-safe Philox: seed/offset read at replay
+            with torch.cuda.graph(graph, pool=self.pool):
+                _copy_tree_(self.outputs, self.fn(*self.inputs))
+            self.graph = graph
+        finally:  # warm-up and capture leave no trace, whether capture worked or not
+            for b, s in zip(self.inputs, saved):
+                b.copy_(s)
+            if rng is not None:
+                self.gen.set_state(rng)
 
 
 class GraphRunner:
@@ -256,7 +264,8 @@ class GraphRunner:
         return call(root.reshape(1), h_root, P_d, gen=gen)
 
     def stats(self) -> dict:
-        return {name: {"graph": c.graph is not None, "replays": c.replays} for name, c in self.calls.items()}
+        return {name: {"graph": c.graph is not None, "replays": c.replays, "capture_error": c.capture_error}
+                for name, c in self.calls.items()}
 
 
 # --- the runner cache -----------------------------------------------------------------------------
