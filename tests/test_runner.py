@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from spec_models import tiny_engine
-from vvs_engine import runner as runner_mod
 from vvs_engine.methods import ar, speculative
 from vvs_engine.runner import StaticCall, batch_bucket, get_runner, pad_conditions
 from vvs_engine.sampling import SamplingParams, make_generator
