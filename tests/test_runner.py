@@ -160,6 +160,7 @@ SPEC_CASES = [
     ("lantern", {"lantern_delta": 0.2}),
     ("vvs", {"skip_interval": 2}),
     ("vvs", {"skip_interval": 2, "feature_reuse": "repeat", "select": "confidence"}),
+    ("vvs", {"skip_interval": 2, "post_verify": "reject"}),  # rollbacks: eager widths between graphs
 ]
 
 
@@ -181,6 +182,8 @@ def test_speculative_through_runner_equals_plain_loop(eng, monkeypatch, method, 
     assert "build" in used and any(k.startswith("verify_q") for k in used)
     if method == "vvs":
         assert plain.stats["skip_steps"] > 0
+        if opts.get("post_verify") == "reject":
+            assert plain.stats["post_verify_rollbacks"] > 0
         assert any(k.startswith("extend_m") for k in used)
 
 
