@@ -200,6 +200,10 @@ def cmd_generate(args) -> int:
     SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
     device = str(resolve_device(pick_device(args.device)))
     resolve_dtype(args.dtype)
+    from .methods import method_names
+
+    if args.method not in method_names():
+        raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
     if args.gpt_ckpt is None:
         _require_default_model()
 
