@@ -83,6 +83,31 @@ def test_ar_padded_bucket_equals_plain_loop_on_padded_batch(eng):
     assert torch.equal(graphed, plain[:9])
 
 
+def test_ar_t2i_caption_masks_through_the_cached_runner():
+    """Text conditions with padded captions: the cached runner's session takes each call's key mask."""
+    from vvs_engine.models.gpt import GPT, GPTConfig
+    from vvs_engine.target import TargetSession
+
+    torch.manual_seed(0)
+    g = GPT(GPTConfig(dim=32, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, model_type="t2i",
+                      cls_token_num=6, caption_dim=12)).double().eval()
+    params = SamplingParams(1.0, 0, 1.0, 3.0)
+    emb = torch.randn(3, 6, 12, dtype=torch.float64)
+    cond = torch.cat([emb, g.cls_embedding.uncond_embedding.double()[None].expand_as(emb)])
+    results = []
+    for cut in (4, 2):
+        mask = torch.ones(3, 6, dtype=torch.bool)
+        mask[1, cut:] = False
+        km = torch.cat([mask, mask])
+        with torch.inference_mode():
+            plain = ar.generate(TargetSession(g, cond, 3, True, km), params, make_generator(1, "cpu")).tokens
+            graphed = ar.generate(TargetSession(g, cond, 3, True, km), params, make_generator(1, "cpu"),
+                                  use_graphs=True).tokens
+        assert torch.equal(plain, graphed)
+        results.append(plain)
+    assert not torch.equal(results[0], results[1])  # the mask mattered, and the runner followed it
+
+
 def test_pad_conditions_layout():
     cond = torch.tensor([10, 11, 99, 99])  # two images with CFG: [cond; uncond]
     padded, _ = pad_conditions(cond, None, 2, 4, True)

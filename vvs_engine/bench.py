@@ -179,7 +179,8 @@ def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> d
     tpf = statistics.median(s["tpf"] for s in stats)
     mal = statistics.median(s.get("mean_accepted_length", 1.0) or 1.0 for s in stats)
     row = {"setting": setting.label, "method": setting.method, "opts": opts,
-           "latency_s": statistics.median(lat), "latency_all_s": lat, "tpf": tpf, "mean_accepted_length": mal,
+           "latency_s": statistics.median(lat), "latency_all_s": lat,
+           "ms_per_token": statistics.median(lat) * 1e3 / engine.tokens_per_image, "tpf": tpf, "mean_accepted_length": mal,
            "verified_steps": statistics.median(s.get("verified_steps", s["target_forward_passes"]) for s in stats),
            "skip_steps": statistics.median(s.get("skip_steps", 0) for s in stats),
            "cuda_graphs": s0.get("cuda_graphs", kw.get("cuda_graphs", False)),
