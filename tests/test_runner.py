@@ -95,9 +95,9 @@ def test_ar_t2i_caption_masks_through_the_cached_runner():
     emb = torch.randn(3, 6, 12, dtype=torch.float64)
     cond = torch.cat([emb, g.cls_embedding.uncond_embedding.double()[None].expand_as(emb)])
     results = []
-    for cut in (4, 2):
+    for row, cut in ((0, 4), (1, 2)):
         mask = torch.ones(3, 6, dtype=torch.bool)
-        mask[1, cut:] = False
+        mask[row, cut:] = False
         km = torch.cat([mask, mask])
         with torch.inference_mode():
             plain = ar.generate(TargetSession(g, cond, 3, True, km), params, make_generator(1, "cpu")).tokens
