@@ -61,6 +61,7 @@ class Engine:
         p = next(gpt.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._codebook_cache = {}
+        self.cuda_graphs = False
 
     # --- loading ------------------------------------------------------------------------------
     @classmethod
@@ -107,6 +108,9 @@ class Engine:
             self.caption_encoder.to(device)
         self.device, self.dtype = device, dtype
         self._codebook_cache = {}
+        from .runner import clear_runners
+
+        clear_runners(self.gpt)
         return self
 
     # --- conditions ---------------------------------------------------------------------------
@@ -158,7 +162,7 @@ class Engine:
     def generate(self, class_labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
                  method: str = "ar", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
-                 **method_opts) -> GenerationOutput:
+                 cuda_graphs: Optional[bool] = None, **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt). Returns tokens, PIL images (when a tokenizer is
         loaded) and stats. ``method_opts`` are the method's options (see ``vvs_engine.methods``)."""
         from .methods import get_method
@@ -172,6 +176,10 @@ class Engine:
             raise VVSError("give class labels or prompts")
         n = len(labels) if labels is not None else len(prompts)
         gen = make_generator(seed, self.device)
+        from .runner import graphs_default
+
+        # CUDA graphs: on by default on CUDA; on the CPU the same static-buffer path runs eagerly.
+        self.cuda_graphs = graphs_default(self.device) if cuda_graphs is None else bool(cuda_graphs)
         t0 = time.perf_counter()
         with torch.inference_mode():
             cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg)
@@ -187,9 +195,13 @@ class Engine:
         stats["sampling"] = params.to_dict()
         stats["seed"] = seed
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
+        stats["cuda_graphs"] = self.cuda_graphs
         images = []
         if decode_images and self.vq is not None:
-            images = self.decode_images(tokens)
+            from .profiling import nvtx_range
+
+            with nvtx_range("vq_decode"):
+                images = self.decode_images(tokens)
         return GenerationOutput(tokens, labels, list(prompts) if prompts is not None else None, images, stats)
 
     def session(self, cond, key_mask, n, params, extra_slots=0) -> TargetSession:

@@ -169,9 +169,18 @@ class LoopState:
 
             self.Dmax = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
         self.Cmax = self.Dmax + 1  # a pending chain: old root + up to Dmax - 1 drafts (+ slack)
-        self.s = s = TargetSession(engine.gpt, cond, 1, params.use_cfg, key_mask,
-                                   extra_slots=2 * (self.N + self.Cmax) + 8)
-        self.ds = DraftSession(engine.drafter, s.rows, s.S, params, spec)
+        extra = 2 * (self.N + self.Cmax) + 8
+        if getattr(engine, "cuda_graphs", False):  # static buffers replayed as CUDA graphs
+            from ..runner import get_runner
+
+            r = get_runner(engine.gpt, cond, 1, params.use_cfg, key_mask, params, use_graphs=True,
+                           extra_slots=extra, drafter=engine.drafter, tree_spec=spec,
+                           target_q=(self.N, self.Cmax + self.N), extend_m=(self.Dmax, self.Dmax + 1))
+            self.s = s = r.session
+            self.ds = r.draft
+        else:
+            self.s = s = TargetSession(engine.gpt, cond, 1, params.use_cfg, key_mask, extra_slots=extra)
+            self.ds = DraftSession(engine.drafter, s.rows, s.S, params, spec)
         self.c, self.T, self.dev = s.c, s.T, dev
         with nvtx_range("prefill"):
             H0 = s.prefill()  # [rows, c, D]
