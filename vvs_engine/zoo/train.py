@@ -1,0 +1,424 @@
+"""Train the Zoo from scratch: VQ tokenizer -> (classifier) -> class-conditional GPT -> drafter.
+
+One entry point, :func:`train_all`, retrains everything with fixed seeds and writes
+
+    <out_dir>/zoo-vq.safetensors|json          tokenizer (fp32)
+    <out_dir>/zoo-classifier.safetensors|json  small CNN used by vvs_engine.eval (fp32)
+    <out_dir>/zoo-gpt.safetensors|json         target (weights stored in bf16 to keep the repo small)
+    <out_dir>/zoo-drafter.safetensors|json     EAGLE-style draft head (bf16), when vvs_engine.drafter exists
+    <out_dir>/train_report.json                timings, step counts, held-out figures
+
+Intermediate arrays (crops, codes, the drafter's training tokens) go to ``work_dir`` so a stage that
+crashed can be resumed (``resume=True`` skips stages whose outputs exist).
+
+All randomness comes from explicitly seeded generators (data crops, init, batches, class dropout), so
+the same seed, step counts and thread count give the same checkpoints on CPU; bf16 autocast on CPU
+is deterministic for a fixed thread count.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import save_safetensors
+from ..models.gpt import GPT, GPTConfig
+from ..models.vq import VQConfig, VQModel
+from . import data as zdata
+
+# The shipped configurations. 64x64 crops -> 16x16 = 256 tokens (LlamaGen's 256-px grid).
+IMAGE_SIZE = 64
+VQ_CONFIG = dict(codebook_size=1024, codebook_embed_dim=8, encoder_ch_mult=[1, 2, 2], decoder_ch_mult=[1, 2, 2],
+                 z_channels=64, base_channels=32, num_res_blocks=1)
+GPT_CONFIG = dict(dim=256, n_layer=6, n_head=8, multiple_of=64, vocab_size=1024, block_size=256,
+                  class_dropout_prob=0.1, model_type="c2i", cls_token_num=1)
+
+# Default schedule: sized so the whole run fits in about 1 h on 2 CPU cores shared with other jobs
+# (measured times in docs/zoo.md); a free machine or a GPU can afford more steps.
+DEFAULTS = dict(n_train_per_class=1000, n_encode_per_class=600, n_heldout_per_class=100,
+                vq_steps=650, vq_batch=16, vq_lr=2e-3,
+                cls_steps=600, cls_batch=64, cls_lr=2e-3,
+                gpt_steps=300, gpt_batch=32, gpt_lr=2e-3,
+                drafter_steps=200, drafter_batch=16, drafter_lr=1e-3)
+
+
+def _autocast(enabled: bool):
+    # bf16 autocast on CPU was ~1.3-1.5x faster per step than fp32 for both VQ and GPT here.
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def _lr_factor(step: int, steps: int, warmup: int, floor: float = 0.1) -> float:
+    """Linear warm-up, then cosine decay to ``floor`` of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def _bar(n: int, desc: str):
+    from tqdm import tqdm
+
+    # mininterval keeps background logs short; the one-line summaries carry the figures.
+    return tqdm(range(n), desc=desc, mininterval=15, dynamic_ncols=True, file=sys.stderr)
+
+
+def psnr(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-image PSNR in dB of images in [-1, 1] (peak-to-peak 2), after clamping x."""
+    mse = (x.clamp(-1, 1) - y).pow(2).flatten(1).mean(1)
+    return 10 * torch.log10(4.0 / mse.clamp_min(1e-10))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------------
+def train_vq(crops: np.ndarray, steps: int, batch: int, lr: float, seed: int, log: Callable = print,
+             config: Optional[dict] = None, amp: bool = True, reinit_every: int = 100) -> VQModel:
+    """Train the VQ tokenizer on uint8 crops [N, H, W, 3] with L1 + L2 reconstruction plus the codebook
+    and commitment losses (no GAN, no perceptual loss: no pretrained weights are available).
+
+    Dead-code re-initialisation: every ``reinit_every`` steps, codes unused since the last check are
+    moved onto randomly chosen encoder outputs of the current batch. A 1024-entry codebook on a tiny
+    dataset otherwise collapses to a few dozen live codes, which costs several dB of PSNR. It stops
+    for the last 20 % of steps so the final codebook settles."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    vq = VQModel(VQConfig(**(config or VQ_CONFIG))).train()
+    opt = torch.optim.Adam(vq.parameters(), lr=lr, betas=(0.9, 0.99))
+    K = vq.config.codebook_size
+    used = torch.zeros(K, dtype=torch.long)
+    n = crops.shape[0]
+    bar = _bar(steps, "train vq")
+    run = []
+    for step in bar:
+        for pg in opt.param_groups:
+            pg["lr"] = lr * _lr_factor(step, steps, warmup=50)
+        idx = torch.randint(0, n, (batch,), generator=g)
+        x = zdata.to_tensor(crops[idx.numpy()])
+        with _autocast(amp):
+            z = vq.quant_conv(vq.encoder(x))
+        zq, cb, cm, codes = vq.quantize(z.float())
+        with _autocast(amp):
+            rec = vq.decoder(vq.post_quant_conv(zq))
+        rec = rec.float()
+        rec_loss = F.l1_loss(rec, x) + F.mse_loss(rec, x)
+        loss = rec_loss + cb + cm
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        used += torch.bincount(codes.flatten(), minlength=K)
+        if reinit_every and (step + 1) % reinit_every == 0:
+            dead = (used == 0).nonzero().flatten()
+            if step < 0.8 * steps and len(dead):
+                with torch.no_grad():
+                    zf = F.normalize(z.detach().float().permute(0, 2, 3, 1).reshape(-1, z.shape[1]), dim=-1)
+                    pick = torch.randint(0, zf.shape[0], (len(dead),), generator=g)
+                    vq.quantize.embedding.weight[dead] = zf[pick] + 0.01 * torch.randn(len(dead), zf.shape[1],
+                                                                                       generator=g)
+            live = int((used > 0).sum())
+            run.append(float(psnr(rec.detach(), x).mean()))
+            bar.set_postfix(loss=f"{loss.item():.4f}", psnr=f"{run[-1]:.2f}", live=live, dead_reinit=len(dead))
+            used.zero_()
+    log(f"vq: {steps} steps, last train-batch PSNR {run[-1] if run else float('nan'):.2f} dB")
+    return vq.eval()
+
+
+@torch.no_grad()
+def encode_crops(vq: VQModel, crops: np.ndarray, batch: int = 128, desc: str = "encode") -> torch.Tensor:
+    out = []
+    for i in _bar((len(crops) + batch - 1) // batch, desc):
+        out.append(vq.encode(zdata.to_tensor(crops[i * batch:(i + 1) * batch])))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def decode_codes(vq: VQModel, codes: torch.Tensor, batch: int = 64) -> torch.Tensor:
+    return torch.cat([vq.decode(codes[i:i + batch]).float() for i in range(0, len(codes), batch)])
+
+
+# --------------------------------------------------------------------------------------------------
+# Classifier (for class accuracy and classifier-space Frechet distance)
+# --------------------------------------------------------------------------------------------------
+def train_classifier(images: torch.Tensor, labels: torch.Tensor, num_classes: int, steps: int, batch: int,
+                     lr: float, seed: int, log: Callable = print):
+    """``images`` float [N, 3, 64, 64] in [-1, 1] (real crops and their VQ reconstructions, so the
+    classifier judges content, not tokenizer artefacts). Augmentation: flips and small noise."""
+    from ..eval import SmallCNN
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    net = SmallCNN(num_classes).train()
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
+    n = images.shape[0]
+    for step in (bar := _bar(steps, "train classifier")):
+        for pg in opt.param_groups:
+            pg["lr"] = lr * _lr_factor(step, steps, warmup=50, floor=0.02)
+        idx = torch.randint(0, n, (batch,), generator=g)
+        x, y = images[idx], labels[idx]
+        flip = torch.rand(batch, generator=g) < 0.5
+        x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+        x = x + 0.03 * torch.randn(x.shape, generator=g)
+        loss = F.cross_entropy(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 100 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    return net.eval()
+
+
+@torch.no_grad()
+def classifier_accuracy(net, images: torch.Tensor, labels: torch.Tensor, batch: int = 256) -> float:
+    pred = torch.cat([net(images[i:i + batch]).argmax(-1) for i in range(0, len(images), batch)])
+    return float((pred == labels).float().mean())
+
+
+# --------------------------------------------------------------------------------------------------
+# Target GPT
+# --------------------------------------------------------------------------------------------------
+def train_gpt(tokens: torch.Tensor, labels: torch.Tensor, num_classes: int, steps: int, batch: int, lr: float,
+              seed: int, log: Callable = print, config: Optional[dict] = None, amp: bool = True) -> GPT:
+    """Teacher-forced next-token CE on VQ codes [N, 256] with class dropout (label -> null class with
+    probability ``class_dropout_prob``) so the model supports classifier-free guidance."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 3)
+    cfg = GPTConfig(**dict(config or GPT_CONFIG, num_classes=num_classes))
+    gpt = GPT(cfg).train()
+    decay = [p for n_, p in gpt.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n_, p in gpt.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95))
+    n = tokens.shape[0]
+    ema = None
+    for step in (bar := _bar(steps, "train gpt")):
+        for pg in opt.param_groups:
+            pg["lr"] = lr * _lr_factor(step, steps, warmup=min(100, steps // 10))
+        idx = torch.randint(0, n, (batch,), generator=g)
+        tok, lab = tokens[idx], labels[idx].clone()
+        drop = torch.rand(batch, generator=g) < cfg.class_dropout_prob
+        lab[drop] = cfg.num_classes
+        with _autocast(amp):
+            logits = gpt(lab, tok)
+        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), tok.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{ema:.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
+    log(f"gpt: {steps} steps, {gpt.num_params() / 1e6:.2f} M params, smoothed train loss {ema:.3f}")
+    return gpt.eval()
+
+
+@torch.no_grad()
+def gpt_loss(gpt: GPT, tokens: torch.Tensor, labels: torch.Tensor, batch: int = 64) -> float:
+    """Mean teacher-forced CE (nats/token) with the true labels, in fp32."""
+    tot, cnt = 0.0, 0
+    for i in range(0, len(tokens), batch):
+        lg = gpt(labels[i:i + batch], tokens[i:i + batch])
+        tot += float(F.cross_entropy(lg.reshape(-1, lg.shape[-1]), tokens[i:i + batch].reshape(-1), reduction="sum"))
+        cnt += tokens[i:i + batch].numel()
+    return tot / cnt
+
+
+# --------------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------------
+def save_model(model: torch.nn.Module, path: str, config: dict, kind: str, extra: dict, dtype=torch.float32):
+    """save_safetensors on a copy cast to ``dtype`` (bf16 halves the repository size of the big models;
+    loading copies into the fp32 model)."""
+    m = copy.deepcopy(model).to(dtype) if dtype != torch.float32 else model
+    save_safetensors(m, path, config, kind=kind, extra=dict(extra, weights_dtype=str(dtype).replace("torch.", "")))
+
+
+def _exists(out_dir, name):
+    return os.path.exists(os.path.join(out_dir, name + ".safetensors"))
+
+
+def train_all(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, data_root: Optional[str] = None,
+              resume: bool = False, log: Callable = print, threads: Optional[int] = None, **overrides) -> dict:
+    """Retrain the whole Zoo from scratch with fixed seeds. ``data_root``: an image folder (one
+    sub-folder per class) instead of the built-in photos. ``overrides``: any key of ``DEFAULTS``
+    (step counts, batch sizes, learning rates). Returns the training report (also written as
+    ``train_report.json``)."""
+    from ..checkpoint import load_into, read_state_dict
+
+    hp = dict(DEFAULTS)
+    unknown = set(overrides) - set(hp)
+    if unknown:
+        raise ValueError(f"unknown training options: {sorted(unknown)}")
+    hp.update(overrides)
+    if threads:
+        torch.set_num_threads(threads)
+    os.makedirs(out_dir, exist_ok=True)
+    if work_dir is None:  # never inside out_dir: that may be the package's checkpoints folder
+        cache = os.path.expanduser(os.environ.get("VVS_CACHE", "~/.cache/vvs_engine"))
+        work_dir = os.path.join(cache, "zoo_work", os.path.basename(os.path.abspath(out_dir)))
+    os.makedirs(work_dir, exist_ok=True)
+    report_path = os.path.join(out_dir, "train_report.json")
+    report = {}
+    if resume and os.path.exists(report_path):
+        with open(report_path) as f:
+            report = json.load(f)
+    report.update(seed=seed, hyperparameters=hp, threads=torch.get_num_threads(),
+                  torch=torch.__version__, data_root=data_root)
+
+    def save_report():
+        with open(report_path, "w") as f:
+            json.dump(report, f, indent=2)
+
+    t_all = time.perf_counter()
+    # ---- data ----
+    t0 = time.perf_counter()
+    if data_root:
+        sources, class_names = zdata.folder_sources(data_root)
+    else:
+        sources, class_names = zdata.photo_sources(), list(zdata.CLASS_NAMES)
+    nc = len(class_names)
+    tr_x, tr_y = zdata.make_crops(hp["n_train_per_class"], seed, "train", IMAGE_SIZE, sources)
+    ho_x, ho_y = zdata.make_crops(hp["n_heldout_per_class"], seed, "heldout", IMAGE_SIZE, sources)
+    report["data"] = dict(classes=class_names, n_train=len(tr_x), n_heldout=len(ho_x),
+                          n_target_train=hp["n_encode_per_class"] * nc,
+                          heldout="right-most 25% of each photo's width", seconds=time.perf_counter() - t0)
+    log(f"data: {nc} classes, {len(tr_x)} train crops, {len(ho_x)} held-out crops "
+        f"({report['data']['seconds']:.0f} s)")
+    tr_yt, ho_yt = torch.from_numpy(tr_y), torch.from_numpy(ho_y)
+    extra_common = dict(classes=class_names, image_size=IMAGE_SIZE, seed=seed)
+
+    # ---- tokenizer ----
+    vq_path = os.path.join(out_dir, "zoo-vq.safetensors")
+    if resume and _exists(out_dir, "zoo-vq"):
+        vq = VQModel(VQConfig(**VQ_CONFIG))
+        load_into(vq, read_state_dict(vq_path), "vq", optional=("quantize.codebook_used",))
+        vq.eval()
+        log("vq: resumed from " + vq_path)
+    else:
+        t0 = time.perf_counter()
+        vq = train_vq(tr_x, hp["vq_steps"], hp["vq_batch"], hp["vq_lr"], seed, log)
+        report["vq_seconds"] = time.perf_counter() - t0
+        save_model(vq, vq_path, vq.config.to_dict(), "vq", extra_common)
+        save_report()
+    n_enc = min(hp["n_encode_per_class"], hp["n_train_per_class"])
+    enc_idx = (np.arange(nc)[:, None] * hp["n_train_per_class"] + np.arange(n_enc)[None]).reshape(-1)
+    enc_y = tr_yt[torch.from_numpy(enc_idx)]
+    codes_path = os.path.join(work_dir, "codes.pt")
+    if resume and os.path.exists(codes_path):
+        c = torch.load(codes_path)
+        tr_codes, ho_codes = c["train"], c["heldout"]
+    else:
+        t0 = time.perf_counter()
+        # The target trains on the first n_encode_per_class crops of each class (a prefix of each
+        # class's crop stream, so it equals make_crops(n_encode_per_class)): encoding is slow on CPU.
+        tr_codes = encode_crops(vq, tr_x[enc_idx], desc="encode train")
+        ho_codes = encode_crops(vq, ho_x, desc="encode held-out")
+        torch.save({"train": tr_codes, "heldout": ho_codes, "train_labels": enc_y, "heldout_labels": ho_yt},
+                   codes_path)
+        report["encode_seconds"] = time.perf_counter() - t0
+    ho_img = zdata.to_tensor(ho_x)
+    ho_rec = decode_codes(vq, ho_codes)
+    report["vq_heldout_psnr"] = float(psnr(ho_rec, ho_img).mean())
+    report["vq_codebook_usage_train"] = int(torch.unique(tr_codes).numel())
+    log(f"vq: held-out PSNR {report['vq_heldout_psnr']:.2f} dB on {len(ho_x)} crops; "
+        f"{report['vq_codebook_usage_train']}/{vq.config.codebook_size} codes used on train crops")
+    save_report()
+
+    # ---- classifier (real crops + VQ reconstructions) ----
+    from ..eval import SmallCNN
+
+    cls_path = os.path.join(out_dir, "zoo-classifier.safetensors")
+    if resume and _exists(out_dir, "zoo-classifier"):
+        net = SmallCNN(nc)
+        load_into(net, read_state_dict(cls_path), "classifier")
+        net.eval()
+    else:
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(seed + 4)
+        sub = torch.randperm(len(tr_codes), generator=g)[: min(len(tr_codes), 150 * nc)]
+        rec = decode_codes(vq, tr_codes[sub])
+        imgs = torch.cat([zdata.to_tensor(tr_x), rec])
+        labs = torch.cat([tr_yt, enc_y[sub]])
+        net = train_classifier(imgs, labs, nc, hp["cls_steps"], hp["cls_batch"], hp["cls_lr"], seed, log)
+        report["classifier_seconds"] = time.perf_counter() - t0
+        del imgs, rec
+        save_model(net, cls_path, dict(num_classes=nc, width=net.width), "classifier", extra_common)
+    report["classifier_heldout_acc_real"] = classifier_accuracy(net, ho_img, ho_yt)
+    report["classifier_heldout_acc_recon"] = classifier_accuracy(net, ho_rec, ho_yt)
+    log(f"classifier: held-out accuracy {report['classifier_heldout_acc_real']:.3f} (real), "
+        f"{report['classifier_heldout_acc_recon']:.3f} (VQ reconstructions)")
+    save_report()
+
+    # ---- target ----
+    gpt_path = os.path.join(out_dir, "zoo-gpt.safetensors")
+    if resume and _exists(out_dir, "zoo-gpt"):
+        gpt = GPT(GPTConfig(**dict(GPT_CONFIG, num_classes=nc)))
+        load_into(gpt, read_state_dict(gpt_path), "gpt")
+        gpt.eval()
+    else:
+        t0 = time.perf_counter()
+        gpt = train_gpt(tr_codes, enc_y, nc, hp["gpt_steps"], hp["gpt_batch"], hp["gpt_lr"], seed, log)
+        report["gpt_seconds"] = time.perf_counter() - t0
+        # Round to the shipped bf16 weights before measuring, so the figures describe what ships.
+        gpt.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in gpt.state_dict().items()})
+        save_model(gpt, gpt_path, gpt.config.to_dict(), "gpt", extra_common, dtype=torch.bfloat16)
+    report["gpt_params"] = gpt.num_params()
+    report["gpt_heldout_loss"] = gpt_loss(gpt, ho_codes, ho_yt)
+    g = torch.Generator().manual_seed(seed + 5)
+    sub = torch.randperm(len(tr_codes), generator=g)[: len(ho_codes)]
+    report["gpt_train_loss"] = gpt_loss(gpt, tr_codes[sub], enc_y[sub])
+    log(f"gpt: held-out loss {report['gpt_heldout_loss']:.3f} nats/token "
+        f"(train subset {report['gpt_train_loss']:.3f}; uniform would be {math.log(1024):.3f})")
+    save_report()
+
+    # ---- drafter (last: needs the trained target) ----
+    tok_path = os.path.join(work_dir, "drafter_train_tokens.pt")
+    torch.save({"tokens": tr_codes, "labels": enc_y}, tok_path)
+    try:
+        from ..drafter import train_drafter
+    except ImportError:
+        train_drafter = None
+    if train_drafter is None:
+        log(f"drafter: vvs_engine.drafter.train_drafter not available; training tokens saved to {tok_path}")
+        report["drafter"] = "not trained (train_drafter missing)"
+    elif not (resume and _exists(out_dir, "zoo-drafter")):
+        t0 = time.perf_counter()
+        torch.manual_seed(seed)
+        dr = train_drafter(gpt, tr_codes, enc_y, steps=hp["drafter_steps"], batch_size=hp["drafter_batch"],
+                           lr=hp["drafter_lr"], seed=seed, log=log)
+        report["drafter_seconds"] = time.perf_counter() - t0
+        save_model(dr, os.path.join(out_dir, "zoo-drafter.safetensors"), dr.config.to_dict(), "drafter",
+                   extra_common, dtype=torch.bfloat16)
+    report["total_seconds"] = time.perf_counter() - t_all
+    save_report()
+    log(f"zoo: trained in {report['total_seconds'] / 60:.1f} min -> {out_dir}")
+    return report
+
+
+def main(argv=None):
+    """``python -m vvs_engine.zoo.train OUT_DIR [--seed S] [--resume] [--data DIR] [--threads N] [--key value]``"""
+    import argparse
+
+    p = argparse.ArgumentParser(description="Retrain the Zoo (tokenizer, classifier, target, drafter) from scratch")
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--data", default=None, help="image folder with one sub-folder per class")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--threads", type=int, default=None)
+    for k, v in DEFAULTS.items():
+        p.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
+    a = p.parse_args(argv)
+    over = {k: getattr(a, k) for k in DEFAULTS}
+    train_all(a.out_dir, seed=a.seed, work_dir=a.work_dir, data_root=a.data, resume=a.resume,
+              threads=a.threads, **over)
+
+
+if __name__ == "__main__":
+    main()
