@@ -128,7 +128,12 @@ def test_sampling_flags_and_seed(ckpts, tmp_path):
     assert main(contract_argv(ckpts, b, **common, **{"--seed": "5"})) == 0
     assert main(contract_argv(ckpts, c, **common, **{"--seed": "6", "--dtype": "bf16"})) == 0
     ta, tb = np.load(a / "tokens.npz")["tokens"], np.load(b / "tokens.npz")["tokens"]
-    np.testing.assert_array_equal(ta, tb)
+    np.testing.assert_array_equal(ta, tb)  # same seed, same tokens
+    import json
+
+    stats = json.load(open(c / "stats.json"))
+    assert stats["dtype"] == "bfloat16" and stats["seed"] == 6
+    assert stats["sampling"] == {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "cfg_scale": 4.0}
 
 
 def test_method_flags_only_set_ones_are_passed():
