@@ -30,7 +30,7 @@ from .errors import VVSError
 # default to None, meaning "not given": the method registry drops None so the method's own default
 # applies, and a method that does not take an option is only told about it when the user set it.
 METHOD_FLAGS = [
-    ("--accept", str, "acceptance rule: exact|greedy|lantern|lantern++ (default: the method's own)"),
+    ("--accept", str, "acceptance rule: exact|lantern|lantern++|gsd|cascade (default: the method's own)"),
     ("--lantern-k", int, "LANTERN: number of codebook neighbours k"),
     ("--lantern-delta", float, "LANTERN: total-variation bound delta"),
     ("--lantern-lambda", float, "LANTERN++: multiplicative cap lambda"),
