@@ -315,3 +315,18 @@ def test_accept_gsd_runs_in_drafter_methods(eng, method, opts):
     assert out.tokens.shape == (1, eng.tokens_per_image)
     assert out.stats["tpf"] >= 1.0
     assert make_rule("gsd", eng).name == "gsd"
+
+
+def test_benchmark_rows(eng):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "jacobi_zoo.py")
+    spec = importlib.util.spec_from_file_location("jacobi_zoo", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.run_jacobi_rows(eng, [0], 0, settings=[("sjd", {}), ("gsd", {"gsd_group": 4})], include_ar=True,
+                                 temperature=1.0, cfg_scale=3.0)
+    assert [r["method"] for r in rows] == ["ar", "sjd", "gsd"]
+    for r in rows:
+        assert r["tpf"] >= 1.0 and r["mean_accepted_length"] >= 1.0 and r["wall_s"] > 0 and "wall_ratio_vs_ar" in r

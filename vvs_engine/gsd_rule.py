@@ -24,9 +24,10 @@ Distances. The published code measures squared L2 in Lumina-mGPT's input-embeddi
 threshold 0.5; that number is tied to that table's scale. We measure in the VQ codebook space
 (``engine.codebook_vectors()``) after normalising every code to unit length (LlamaGen's tokenizer
 already does), so the squared distance ``|e_j - e_x|^2 = 2 - 2 cos(e_j, e_x)`` lies in [0, 4] for any
-tokenizer. Default 1.0 = codes at most 60 degrees apart. For random 8-d codes about 9% of pairs pass
-it (50% at 2.0, where the angle is 90 degrees), so it removes clearly unrelated codes and keeps the
-near ones, which is what the filter is for. ``inf`` switches the filter off (and needs no tokenizer).
+tokenizer. Default 1.0 = codes at most 60 degrees apart. On the Zoo tokenizer's trained 1024 x 8
+codebook 43% of all code pairs pass it (22% at 0.5, 74% at 2.0; a code's 14th nearest neighbour sits
+at 0.08), on random 8-d codes 9%: it drops clearly unrelated codes and keeps the near ones, which is
+what the filter is for. ``inf`` switches the filter off (and needs no tokenizer).
 
 Defaults: ``group = 14``, ``prob_threshold = 0.15`` (the released code's values; the paper's tables use
 ``group = 25`` on COCO and 50 on PartiPrompts).
