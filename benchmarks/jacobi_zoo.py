@@ -6,7 +6,8 @@
 :func:`run_jacobi_rows` decodes the same labels with the same seed under every setting of
 :data:`SETTINGS` and returns one row each: method, settings, TPF (image tokens per target forward,
 prefill excluded), mean accepted length (tokens committed per forward), forward passes, wall time and,
-with ``include_ar``, the wall-time ratio against plain AR on the same labels. The standalone run
+with ``include_ar``, the wall-time ratio against plain AR on the same labels, also decoded one image
+at a time. The standalone run
 prints a table and writes ``benchmarks/results/jacobi_zoo.json``.
 """
 from __future__ import annotations
@@ -65,9 +66,18 @@ def run_jacobi_rows(engine, labels, seed, settings=None, include_ar=False, retur
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = engine.generate(class_labels=labels, method=method, seed=seed, decode_images=False, **sampling, **opts)
+        if method == "ar":
+            # image by image, like the Jacobi and drafter loops (batch 1, both CFG rows): a batched
+            # AR baseline would compare different batch sizes
+            outs = [engine.generate(class_labels=[lab], method="ar", seed=seed + i, decode_images=False, **sampling)
+                    for i, lab in enumerate(labels)]
+            tokens = torch.cat([o.tokens for o in outs])
+            fwd = sum(o.stats["target_forward_passes"] for o in outs)
+            st = {"tpf": tokens.numel() / fwd, "target_forward_passes": fwd}
+        else:
+            out = engine.generate(class_labels=labels, method=method, seed=seed, decode_images=False, **sampling, **opts)
+            tokens, st = out.tokens, out.stats
         wall = time.perf_counter() - t0
-        st = out.stats
         row = {
             "method": method,
             "settings": settings_label(opts),
@@ -82,7 +92,7 @@ def run_jacobi_rows(engine, labels, seed, settings=None, include_ar=False, retur
         if ar_wall is not None:
             row["wall_ratio_vs_ar"] = ar_wall / wall
         if return_tokens:
-            row["tokens"] = out.tokens
+            row["tokens"] = tokens
         rows.append(row)
     return rows
 
@@ -106,6 +116,7 @@ def main(argv=None):
     p.add_argument("--cfg-scale", type=float, default=4.0)
     p.add_argument("--out", default=None, help="JSON file (default benchmarks/results/jacobi_zoo[_tiny].json)")
     p.add_argument("--only", default=None, help="comma-separated indices into SETTINGS (default all)")
+    p.add_argument("--warmup", action="store_true", help="one untimed image per setting first")
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if a.tiny:
@@ -121,7 +132,7 @@ def main(argv=None):
     if a.tiny:
         labels = [x % eng.config.num_classes for x in labels]
     settings = [SETTINGS[int(i)] for i in a.only.split(",")] if a.only else None
-    rows = run_jacobi_rows(eng, labels, a.seed, settings=settings, include_ar=True, temperature=a.temperature, top_k=a.top_k,
+    rows = run_jacobi_rows(eng, labels, a.seed, settings=settings, include_ar=True, warmup=a.warmup, temperature=a.temperature, top_k=a.top_k,
                            cfg_scale=a.cfg_scale)
     print(f"{'method':6} {'settings':48} {'TPF':>6} {'acc.len':>7} {'fwd':>6} {'wall s':>7} {'vs AR':>6}")
     for r in rows:
@@ -129,7 +140,7 @@ def main(argv=None):
               f"{r['target_forward_passes']:6d} {r['wall_s']:7.2f} {r.get('wall_ratio_vs_ar', float('nan')):6.2f}")
     path = a.out or os.path.join(RESULTS, "jacobi_zoo_tiny.json" if a.tiny else "jacobi_zoo.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    meta = {"model": "tiny-random" if a.tiny else "zoo", "labels": labels, "seed": a.seed,
+    meta = {"model": "tiny-random" if a.tiny else "zoo", "zoo_dir": a.zoo_dir, "labels": labels, "seed": a.seed,
             "sampling": {"temperature": a.temperature, "top_k": a.top_k, "cfg_scale": a.cfg_scale},
             "device": str(eng.device), "torch": torch.__version__, "platform": platform.platform()}
     with open(path, "w") as f:
