@@ -42,31 +42,38 @@ VVS_ROWS = [
 ] + [
     (f"VVS-D s={s} {pv}", "vvs", {"skip_policy": "dynamic", "skip_threshold": s, "post_verify": pv, "lantern_delta": 0.2})
     for s in (0.65, 0.7) for pv in ("fill", "reject")
-]
+] + [("VVS-D s=0.3 fill", "vvs", {"skip_policy": "dynamic", "skip_threshold": 0.3, "lantern_delta": 0.2})]
 
 
 def extra_rows():
-    """Rows contributed by the Jacobi and CASCADE modules, when present."""
-    rows = []
-    try:
-        from jacobi_zoo import ROWS as J  # noqa
-        rows += J
-    except Exception:
-        rows += [("SJD", "sjd", {}), ("GSD G=3", "gsd", {"gsd_group": 3}), ("GSD G=5", "gsd", {"gsd_group": 5})]
-    try:
-        from cascade_zoo import ROWS as C  # noqa
-        rows += C
-    except Exception:
-        rows += [("EAGLE-1 (static)", "eagle", {"tree": "static"}), ("CASCADE", "cascade", {})]
-    return rows
+    """Training-free Jacobi methods and CASCADE next to the paper baselines (EAGLE-1 static tree)."""
+    return [
+        ("SJD", "sjd", {}),
+        ("GSD G=3", "gsd", {"gsd_group": 3}),
+        ("GSD G=8", "gsd", {"gsd_group": 8}),
+        ("GSD G=14", "gsd", {"gsd_group": 14}),
+        ("EAGLE-1 (static, exact)", "eagle", {"tree": "static"}),
+        ("CASCADE (drafter)", "cascade", {"cascade_source": "drafter"}),
+        ("CASCADE (target-logits)", "cascade", {"cascade_source": "target-logits"}),
+        ("CASCADE (target-hidden)", "cascade", {"cascade_source": "target-hidden"}),
+    ]
 
 
-def run_row(eng, name, method, opts, labels, seed, sampling, inception, per_image_repeats=1):
+def run_row(eng, name, method, opts, labels, seed, sampling, inception, tokens_dir=None):
     from vvs_engine.errors import VVSError
 
     try:
         t0 = time.perf_counter()
-        out = eng.generate(class_labels=labels, method=method, seed=seed, **sampling, **opts)
+        if method == "ar":  # batch 1 per image, like the speculative methods (a fair latency ratio)
+            outs = [eng.generate(class_labels=[lab], method="ar", seed=seed + i, **sampling)
+                    for i, lab in enumerate(labels)]
+            out = outs[0]
+            out.tokens = torch.cat([o.tokens for o in outs])
+            out.images = [im for o in outs for im in o.images]
+            out.stats = dict(outs[0].stats, target_forward_passes=sum(o.stats["target_forward_passes"] for o in outs))
+            out.stats["tpf"] = len(labels) * eng.tokens_per_image / out.stats["target_forward_passes"]
+        else:
+            out = eng.generate(class_labels=labels, method=method, seed=seed, **sampling, **opts)
         wall = time.perf_counter() - t0
     except VVSError as e:
         return {"name": name, "method": method, "options": opts, "error": str(e)}
@@ -77,11 +84,29 @@ def run_row(eng, name, method, opts, labels, seed, sampling, inception, per_imag
            "wall_s_per_image": wall / len(labels), "skip_steps": st.get("skip_steps"),
            "acceptance_rate_by_depth": st.get("acceptance_rate_by_depth"),
            "time_split_s": st.get("time_split_s")}
+    if tokens_dir:  # keep the tokens so quality can be (re)computed without regenerating
+        import numpy as np
+
+        os.makedirs(tokens_dir, exist_ok=True)
+        row["tokens_file"] = os.path.join(tokens_dir, _slug(name) + ".npz")
+        np.savez_compressed(row["tokens_file"], tokens=out.tokens.numpy().astype("int16"), labels=np.array(labels))
+    try:
+        evaluate_row(row, out.images, labels, inception)
+    except Exception as e:  # e.g. the classifier is not there yet: --merge --reeval fills it in later
+        row["eval_error"] = str(e).splitlines()[0]
+    return row
+
+
+def evaluate_row(row, images, labels, inception):
     from vvs_engine.eval import evaluate_images
 
-    m = evaluate_images(out.images, labels, inception=inception, progress=None)
+    m = evaluate_images(images, labels, inception=inception, progress=None)
     row.update({k: m[k] for k in ("class_accuracy", "fd_classifier", "fid_inception", "precision", "recall") if k in m})
-    return row
+    row.pop("eval_error", None)
+
+
+def _slug(name):
+    return "".join(c if c.isalnum() else "_" for c in name)
 
 
 def main(argv=None):
@@ -97,12 +122,19 @@ def main(argv=None):
     ap.add_argument("--shard", default="1/1", help="i/n: run every n-th row starting at i (AR always runs,"
                     " so each shard has its own same-run AR baseline); merge the shards with --merge")
     ap.add_argument("--merge", nargs="+", default=None, help="merge shard JSON files into one table")
+    ap.add_argument("--reeval", action="store_true", help="with --merge: recompute quality from saved tokens")
+    ap.add_argument("--ckpt-dir", default=None, help="load zoo-{gpt,vq,drafter} from this folder")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "spec_zoo"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "vvs_pareto.png"))
     a = ap.parse_args(argv)
     if a.merge:
-        return merge(a.merge, a.out, a.plot)
-    eng = Engine.load(device=a.device, dtype=a.dtype)
+        return merge(a.merge, a.out, a.plot, a.reeval, not a.no_inception)
+    if a.ckpt_dir:
+        j = lambda n: os.path.join(a.ckpt_dir, n + ".safetensors")
+        eng = Engine.load(gpt_ckpt=j("zoo-gpt"), vq_ckpt=j("zoo-vq"), drafter=j("zoo-drafter"),
+                          device=a.device, dtype=a.dtype)
+    else:
+        eng = Engine.load(device=a.device, dtype=a.dtype)
     from vvs_engine import zoo
 
     defaults = zoo.sampling_defaults() if hasattr(zoo, "sampling_defaults") else {}
@@ -124,7 +156,7 @@ def main(argv=None):
     results = []
     for name, method, opts in rows_spec:
         print(f"[spec_zoo] {name} ...", flush=True)
-        r = run_row(eng, name, method, opts, labels, a.seed, sampling, not a.no_inception)
+        r = run_row(eng, name, method, opts, labels, a.seed, sampling, not a.no_inception, a.out + "_tokens")
         results.append(r)
         print(f"[spec_zoo] {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in r.items() if isinstance(v, float)), flush=True)
     ar = next((r for r in results if r["method"] == "ar" and "error" not in r), None)
@@ -147,8 +179,9 @@ def main(argv=None):
         plot(results, a.plot)
 
 
-def merge(files, out, plot_path):
-    """Shards -> one table; each row keeps the speed-up against its own shard's AR run."""
+def merge(files, out, plot_path, reeval=False, inception=True):
+    """Shards -> one table; each row keeps the speed-up against its own shard's AR run. With
+    ``reeval`` the quality metrics are recomputed from each row's saved tokens."""
     meta, rows, seen = None, [], set()
     for f in files:
         with open(f) as fh:
@@ -159,6 +192,15 @@ def merge(files, out, plot_path):
                 continue
             seen.add(r["name"])
             rows.append(r)
+    if reeval:
+        import numpy as np
+
+        eng = Engine.load()
+        for r in rows:
+            if "tokens_file" in r:
+                with np.load(r["tokens_file"]) as z:
+                    toks, labels = torch.as_tensor(z["tokens"].astype("int64")), [int(x) for x in z["labels"]]
+                evaluate_row(r, eng.decode_images(toks), labels, inception)
     meta["command"] = meta["command"] + f"  (merged from {len(files)} shards run side by side)"
     with open(out + ".json", "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=2)
