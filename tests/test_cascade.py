@@ -101,7 +101,7 @@ def test_breadth_credit_hand_computed():
     tree = _hand_tree()
     p = torch.tensor([[0.1, 0.2, 0.3, 0.4]] * 4)
     ctx = _ctx(tree, p)
-    rule = CascadeRule(breadth_threshold=0.9, depth_threshold=2.0)
+    rule = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=2.0)
     x, r = torch.tensor([1]), p[:1]
     A, moved = rule.credit(r, x, ctx)
     assert A.item() == pytest.approx(0.3)  # S(1) = {node 2}: p(token 2) is credited
@@ -114,8 +114,14 @@ def test_breadth_credit_hand_computed():
     assert _acceptance_rate(rule, r, x, torch.tensor([0.8]), ctx) == pytest.approx(0.4, abs=1e-3)
     assert acceptance_probability(0.2, 0.8, 0.3) == pytest.approx(0.4)
     # a threshold above the similarity: no set, the exact rule's min(1, p/q) = 0.25
-    strict = CascadeRule(breadth_threshold=0.999, depth_threshold=2.0)
+    strict = CascadeRule(source="drafter", breadth_threshold=0.999, depth_threshold=2.0)
     assert _acceptance_rate(strict, r, x, torch.tensor([0.8]), ctx) == pytest.approx(0.25, abs=1e-3)
+    # the nucleus gate also gates breadth: p = .1 .2 .3 .4 -> token 1 is inside the 0.8 nucleus
+    # (0.4 + 0.3 + 0.2 reaches it) but not inside the 0.5 one (0.4 + 0.3)
+    inside = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=2.0, gate="nucleus", nucleus=0.8)
+    assert inside.credit(r, x, ctx)[0].item() == pytest.approx(0.3)
+    outside = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=2.0, gate="nucleus", nucleus=0.5)
+    assert outside.credit(r, x, ctx)[0].item() == 0.0
     # the deepest level has no drafter prediction (zero q row): node 3 is in no set
     S = similarity_sets(tree.q, tree.depth, tree.q.sum(-1) > 0, 0.9)
     assert S.tolist() == [[False] * 4, [False, False, True, False], [False, True, False, False], [False] * 4]
@@ -139,7 +145,7 @@ def test_depth_credit_hand_computed():
     A2, _ = rule.credit(r, torch.tensor([2]), _ctx(tree, p, logits, child=2))
     assert A2.item() == 0.0
     # both terms: A = 0.7 + 0.3 >= q -> always accepted, even at u -> 1
-    both = CascadeRule(breadth_threshold=0.9, depth_threshold=0.625, gate="none")
+    both = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=0.625, gate="none")
     assert _acceptance_rate(both, r, x, torch.ones(1), ctx) == 1.0
     # tau_d above the cosine: nothing
     off = CascadeRule(breadth_threshold=2.0, depth_threshold=0.75, gate="none")
@@ -184,11 +190,11 @@ def test_greedy_breadth_and_unrelaxed_residual():
     tree = _hand_tree()
     onehot = torch.tensor([[0.0, 0.0, 1.0, 0.0]] * 4)  # the target's argmax is token 2
     ctx = _ctx(tree, onehot)
-    rule = CascadeRule(breadth_threshold=0.9, depth_threshold=2.0)
+    rule = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=2.0)
     x = torch.tensor([1])
     _, moved = rule.accept(onehot[:1], x, torch.ones(1), torch.tensor([0.5]), ctx)
     assert _greedy_ok(rule, onehot[:1], x, moved).item()  # token 2 is interchangeable with x
-    strict = CascadeRule(breadth_threshold=0.999, depth_threshold=2.0)
+    strict = CascadeRule(source="drafter", breadth_threshold=0.999, depth_threshold=2.0)
     _, moved = strict.accept(onehot[:1], x, torch.ones(1), torch.tensor([0.5]), ctx)
     assert not _greedy_ok(strict, onehot[:1], x, moved).item()
     # rejection keeps the credited tokens' mass: norm((r - q)+) exactly as EAGLE
@@ -258,7 +264,8 @@ def test_weighted_drafter_training_runs():
     dict(cascade_breadth_threshold="high"), dict(cascade_breadth_threshold=float("nan")),
     dict(cascade_depth_threshold=-2.0), dict(cascade_gate="maybe"), dict(cascade_source="oracle"),
     dict(cascade_kappa=-1.0), dict(cascade_kappa=float("inf")), dict(cascade_nucleus=0.0),
-    dict(cascade_depth_source="attention"), dict(tree="dynamic"),  # drafter source needs a static tree
+    dict(cascade_depth_source="attention"),
+    dict(tree="dynamic", cascade_source="drafter"),  # the drafter source needs a static tree
     dict(cascade_bogus=1),
 ])
 def test_bad_options_are_one_line_errors(eng, bad):
@@ -276,7 +283,8 @@ def test_bad_rule_options_and_runtime_errors(eng):
     assert "\n" not in str(e.value)
     # eagle's dynamic tree with the cascade rule and the drafter source: a clear error at verification
     with pytest.raises(VVSError) as e:
-        eng.generate(class_labels=[0], method="eagle", accept="cascade", decode_images=False)
+        eng.generate(class_labels=[0], method="eagle", accept="cascade", rule_options={"source": "drafter"},
+                     decode_images=False)
     assert "\n" not in str(e.value) and "static" in str(e.value)
     from vvs_engine.cascade_train import check_weighting
 
