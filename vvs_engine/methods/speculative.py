@@ -58,6 +58,10 @@ class SpecOptions:
     post_verify: str = "fill"  # fill | reject
     feature_reuse: str = "latest"  # latest | repeat
     rule_options: dict = field(default_factory=dict)  # extra options for registered rules
+    # GSD's grouped rule under any drafter-based method (--accept gsd); None = the rule's default
+    gsd_group: Optional[int] = None
+    gsd_prob_threshold: Optional[float] = None
+    gsd_dist_threshold: Optional[float] = None
 
     def validate(self):
         if self.tree not in (None, "dynamic", "static", "chain"):
@@ -104,6 +108,12 @@ class SpecOptions:
 
 
 def run(engine, cond, key_mask, n, params, gen, opts: SpecOptions, show_progress=False) -> MethodResult:
+    if opts.accept == "gsd":
+        gsd = {k: getattr(opts, k) for k in ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold")
+               if getattr(opts, k) is not None}
+        opts.rule_options = {**gsd, **opts.rule_options}
+    elif any(getattr(opts, k) is not None for k in ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold")):
+        raise VVSError("--gsd-* options need --accept gsd (or --method gsd)")
     rule = make_rule(opts.accept or "exact", engine,
                      lantern_k=opts.lantern_k or max(1, _codebook(engine) // 16),
                      lantern_delta=opts.lantern_delta, lantern_lambda=opts.lantern_lambda,
