@@ -114,6 +114,7 @@ def main(argv=None):
     ap.add_argument("--per-class", type=int, default=4, help="images per class (all classes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="2 images per class, core rows only")
+    ap.add_argument("--essential", action="store_true", help="one row per method family (a shorter CPU run)")
     ap.add_argument("--no-inception", action="store_true")
     ap.add_argument("--rows", default="core,vvs,extra", help="comma list of core,vvs,extra")
     ap.add_argument("--device", default="cpu")
@@ -151,6 +152,11 @@ def main(argv=None):
         rows_spec += groups[g]
     if a.quick:
         rows_spec = CORE_ROWS[:2] + [r for r in VVS_ROWS if r[0] == "VVS-U i=2 fill"] + CORE_ROWS[3:4]
+    if a.essential:
+        keep = {"AR", "EAGLE-2", "LANTERN d=0.1", "LANTERN d=0.2", "LANTERN d=0.3", "LANTERN++",
+                "VVS-U i=2 fill", "VVS-U i=2 reject", "VVS-U i=4 fill", "VVS-D s=0.65 fill", "VVS-D s=0.3 fill",
+                "SJD", "GSD G=14", "EAGLE-1 (static, exact)", "CASCADE (drafter)", "CASCADE (target-hidden)"}
+        rows_spec = [r for r in rows_spec if r[0] in keep]
     i, n = (int(x) for x in a.shard.split("/"))
     rows_spec = [r for k, r in enumerate(rows_spec) if r[1] == "ar" or k % n == i - 1]
     results = []
