@@ -101,7 +101,7 @@ def test_breadth_credit_hand_computed():
     tree = _hand_tree()
     p = torch.tensor([[0.1, 0.2, 0.3, 0.4]] * 4)
     ctx = _ctx(tree, p)
-    rule = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=2.0)
+    rule = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=2.0, gate="kl")
     x, r = torch.tensor([1]), p[:1]
     A, moved = rule.credit(r, x, ctx)
     assert A.item() == pytest.approx(0.3)  # S(1) = {node 2}: p(token 2) is credited
@@ -190,13 +190,18 @@ def test_greedy_breadth_and_unrelaxed_residual():
     tree = _hand_tree()
     onehot = torch.tensor([[0.0, 0.0, 1.0, 0.0]] * 4)  # the target's argmax is token 2
     ctx = _ctx(tree, onehot)
-    rule = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=2.0)
+    rule = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=2.0, gate="kl")
     x = torch.tensor([1])
     _, moved = rule.accept(onehot[:1], x, torch.ones(1), torch.tensor([0.5]), ctx)
     assert _greedy_ok(rule, onehot[:1], x, moved).item()  # token 2 is interchangeable with x
-    strict = CascadeRule(source="drafter", breadth_threshold=0.999, depth_threshold=2.0)
+    strict = CascadeRule(source="drafter", breadth_threshold=0.999, depth_threshold=2.0, gate="kl")
     _, moved = strict.accept(onehot[:1], x, torch.ones(1), torch.tensor([0.5]), ctx)
     assert not _greedy_ok(strict, onehot[:1], x, moved).item()
+    # under the nucleus gate (the default) x must itself be in the target's nucleus: a one-hot target's
+    # nucleus is its argmax alone, so greedy is the exact rule
+    nucleus = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=2.0, gate="nucleus")
+    _, moved = nucleus.accept(onehot[:1], x, torch.ones(1), torch.tensor([0.5]), ctx)
+    assert not _greedy_ok(nucleus, onehot[:1], x, moved).item()
     # rejection keeps the credited tokens' mass: norm((r - q)+) exactly as EAGLE
     r = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
     q = torch.tensor([[0.0, 0.5, 0.0, 0.5]])

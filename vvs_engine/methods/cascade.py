@@ -3,10 +3,12 @@
 
 Defaults are the reconstruction's LlamaGen values (shared/reference/cascade.md §4): static tree
 ``naive_extend_57`` (57 nodes, depth 5), τ_b 0.9, τ_d 0.625 on the target's logits at parent and
-child, KL gate κ 4.0. One change: the breadth similarity is measured on the target's hidden states
-(``cascade_source target-hidden``) rather than the drafter's predictions (the authors' LlamaGen
-code, ``cascade_source drafter``), because on the Zoo model it accepted more tokens at a smaller
-quality cost (figures in benchmarks/cascade_zoo.py). Every SpecOptions option applies too
+child, κ 4.0 — with two choices made from measurements on the Zoo model (benchmarks/cascade_zoo.py):
+the breadth similarity uses the target's hidden states (``cascade_source target-hidden``; the
+authors' LlamaGen code used the drafter's predictions, ``drafter``), and the gate is the authors'
+final nucleus gate (``cascade_gate nucleus``; their LlamaGen KL gate, ``kl`` with κ 4, accepted more
+but cost ~0.9 nats/token of target likelihood on the Zoo model).
+Every SpecOptions option applies too
 (``skip_policy`` for VVS skipping, ``tree dynamic`` with a target source, ...).
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .speculative import SpecOptions, run
 class CascadeOptions(SpecOptions):
     cascade_breadth_threshold: float = 0.9  # τ_b: cosine of next-token predictions within a level
     cascade_depth_threshold: float = 0.625  # τ_d: cosine of the target's state at parent and child
-    cascade_gate: str = "kl"  # kl | entropy | nucleus | none: target-uncertainty gate of the depth term
+    cascade_gate: str = "nucleus"  # nucleus | kl | entropy | none: gate of the relaxation
     cascade_source: str = "target-hidden"  # target-hidden | target-logits | drafter: breadth predictions
     cascade_kappa: float = 4.0  # κ (nats) of the kl and entropy gates
     cascade_depth_source: str = "logits"  # logits | hidden: target state compared by the depth term
