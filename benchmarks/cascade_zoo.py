@@ -20,12 +20,13 @@ CONFIGS = [
     ("EAGLE-1", "eagle", dict(tree="static", accept="exact")),
     ("EAGLE-2", "eagle", dict()),
     ("LANTERN++", "lantern++", dict()),
-    ("CASCADE (drafter)", "cascade", dict(cascade_source="drafter")),
+    ("CASCADE (target-hidden)", "cascade", dict()),  # the method's defaults: nucleus gate
     ("CASCADE (target-logits)", "cascade", dict(cascade_source="target-logits")),
-    ("CASCADE (target-hidden)", "cascade", dict(cascade_source="target-hidden")),
+    ("CASCADE (drafter)", "cascade", dict(cascade_source="drafter")),
+    ("CASCADE (target-hidden, kl gate)", "cascade", dict(cascade_gate="kl")),  # the authors' LlamaGen gate
 ]
 # Rows repeated with every extra drafter: the drafter-training change only matters through these.
-DRAFTER_CONFIGS = ("EAGLE-1", "CASCADE (drafter)", "CASCADE (target-hidden)")
+DRAFTER_CONFIGS = ("EAGLE-1", "CASCADE (target-hidden)", "CASCADE (drafter)")
 
 
 def _row(name, method, opts, out, drafter_name, keep_tokens):
