@@ -45,8 +45,8 @@ GPT_CONFIG = dict(dim=256, n_layer=6, n_head=8, multiple_of=64, vocab_size=1024,
 # (measured times in docs/zoo.md); a free machine or a GPU can afford more steps.
 DEFAULTS = dict(n_train_per_class=1000, n_encode_per_class=600, n_heldout_per_class=100,
                 vq_steps=650, vq_batch=16, vq_lr=2e-3,
-                cls_steps=600, cls_batch=64, cls_lr=2e-3,
-                gpt_steps=300, gpt_batch=32, gpt_lr=2e-3,
+                cls_steps=1000, cls_batch=64, cls_lr=2e-3, cls_recon_per_class=400,
+                gpt_steps=500, gpt_batch=32, gpt_lr=2e-3,
                 drafter_steps=200, drafter_batch=16, drafter_lr=1e-3)
 
 
@@ -243,6 +243,18 @@ def _exists(out_dir, name):
     return os.path.exists(os.path.join(out_dir, name + ".safetensors"))
 
 
+def classifier_stage(vq, tr_x, tr_yt, tr_codes, enc_y, nc, hp, seed, log=print):
+    """The classifier trains on all real train crops plus VQ reconstructions of
+    ``cls_recon_per_class`` x classes of them: generated images carry the tokenizer's artefacts, and
+    a classifier that has only seen real photos mistakes those artefacts for other classes."""
+    g = torch.Generator().manual_seed(seed + 4)
+    sub = torch.randperm(len(tr_codes), generator=g)[: min(len(tr_codes), hp["cls_recon_per_class"] * nc)]
+    rec = decode_codes(vq, tr_codes[sub])
+    imgs = torch.cat([zdata.to_tensor(tr_x), rec])
+    labs = torch.cat([tr_yt, enc_y[sub]])
+    return train_classifier(imgs, labs, nc, hp["cls_steps"], hp["cls_batch"], hp["cls_lr"], seed, log)
+
+
 def train_all(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, data_root: Optional[str] = None,
               resume: bool = False, log: Callable = print, threads: Optional[int] = None, **overrides) -> dict:
     """Retrain the whole Zoo from scratch with fixed seeds. ``data_root``: an image folder (one
@@ -340,14 +352,8 @@ def train_all(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, data_
         net.eval()
     else:
         t0 = time.perf_counter()
-        g = torch.Generator().manual_seed(seed + 4)
-        sub = torch.randperm(len(tr_codes), generator=g)[: min(len(tr_codes), 150 * nc)]
-        rec = decode_codes(vq, tr_codes[sub])
-        imgs = torch.cat([zdata.to_tensor(tr_x), rec])
-        labs = torch.cat([tr_yt, enc_y[sub]])
-        net = train_classifier(imgs, labs, nc, hp["cls_steps"], hp["cls_batch"], hp["cls_lr"], seed, log)
+        net = classifier_stage(vq, tr_x, tr_yt, tr_codes, enc_y, nc, hp, seed, log)
         report["classifier_seconds"] = time.perf_counter() - t0
-        del imgs, rec
         save_model(net, cls_path, dict(num_classes=nc, width=net.width), "classifier", extra_common)
     report["classifier_heldout_acc_real"] = classifier_accuracy(net, ho_img, ho_yt)
     report["classifier_heldout_acc_recon"] = classifier_accuracy(net, ho_rec, ho_yt)
