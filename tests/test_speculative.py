@@ -359,3 +359,21 @@ def test_schedules():
     uneq = torch.tensor([[0, 1, 3], [0, 2, -1], [0, 1, -1]])
     w0 = 1 / (1 + 0.9)
     assert path_similarity(uneq, tokens, cb).item() == pytest.approx(w0, abs=1e-6)
+
+
+# --- the shipped Zoo model ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def zoo_engine():
+    from vvs_engine import Engine
+
+    return Engine.load()
+
+
+def test_zoo_greedy_speculative_equals_ar(zoo_engine):
+    """On the trained model (fp32), greedy EAGLE and greedy VVS-never equal greedy AR token for token."""
+    kw = dict(class_labels=[0, 7], temperature=0, cfg_scale=4.0, decode_images=False)
+    ar = zoo_engine.generate(**kw).tokens
+    for method, opts in (("eagle", {}), ("eagle", {"tree": "static"})):
+        sp = zoo_engine.generate(method=method, **opts, **kw)
+        assert torch.equal(sp.tokens, ar), method
+        assert sp.stats["tpf"] > 1.2  # the trained drafter is accepted
