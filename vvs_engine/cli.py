@@ -52,6 +52,9 @@ METHOD_FLAGS = [
     ("--cascade-depth-threshold", float, "CASCADE: depth convergence threshold tau_d"),
     ("--cascade-gate", str, "CASCADE: uncertainty gate"),
     ("--cascade-source", str, "CASCADE: similarity source drafter|target-logits|target-hidden"),
+    ("--cascade-kappa", float, "CASCADE: kappa (nats) of the kl and entropy gates"),
+    ("--cascade-depth-source", str, "CASCADE: state compared by the depth term logits|hidden"),
+    ("--cascade-nucleus", float, "CASCADE: probability mass of the nucleus gate"),
 ]
 
 

@@ -301,10 +301,10 @@ def cli_train(argv) -> int:
     if tokens.dim() != 2 or tokens.shape[1] != eng.tokens_per_image or len(labels) != len(tokens):
         raise VVSError(f"tokens must be [N, {eng.tokens_per_image}] with one label per row")
     weights = None
-    if a.cascade_weighting:
-        from .cascade_train import redundancy_weights
+    if a.cascade_weighting:  # CASCADE: 2x CE weight where the target's logits repeat a later token's
+        from .cascade_train import cascade_loss_weights
 
-        weights = redundancy_weights
+        weights = cascade_loss_weights("logits", 0.625, 2.0)
     d = train_drafter(eng.gpt.float().train(False), tokens, labels, steps=a.steps, batch_size=a.batch_size,
                       lr=a.lr, seed=a.seed, n_layer=a.layers, loss_weights=weights)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
