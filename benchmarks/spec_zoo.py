@@ -52,6 +52,7 @@ def extra_rows():
         ("GSD G=3", "gsd", {"gsd_group": 3}),
         ("GSD G=8", "gsd", {"gsd_group": 8}),
         ("GSD G=14", "gsd", {"gsd_group": 14}),
+        ("GSD G=50", "gsd", {"gsd_group": 50}),
         ("EAGLE-1 (static, exact)", "eagle", {"tree": "static"}),
         ("CASCADE (drafter)", "cascade", {"cascade_source": "drafter"}),
         ("CASCADE (target-logits)", "cascade", {"cascade_source": "target-logits"}),
@@ -115,6 +116,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="2 images per class, core rows only")
     ap.add_argument("--essential", action="store_true", help="one row per method family (a shorter CPU run)")
+    ap.add_argument("--only", default=None, help="comma list of row names to run (AR always runs)")
     ap.add_argument("--no-inception", action="store_true")
     ap.add_argument("--rows", default="core,vvs,extra", help="comma list of core,vvs,extra")
     ap.add_argument("--device", default="cpu")
@@ -157,6 +159,9 @@ def main(argv=None):
                 "VVS-U i=2 fill", "VVS-U i=2 reject", "VVS-U i=4 fill", "VVS-D s=0.65 fill", "VVS-D s=0.3 fill",
                 "SJD", "GSD G=14", "EAGLE-1 (static, exact)", "CASCADE (drafter)", "CASCADE (target-hidden)"}
         rows_spec = [r for r in rows_spec if r[0] in keep]
+    if a.only:
+        names = set(a.only.split(","))
+        rows_spec = [r for r in rows_spec if r[0] in names or r[1] == "ar"]
     i, n = (int(x) for x in a.shard.split("/"))
     rows_spec = [r for k, r in enumerate(rows_spec) if r[1] == "ar" or k % n == i - 1]
     results = []
@@ -230,7 +235,9 @@ def to_markdown(meta, rows):
     lines = [f"# Speculative methods on the Zoo model ({meta['device']}, {meta['dtype']})", "",
              f"{meta['n_images']} images ({meta['labels']}), seed {meta['seed']}, sampling {meta['sampling']}, "
              f"{meta['tokens_per_image']} tokens/image; torch {meta['torch']}, {meta['threads']} threads. "
-             f"Wall-clock includes VQ decoding; speed-up = AR wall / row wall, same run.", "",
+             f"Wall-clock includes VQ decoding; speed-up = AR wall / row wall, same run. On a shared CPU the "
+             f"ratio is only meaningful under steady load (the committed run's load changed while it ran); "
+             f"clean CPU latencies: e2e_zoo_cpu.md. On a CPU, TPF and quality are the figures.", "",
              f"Command: `{meta['command']}`", "",
              "| method | TPF | mean accepted | speed-up vs AR | class acc | FD (classifier) | FID | skip steps |",
              "|---|---|---|---|---|---|---|---|"]
