@@ -7,8 +7,6 @@
 """
 from __future__ import annotations
 
-import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .kv_cache import StaticKVCache
-from .masks import LocalMask, causal_local
+from .masks import LocalMask
 from .models.gpt import GPT
 
 

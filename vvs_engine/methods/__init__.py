@@ -6,7 +6,7 @@ options class with ``validate()``; :func:`get_method` parses user options into i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from ..errors import VVSError
 

@@ -118,7 +118,6 @@ def run(engine, cond, key_mask, n, params, gen, opts: SpecOptions, show_progress
                      lantern_k=opts.lantern_k or max(1, _codebook(engine) // 16),
                      lantern_delta=opts.lantern_delta, lantern_lambda=opts.lantern_lambda,
                      reference_residual=opts.lantern_reference_residual, **opts.rule_options)
-    rows_per = 2 if params.use_cfg else 1
     out, st = [], Stats()
     for i in progress(range(n), show_progress, "images"):
         idx = torch.tensor([i, i + n] if params.use_cfg else [i], device=cond.device)

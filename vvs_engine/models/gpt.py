@@ -8,7 +8,7 @@ decoding, tree verification and Jacobi windows all run through the same ``forwar
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
