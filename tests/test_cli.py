@@ -324,15 +324,15 @@ def test_subcommand_dispatch(monkeypatch, tmp_path, capsys):
     import types
 
     calls = {}
-    fake_bench = types.ModuleType("vvs_engine.bench")
+    fake_bench = types.ModuleType("vvs_engine.evaluation.bench")
     fake_bench.main = lambda args: calls.setdefault("bench", args) and 0
-    fake_drafter = types.ModuleType("vvs_engine.drafter")
+    fake_drafter = types.ModuleType("vvs_engine.drafting.drafter")
     fake_drafter.cli_train = lambda args: calls.setdefault("drafter", args) and 0
-    fake_eval = types.ModuleType("vvs_engine.eval")
+    fake_eval = types.ModuleType("vvs_engine.evaluation.quality")
     fake_eval.evaluate_dir = lambda d, o: calls.setdefault("eval", (d, o)) and {"class_accuracy": 1.0}
-    monkeypatch.setitem(sys.modules, "vvs_engine.bench", fake_bench)
-    monkeypatch.setitem(sys.modules, "vvs_engine.drafter", fake_drafter)
-    monkeypatch.setitem(sys.modules, "vvs_engine.eval", fake_eval)
+    monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.bench", fake_bench)
+    monkeypatch.setitem(sys.modules, "vvs_engine.drafting.drafter", fake_drafter)
+    monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.quality", fake_eval)
     assert main(["bench", "--methods", "ar,vvs", "--steps", "3"]) == 0
     assert calls["bench"] == ["--methods", "ar,vvs", "--steps", "3"]
     assert main(["train-drafter", "--epochs", "1"]) == 0
@@ -343,7 +343,7 @@ def test_subcommand_dispatch(monkeypatch, tmp_path, capsys):
 
 
 def test_missing_subcommand_module_is_one_line(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "vvs_engine.bench", None)  # import of it raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.bench", None)  # import of it raises ModuleNotFoundError
     run_error(capsys, ["bench"], match="not available")
     run_error(capsys, ["eval", "--images", "/nonexistent/dir"], match="not a folder")
 

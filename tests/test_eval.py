@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vvs_engine import eval as ev
+from vvs_engine.evaluation import quality as ev
 from vvs_engine.errors import VVSError
 
 torch.set_num_threads(2)

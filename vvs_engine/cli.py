@@ -5,9 +5,9 @@ Subcommands:
 * ``generate``       generate images with any decoding method (the contract other tools rely on, see
                      README "Command line"): writes ``tokens.npz``, ``stats.json`` and one PNG per image.
 * ``zoo list|train`` list the shipped models / retrain them (``vvs_engine.zoo``).
-* ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.eval``).
-* ``bench``          speed benchmarks (``vvs_engine.bench``).
-* ``train-drafter``  train an EAGLE-style drafter (``vvs_engine.drafter``).
+* ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.evaluation.quality``).
+* ``bench``          speed benchmarks (``vvs_engine.evaluation.bench``).
+* ``train-drafter``  train an EAGLE-style drafter (``vvs_engine.drafting.drafter``).
 
 Error policy: bad input never produces a traceback. Argument errors print one ``error: ...`` line and
 exit 2 (like argparse, minus the usage dump); every other user error (:class:`VVSError`, a file that
@@ -362,14 +362,14 @@ def cmd_zoo_list(args) -> int:
 
 def cmd_zoo_train(args) -> int:
     out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "checkpoints")
-    return _exit_code(call_provided("vvs_engine.zoo.train", "train_all", "zoo train", out_dir, args.seed))
+    return _exit_code(call_provided("vvs_engine.training.zoo", "train_all", "zoo train", out_dir, args.seed))
 
 
 def cmd_eval(args) -> int:
     if not os.path.isdir(args.images):
         raise VVSError(f"not a folder: {args.images}")
     out_json = args.out or os.path.join(args.images, "metrics.json")
-    metrics = call_provided("vvs_engine.eval", "evaluate_dir", "eval", args.images, out_json)
+    metrics = call_provided("vvs_engine.evaluation.quality", "evaluate_dir", "eval", args.images, out_json)
     if isinstance(metrics, dict):
         print(json.dumps(json_ready(metrics), indent=2))
         return 0
@@ -377,11 +377,11 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench(rest: List[str]) -> int:
-    return _exit_code(call_provided("vvs_engine.bench", "main", "bench", rest))
+    return _exit_code(call_provided("vvs_engine.evaluation.bench", "main", "bench", rest))
 
 
 def cmd_train_drafter(rest: List[str]) -> int:
-    return _exit_code(call_provided("vvs_engine.drafter", "cli_train", "train-drafter", rest))
+    return _exit_code(call_provided("vvs_engine.drafting.drafter", "cli_train", "train-drafter", rest))
 
 
 # Subcommands that own their flags: they receive the rest of the command line unparsed.

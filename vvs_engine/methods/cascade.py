@@ -1,5 +1,5 @@
 """CASCADE (arXiv 2605.07230): the shared speculative loop with CASCADE's relaxed acceptance
-(:mod:`vvs_engine.cascade_rule`) on an EAGLE-1 static tree.
+(:mod:`vvs_engine.acceptance.cascade`) on an EAGLE-1 static tree.
 
 Defaults are the reconstruction's LlamaGen values (shared/reference/cascade.md §4): static tree
 ``naive_extend_57`` (57 nodes, depth 5), τ_b 0.9, τ_d 0.625 on the target's logits at parent and
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..cascade_rule import check_options
+from ..acceptance.cascade import check_options
 from . import register
 from .speculative import SpecOptions, run
 

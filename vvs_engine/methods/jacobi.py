@@ -2,7 +2,7 @@
 
 SJD (Teng et al., ICLR 2025, arXiv 2410.01699) is speculative sampling whose drafts are the target's
 own predictions from the previous Jacobi iteration; GSD (So et al., ICCV 2025, arXiv 2508.07747) is the
-same loop with the grouped acceptance rule of :mod:`vvs_engine.gsd_rule`. Spec:
+same loop with the grouped acceptance rule of :mod:`vvs_engine.acceptance.gsd`. Spec:
 ``shared/reference/gsd_sjd_cascade.md`` §1-2. One image at a time (both CFG rows), static KV cache,
 device-side lengths, like the drafter-based loop in ``speculative.py``:
 
@@ -32,12 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..acceptance import ExactRule
+from ..acceptance.verify import ExactRule
 from ..errors import VVSError
-from ..masks import causal_local
+from ..runtime.masks import causal_local
 from ..sampling import guided_logits, process_logits, sample
-from ..target import TargetSession
-from ..gsd_rule import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
+from ..runtime.target import TargetSession
+from ..acceptance.gsd import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
                         make_grouped_rule)
 from . import register
 from .common import MethodResult, progress

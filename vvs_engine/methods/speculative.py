@@ -26,14 +26,14 @@ from typing import Optional
 
 import torch
 
-from ..acceptance import make_rule, verify_tree
+from ..acceptance.verify import make_rule, verify_tree
 from ..kernels import gather_rows, scatter_rows_
-from ..drafting import DraftSession, TreeSpec
+from ..drafting.session import DraftSession, TreeSpec
 from ..errors import VVSError
-from ..profiling import nvtx_range
+from ..runtime.profiling import nvtx_range
 from ..sampling import guided_logits, process_logits, sample
-from ..target import TargetSession
-from ..tree import STATIC_TREES
+from ..runtime.target import TargetSession
+from ..drafting.tree import STATIC_TREES
 from .common import MethodResult, progress
 from . import schedule as sched
 
@@ -174,13 +174,13 @@ class LoopState:
         elif spec.kind == "chain":
             self.Dmax = spec.depth
         else:
-            from ..tree import static_layout
+            from ..drafting.tree import static_layout
 
             self.Dmax = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
         self.Cmax = self.Dmax + 1  # a pending chain: old root + up to Dmax - 1 drafts (+ slack)
         extra = 2 * (self.N + self.Cmax) + 8
         if getattr(engine, "cuda_graphs", False):  # static buffers replayed as CUDA graphs
-            from ..runner import get_runner
+            from ..runtime.runner import get_runner
 
             r = get_runner(engine.gpt, cond, 1, params.use_cfg, key_mask, params, use_graphs=True,
                            extra_slots=extra, drafter=engine.drafter, tree_spec=spec,

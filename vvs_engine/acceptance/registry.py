@@ -2,7 +2,7 @@
 every drafter-based method, VVS skipping included, can use them by name (``--accept NAME``)."""
 from __future__ import annotations
 
-from .errors import VVSError
+from ..errors import VVSError
 
 _FACTORIES = {}
 
@@ -20,7 +20,7 @@ def rule_names():
 def _load():
     import importlib
 
-    for mod in ("vvs_engine.gsd_rule", "vvs_engine.cascade_rule"):
+    for mod in ("vvs_engine.acceptance.gsd", "vvs_engine.acceptance.cascade"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -6,7 +6,7 @@ step can be captured in a CUDA graph: tokens, parents, the ancestor mask (the ta
 local attention mask), depths (RoPE position offsets), every root-to-node path, and a children table
 (sibling order = drafter rank) that acceptance rules walk.
 
-Trees come from :mod:`vvs_engine.drafting`: dynamic EAGLE-2 trees (best ``total - 1`` nodes by
+Trees come from :mod:`vvs_engine.drafting.session`: dynamic EAGLE-2 trees (best ``total - 1`` nodes by
 cumulative draft log-probability), static EAGLE-1 trees from choice lists (LANTERN++), and chains.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .errors import VVSError
+from ..errors import VVSError
 
 
 @dataclass
@@ -49,7 +49,7 @@ class DraftTree:
 def tree_structure(parents: torch.Tensor, max_depth: int, max_children: int):
     """parents [N] -> (mask, depth, paths, is_leaf, children). Vectorised: loops over depth levels
     and sibling ranks only, never over nodes (the CUDA kernel of the Kernels issue does the same)."""
-    from . import kernels
+    from .. import kernels
 
     meta = getattr(kernels, "tree_meta", tree_meta_reference)
     mask, depth, paths, is_leaf = meta(parents, max_depth)

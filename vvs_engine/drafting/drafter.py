@@ -21,10 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import load_into, read_config, read_state_dict
-from .errors import VVSError
-from .kv_cache import StaticKVCache
-from .models.gpt import RMSNorm, apply_rope
+from ..checkpoint import load_into, read_config, read_state_dict
+from ..errors import VVSError
+from ..runtime.kv_cache import StaticKVCache
+from ..models.gpt import RMSNorm, apply_rope
 
 
 @dataclass
@@ -254,8 +254,8 @@ def cli_train(argv) -> int:
 
     import numpy as np
 
-    from .checkpoint import save_safetensors
-    from .engine import Engine
+    from ..checkpoint import save_safetensors
+    from ..engine import Engine
 
     ap = argparse.ArgumentParser(prog="vvs-engine train-drafter")
     ap.add_argument("--gpt-ckpt", default=None, help="target checkpoint (default: the Zoo target)")
@@ -290,8 +290,8 @@ def cli_train(argv) -> int:
     else:
         if eng.vq is None:
             raise VVSError("no tokenizer loaded: pass --vq-ckpt or --tokens")
-        from .zoo.data import folder_sources, make_crops
-        from .zoo.train import encode_crops
+        from ..zoo.data import folder_sources, make_crops
+        from ..training.zoo import encode_crops
 
         sources = folder_sources(a.data_root)[0] if a.data_root else None
         crops, labels = make_crops(a.per_class, seed=a.seed, split="train", sources=sources)
@@ -302,7 +302,7 @@ def cli_train(argv) -> int:
         raise VVSError(f"tokens must be [N, {eng.tokens_per_image}] with one label per row")
     weights = None
     if a.cascade_weighting:  # CASCADE: 2x CE weight where the target's logits repeat a later token's
-        from .cascade_train import cascade_loss_weights
+        from ..training.cascade import cascade_loss_weights
 
         weights = cascade_loss_weights("logits", 0.625, 2.0)
     d = train_drafter(eng.gpt.float().train(False), tokens, labels, steps=a.steps, batch_size=a.batch_size,

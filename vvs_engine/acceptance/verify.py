@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .errors import VVSError
+from ..errors import VVSError
 
 
 @dataclass
@@ -86,7 +86,7 @@ class LanternRule(AcceptanceRule):
         self.name = "lantern++" if ratio else "lantern"
 
     def credit(self, r, x):
-        from . import kernels
+        from .. import kernels
 
         if hasattr(kernels, "lantern_mass"):
             relaxed, m_star = kernels.lantern_mass(r, x, self.nb, self.delta, self.ratio)
@@ -129,7 +129,7 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generato
                 logits=None, hidden=None, engine=None) -> VerifyResult:
     """p [N, V]: processed target distribution after each node. Returns the accepted path and the
     next token (no host sync)."""
-    from .sampling import sample
+    from ..sampling import sample
 
     N, V = p.shape
     dev = p.device
@@ -182,7 +182,7 @@ def _greedy_ok(rule, r, x, moved):
 def _walk(accepted_child: torch.Tensor, children: torch.Tensor, max_depth: int):
     """Follow accepted children from the root (the acceptance-walk kernel: first-child / next-sibling
     order, a loop over depth only, device ops, no host sync)."""
-    from . import kernels
+    from .. import kernels
 
     N = children.shape[0]
     accepted = torch.zeros(N + 1, dtype=torch.bool, device=children.device)
@@ -202,6 +202,6 @@ def make_rule(name: str, engine=None, lantern_k: int = 1000, lantern_delta: floa
         if name == "lantern":
             return LanternRule(nb, lantern_delta, ratio=False, reference_residual=reference_residual)
         return LanternRule(nb, lantern_lambda, ratio=True, reference_residual=reference_residual)
-    from . import rules_registry
+    from . import registry as rules_registry
 
     return rules_registry.make(name, engine, **kw)

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import VVSError
+from ..errors import VVSError
 
 REF_SEED = 1234  # seed of the held-out reference crops (training used seed 0 for both splits)
 N_REF_PER_CLASS = 32  # reference crops per class: 512 images for the 16 Zoo classes (docs/zoo.md)
@@ -68,10 +68,10 @@ class SmallCNN(nn.Module):
 
 def load_classifier(path: Optional[str] = None) -> SmallCNN:
     """The shipped classifier (``zoo-classifier``) or a file written by the Zoo training."""
-    from .checkpoint import load_into, read_config, read_state_dict
+    from ..checkpoint import load_into, read_config, read_state_dict
 
     if path is None:
-        from .zoo import model_path
+        from ..zoo import model_path
 
         path = model_path("zoo-classifier")
     meta = read_config(path) or {}
@@ -239,7 +239,7 @@ def get_inception(path: Optional[str] = None) -> InceptionFeatures:
 # --------------------------------------------------------------------------------------------------
 def reference_images(n_per_class: int = N_REF_PER_CLASS, seed: int = REF_SEED) -> tuple:
     """Held-out real crops of the built-in photos -> (uint8 [n, 64, 64, 3], labels)."""
-    from .zoo.data import make_crops
+    from ..zoo.data import make_crops
 
     return make_crops(n_per_class, seed=seed, split="heldout", size=64)
 
@@ -259,7 +259,7 @@ def reference_features(kind: str, n_per_class: int = N_REF_PER_CLASS, seed: int 
                        inception_path=None, use_cache: bool = True) -> np.ndarray:
     """Features of the held-out reference crops, ``kind`` "classifier" or "inception"; cached as .npy."""
     if kind == "classifier":
-        from .zoo import model_path
+        from ..zoo import model_path
 
         src = classifier_path or model_path("zoo-classifier")
     elif kind == "inception":
@@ -430,9 +430,9 @@ def read_generate_dir(path: str) -> tuple:
     if pngs:
         imgs = np.stack([np.asarray(Image.open(os.path.join(path, f)).convert("RGB")) for f in pngs])
     elif tokens is not None:
-        from .engine import load_vq
-        from .models.vq import to_uint8
-        from .zoo import model_path
+        from ..engine import load_vq
+        from ..models.vq import to_uint8
+        from ..zoo import model_path
 
         vq = load_vq(model_path("zoo-vq"))
         t = torch.as_tensor(tokens, dtype=torch.long)
@@ -491,10 +491,10 @@ def zoo_quality_report(out_dir: str, n_per_class: int = 16, seed: int = 0, cfg_s
     the generated set as a ``generate``-style folder under out_dir/ar) and, optionally, the sheet."""
     import time
 
-    from .engine import Engine
-    from .models.vq import to_uint8
-    from .zoo import class_names as zoo_class_names
-    from .zoo.data import make_crops
+    from ..engine import Engine
+    from ..models.vq import to_uint8
+    from ..zoo import class_names as zoo_class_names
+    from ..zoo.data import make_crops
 
     os.makedirs(out_dir, exist_ok=True)
     names = zoo_class_names()
@@ -556,12 +556,12 @@ def zoo_quality_report(out_dir: str, n_per_class: int = 16, seed: int = 0, cfg_s
 
 
 def main(argv=None) -> int:
-    """``python -m vvs_engine.eval DIR [--out metrics.json] [--no-inception] [--inception FILE]`` scores a
-    generate output folder; ``python -m vvs_engine.eval --zoo-report OUT [--sheet PNG]`` writes the
+    """``python -m vvs_engine.evaluation.quality DIR [--out metrics.json] [--no-inception] [--inception FILE]`` scores a
+    generate output folder; ``python -m vvs_engine.evaluation.quality --zoo-report OUT [--sheet PNG]`` writes the
     Zoo quality report (docs/zoo.md)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m vvs_engine.eval", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m vvs_engine.evaluation.quality", description=main.__doc__)
     p.add_argument("images", nargs="?", help="a generate output folder (tokens.npz + PNGs)")
     p.add_argument("--out", default=None)
     p.add_argument("--no-inception", action="store_true")

@@ -38,9 +38,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .acceptance import AcceptanceRule
-from .errors import VVSError
-from .rules_registry import register_rule
+from .verify import AcceptanceRule
+from ..errors import VVSError
+from .registry import register_rule
 
 SOURCES = ("drafter", "target-logits", "target-hidden")
 DEPTH_SOURCES = ("logits", "hidden")

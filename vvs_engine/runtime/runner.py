@@ -42,9 +42,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .drafting import DraftSession
+from ..drafting.session import DraftSession
 from .masks import causal_local
-from .sampling import SamplingParams, guided_logits, process_logits, sample
+from ..sampling import SamplingParams, guided_logits, process_logits, sample
 from .target import TargetSession
 
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
