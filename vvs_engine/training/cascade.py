@@ -5,7 +5,7 @@ cosine similarity above 0.625 with that of some *later* position t' > t is where
 merging tends to fire; its classification (soft cross-entropy) term gets weight 2, the others 1.
 :func:`train_drafter` normalises by the weight sum (the authors' 723b562 variant).
 
-``cascade_loss_weights(...)`` is the ``loss_weights`` callable of :func:`vvs_engine.drafting.drafter.train_drafter`;
+``cascade_loss_weights(...)`` is the ``loss_weights`` callable of :func:`vvs_engine.training.drafter.train_drafter`;
 :func:`train_cascade_drafter` wraps the two; :func:`cli_train_cascade_drafter` is the command line
 (``vvs-engine train-drafter --cascade-weighting`` once wired).
 """
@@ -72,7 +72,7 @@ def cascade_loss_weights(source: str = "logits", threshold: float = 0.625, weigh
 def train_cascade_drafter(target, tokens: torch.Tensor, labels: torch.Tensor, source: str = "logits",
                           threshold: float = 0.625, weight: float = 2.0, **train_kw):
     """``train_drafter`` with CASCADE's redundancy re-weighting of the classification loss."""
-    from ..drafting.drafter import train_drafter
+    from .drafter import train_drafter
 
     return train_drafter(target, tokens, labels, loss_weights=cascade_loss_weights(source, threshold, weight),
                          **train_kw)
@@ -137,7 +137,7 @@ def cli_train_cascade_drafter(argv: Optional[List[str]] = None) -> int:
         d = train_cascade_drafter(target, data["tokens"], data["labels"], a.cascade_source, a.cascade_threshold,
                                   a.cascade_weight, **kw)
     else:
-        from ..drafting.drafter import train_drafter
+        from .drafter import train_drafter
 
         d = train_drafter(target, data["tokens"], data["labels"], **kw)
     extra = dict(cascade_weighting=bool(a.cascade_weighting), train=kw)

@@ -5,7 +5,7 @@ One entry point, :func:`train_all`, retrains everything with fixed seeds and wri
     <out_dir>/zoo-vq.safetensors|json          tokenizer (fp32)
     <out_dir>/zoo-classifier.safetensors|json  small CNN used by vvs_engine.evaluation.quality (fp32)
     <out_dir>/zoo-gpt.safetensors|json         target (weights stored in bf16 to keep the repo small)
-    <out_dir>/zoo-drafter.safetensors|json     EAGLE-style draft head (bf16), when vvs_engine.drafting.drafter exists
+    <out_dir>/zoo-drafter.safetensors|json     EAGLE-style draft head (bf16)
     <out_dir>/train_report.json                timings, step counts, held-out figures
 
 Intermediate arrays (crops, codes, the drafter's training tokens) go to ``work_dir`` so a stage that
@@ -386,14 +386,9 @@ def train_all(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, data_
     # ---- drafter (last: needs the trained target) ----
     tok_path = os.path.join(work_dir, "drafter_train_tokens.pt")
     torch.save({"tokens": tr_codes, "labels": enc_y}, tok_path)
-    try:
-        from ..drafting.drafter import train_drafter
-    except ImportError:
-        train_drafter = None
-    if train_drafter is None:
-        log(f"drafter: vvs_engine.drafting.drafter.train_drafter not available; training tokens saved to {tok_path}")
-        report["drafter"] = "not trained (train_drafter missing)"
-    elif not (resume and _exists(out_dir, "zoo-drafter")):
+    if not (resume and _exists(out_dir, "zoo-drafter")):
+        from .drafter import train_drafter
+
         t0 = time.perf_counter()
         torch.manual_seed(seed)
         dr = train_drafter(gpt, tr_codes, enc_y, steps=hp["drafter_steps"], batch_size=hp["drafter_batch"],
