@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from vvs_engine import Engine, VVSError
 from vvs_engine.checkpoint import save_safetensors
-from vvs_engine.cli import METHOD_FLAGS, main, method_options, build_parser
+from vvs_engine.cli import main, method_options, build_parser
+from vvs_engine.methods.options import method_flags
 from vvs_engine.models.gpt import GPT, GPTConfig
 from vvs_engine.models.vq import VQConfig, VQModel
 
@@ -141,7 +142,7 @@ def test_method_flags_only_set_ones_are_passed():
     opts = method_options(args)
     assert {k for k, v in opts.items() if v is not None} == {"lantern_delta", "tree", "skip_interval"}
     assert opts["lantern_delta"] == 0.2 and opts["tree"] == "static" and opts["skip_interval"] == 3
-    assert set(opts) == {f[2:].replace("-", "_") for f, _, _ in METHOD_FLAGS}
+    assert set(opts) == {fl.name for fl in method_flags()}
     assert "cascade_breadth_threshold" in opts and "gsd_prob_threshold" in opts
 
 
@@ -326,12 +327,12 @@ def test_subcommand_dispatch(monkeypatch, tmp_path, capsys):
     calls = {}
     fake_bench = types.ModuleType("vvs_engine.evaluation.bench")
     fake_bench.main = lambda args: calls.setdefault("bench", args) and 0
-    fake_drafter = types.ModuleType("vvs_engine.drafting.drafter")
+    fake_drafter = types.ModuleType("vvs_engine.training.drafter")
     fake_drafter.cli_train = lambda args: calls.setdefault("drafter", args) and 0
     fake_eval = types.ModuleType("vvs_engine.evaluation.quality")
     fake_eval.evaluate_dir = lambda d, o: calls.setdefault("eval", (d, o)) and {"class_accuracy": 1.0}
     monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.bench", fake_bench)
-    monkeypatch.setitem(sys.modules, "vvs_engine.drafting.drafter", fake_drafter)
+    monkeypatch.setitem(sys.modules, "vvs_engine.training.drafter", fake_drafter)
     monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.quality", fake_eval)
     assert main(["bench", "--methods", "ar,vvs", "--steps", "3"]) == 0
     assert calls["bench"] == ["--methods", "ar,vvs", "--steps", "3"]

@@ -261,9 +261,9 @@ def test_gsd_without_tokenizer():
 
 
 def test_cli_option_names_reach_the_methods(eng):
-    from vvs_engine.cli import METHOD_FLAGS, option_name
+    from vvs_engine.cli import build_parser, method_options
 
-    names = {option_name(f) for f, _, _ in METHOD_FLAGS}
+    names = set(method_options(build_parser().parse_args(["generate"])))
     given = {"jacobi_window": 8, "jacobi_init": "random", "gsd_group": 5, "gsd_prob_threshold": 0.2,
              "gsd_dist_threshold": 1.5}
     assert set(given) <= names

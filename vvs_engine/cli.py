@@ -7,7 +7,7 @@ Subcommands:
 * ``zoo list|train`` list the shipped models / retrain them (``vvs_engine.zoo``).
 * ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.evaluation.quality``).
 * ``bench``          speed benchmarks (``vvs_engine.evaluation.bench``).
-* ``train-drafter``  train an EAGLE-style drafter (``vvs_engine.drafting.drafter``).
+* ``train-drafter``  train an EAGLE-style drafter (``vvs_engine.training.drafter``).
 
 Error policy: bad input never produces a traceback. Argument errors print one ``error: ...`` line and
 exit 2 (like argparse, minus the usage dump); every other user error (:class:`VVSError`, a file that
@@ -24,43 +24,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from .errors import VVSError
-
-# Flags of the decoding methods: (flag, type, help). The option name passed to
-# ``Engine.generate(..., **opts)`` is the flag in snake case (``--lantern-k`` -> ``lantern_k``). They all
-# default to None, meaning "not given": the method registry drops None so the method's own default
-# applies, and a method that does not take an option is only told about it when the user set it.
-METHOD_FLAGS = [
-    ("--accept", str, "acceptance rule: exact|lantern|lantern++|gsd|cascade (default: the method's own)"),
-    ("--lantern-k", int, "LANTERN: number of codebook neighbours k"),
-    ("--lantern-delta", float, "LANTERN: total-variation bound delta"),
-    ("--lantern-lambda", float, "LANTERN++: multiplicative cap lambda"),
-    ("--tree", str, "draft tree: dynamic|static|chain"),
-    ("--tree-total", int, "draft tree: total nodes"),
-    ("--tree-depth", int, "draft tree: depth"),
-    ("--tree-topk", int, "draft tree: children per expanded node"),
-    ("--skip-policy", str, "VVS: skip schedule uniform|dynamic"),
-    ("--skip-interval", int, "VVS: verify every N-th step (uniform policy)"),
-    ("--skip-threshold", float, "VVS: dynamic skip threshold in [-1, 1]"),
-    ("--select", str, "VVS: verification-free token selector random|confidence"),
-    ("--post-verify", str, "VVS: post-verification of skipped tokens fill|reject"),
-    ("--jacobi-window", int, "SJD/GSD: Jacobi window length"),
-    ("--jacobi-init", str, "SJD/GSD: initialisation of new window positions"),
-    ("--gsd-group", int, "GSD: group size"),
-    ("--gsd-prob-threshold", float, "GSD: probability threshold"),
-    ("--gsd-dist-threshold", float, "GSD: codebook distance threshold"),
-    ("--cascade-breadth-threshold", float, "CASCADE: breadth similarity threshold tau_b"),
-    ("--cascade-depth-threshold", float, "CASCADE: depth convergence threshold tau_d"),
-    ("--cascade-gate", str, "CASCADE: uncertainty gate"),
-    ("--cascade-source", str, "CASCADE: similarity source drafter|target-logits|target-hidden"),
-    ("--cascade-kappa", float, "CASCADE: kappa (nats) of the kl and entropy gates"),
-    ("--cascade-depth-source", str, "CASCADE: state compared by the depth term logits|hidden"),
-    ("--cascade-nucleus", float, "CASCADE: probability mass of the nucleus gate"),
-]
-
-
-def option_name(flag: str) -> str:
-    return flag[2:].replace("-", "_")
-
+from .methods.options import method_flags
 
 # --- argument parsing ---------------------------------------------------------------------------
 class UsageError(Exception):
@@ -114,9 +78,11 @@ def build_parser() -> Parser:
     s.add_argument("--top-p", type=float, default=1.0, help="top-p (nucleus) filter in (0, 1] (default 1.0 = off)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
+    # Generated from the method option dataclasses. All default to None ("not given"): the method
+    # registry drops None so the method's own default applies.
     mo = g.add_argument_group("method options (default: the method's own)")
-    for flag, typ, help_ in METHOD_FLAGS:
-        mo.add_argument(flag, type=typ, default=None, help=help_)
+    for fl in method_flags():
+        mo.add_argument(fl.flag, type=fl.type, default=None, help=fl.help.replace("%", "%%"))
 
     o = g.add_argument_group("output")
     o.add_argument("--out", default="out", metavar="DIR", help="output folder (default ./out)")
@@ -185,7 +151,7 @@ def pick_device(name: str) -> str:
 
 def method_options(args) -> dict:
     """The method flags as ``Engine.generate`` keyword options (None = not given)."""
-    return {option_name(flag): getattr(args, option_name(flag)) for flag, _, _ in METHOD_FLAGS}
+    return {fl.name: getattr(args, fl.name) for fl in method_flags()}
 
 
 def cmd_generate(args) -> int:
@@ -381,7 +347,7 @@ def cmd_bench(rest: List[str]) -> int:
 
 
 def cmd_train_drafter(rest: List[str]) -> int:
-    return _exit_code(call_provided("vvs_engine.drafting.drafter", "cli_train", "train-drafter", rest))
+    return _exit_code(call_provided("vvs_engine.training.drafter", "cli_train", "train-drafter", rest))
 
 
 # Subcommands that own their flags: they receive the rest of the command line unparsed.
