@@ -343,9 +343,14 @@ def test_subcommand_dispatch(monkeypatch, tmp_path, capsys):
     assert "class_accuracy" in capsys.readouterr().out
 
 
-def test_missing_subcommand_module_is_one_line(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.bench", None)  # import of it raises ModuleNotFoundError
-    run_error(capsys, ["bench"], match="not available")
+def test_missing_optional_dependency_is_one_line(monkeypatch, capsys):
+    import vvs_engine.cli as cli
+
+    def import_module(name):
+        raise ModuleNotFoundError("No module named 'skimage'", name="skimage")
+
+    monkeypatch.setattr(cli.importlib, "import_module", import_module)
+    run_error(capsys, ["bench"], match="needs the Python package 'skimage'")
     run_error(capsys, ["eval", "--images", "/nonexistent/dir"], match="not a folder")
 
 

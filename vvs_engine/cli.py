@@ -173,8 +173,6 @@ def cmd_generate(args) -> int:
 
     if args.method not in method_names():
         raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
-    if args.gpt_ckpt is None:
-        _require_default_model()
 
     engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
@@ -190,40 +188,16 @@ def cmd_generate(args) -> int:
                                cfg_scale=args.cfg_scale, seed=args.seed, decode_images=not args.no_images,
                                progress=not args.quiet, **method_options(args))
 
-    if args.profile:
-        out = profiled(run, args.profile, device)
-    else:
+    from .runtime.profiling import torch_trace
+
+    with torch_trace(args.profile):
         out = run()
+    if args.profile:
+        print(f"profiler trace: {args.profile}", file=sys.stderr)
 
     write_outputs(args.out, out)
     print_stats(out.stats, args.out, len(out.images))
     return 0
-
-
-def _require_default_model() -> None:
-    """Engine.load() without a checkpoint uses the Zoo; say so clearly while the Zoo is not installed."""
-    try:
-        zoo = importlib.import_module("vvs_engine.zoo")
-    except ModuleNotFoundError:
-        zoo = None
-    if zoo is None or not hasattr(zoo, "default_paths"):
-        raise VVSError("no default model is installed (the Zoo is missing): pass --gpt-ckpt PATH "
-                       "(and --gpt-model for official LlamaGen files)")
-
-
-def profiled(fn, trace_path: str, device: str):
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if device.startswith("cuda"):
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, record_shapes=False) as prof:
-        result = fn()
-    d = os.path.dirname(os.path.abspath(trace_path))
-    os.makedirs(d, exist_ok=True)
-    prof.export_chrome_trace(trace_path)
-    print(f"profiler trace: {trace_path}", file=sys.stderr)
-    return result
 
 
 def json_ready(x):
@@ -305,37 +279,32 @@ def _fmt(v) -> str:
 
 
 # --- other subcommands: thin dispatch to the modules that implement them -------------------------
-def call_provided(module: str, attr: str, what: str, *args):
-    """Call ``module.attr(*args)``; a missing module or function (not built yet, or an optional
-    dependency not installed) is a one-line error instead of a traceback."""
+def call(module: str, attr: str, *args):
+    """Call ``module.attr(*args)``; a missing optional dependency is a one-line error, not a traceback."""
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
-        missing = e.name or ""
-        if module == missing or module.startswith(missing + "."):
-            raise VVSError(f"'{what}' is not available in this build ({module} is missing)") from None
-        raise VVSError(f"'{what}' needs the Python package '{missing.split('.')[0]}' "
+        if (e.name or "").split(".")[0] == "vvs_engine":
+            raise
+        raise VVSError(f"this command needs the Python package '{(e.name or '?').split('.')[0]}' "
                        f"(pip install -e \".[zoo]\")") from None
-    fn = getattr(mod, attr, None)
-    if fn is None:
-        raise VVSError(f"'{what}' is not available in this build ({module}.{attr} is missing)")
-    return fn(*args)
+    return getattr(mod, attr)(*args)
 
 
 def cmd_zoo_list(args) -> int:
-    return _exit_code(call_provided("vvs_engine.zoo", "cli_list", "zoo list"))
+    return _exit_code(call("vvs_engine.zoo", "cli_list"))
 
 
 def cmd_zoo_train(args) -> int:
     out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "checkpoints")
-    return _exit_code(call_provided("vvs_engine.training.zoo", "train_all", "zoo train", out_dir, args.seed))
+    return _exit_code(call("vvs_engine.training.zoo", "train_all", out_dir, args.seed))
 
 
 def cmd_eval(args) -> int:
     if not os.path.isdir(args.images):
         raise VVSError(f"not a folder: {args.images}")
     out_json = args.out or os.path.join(args.images, "metrics.json")
-    metrics = call_provided("vvs_engine.evaluation.quality", "evaluate_dir", "eval", args.images, out_json)
+    metrics = call("vvs_engine.evaluation.quality", "evaluate_dir", args.images, out_json)
     if isinstance(metrics, dict):
         print(json.dumps(json_ready(metrics), indent=2))
         return 0
@@ -343,11 +312,11 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench(rest: List[str]) -> int:
-    return _exit_code(call_provided("vvs_engine.evaluation.bench", "main", "bench", rest))
+    return _exit_code(call("vvs_engine.evaluation.bench", "main", rest))
 
 
 def cmd_train_drafter(rest: List[str]) -> int:
-    return _exit_code(call_provided("vvs_engine.training.drafter", "cli_train", "train-drafter", rest))
+    return _exit_code(call("vvs_engine.training.drafter", "cli_train", rest))
 
 
 # Subcommands that own their flags: they receive the rest of the command line unparsed.

@@ -8,7 +8,7 @@ with p the target's processed distribution and q the draft distribution. Merging
 shrink the total variation between p and q, so acceptance never drops below plain speculative
 sampling's; the price is that the output is no longer exactly p (the rule is lossy).
 
-The dynamic cluster (the paper's method, spec ``gsd_sjd_cascade.md`` §2.3):
+The dynamic cluster (the paper's method, docs/methods.md §2):
 
 1. rank the vocabulary by the target distribution (one argsort per call, for all positions at once);
 2. take the ``group`` tokens ranked around x: ``group // 2`` less likely than x, x, and the rest more

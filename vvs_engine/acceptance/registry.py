@@ -1,10 +1,13 @@
-"""Acceptance rules added by later methods (GSD's grouped rule, CASCADE) register a factory here so
-every drafter-based method, VVS skipping included, can use them by name (``--accept NAME``)."""
+"""The acceptance-rule registry: every rule (exact, lantern, lantern++, gsd, cascade, ...) registers a
+factory here, so every drafter-based method, VVS skipping included, can use it by name (``--accept NAME``)."""
 from __future__ import annotations
+
+import importlib
 
 from ..errors import VVSError
 
 _FACTORIES = {}
+_RULE_MODULES = ("verify", "gsd", "cascade")  # the modules that register the shipped rules
 
 
 def register_rule(name: str, factory) -> None:
@@ -12,20 +15,14 @@ def register_rule(name: str, factory) -> None:
     _FACTORIES[name] = factory
 
 
+def _load() -> None:
+    for mod in _RULE_MODULES:
+        importlib.import_module(f"{__package__}.{mod}")
+
+
 def rule_names():
     _load()
-    return ["exact", "lantern", "lantern++"] + sorted(_FACTORIES)
-
-
-def _load():
-    import importlib
-
-    for mod in ("vvs_engine.acceptance.gsd", "vvs_engine.acceptance.cascade"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+    return list(_FACTORIES)
 
 
 def make(name: str, engine, **kw):

@@ -21,7 +21,6 @@ Writes ``e2e_<tag>.md``, ``.json`` and ``.png`` under ``--out`` (default ``bench
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..acceptance.verify import default_lantern_k
 from ..errors import VVSError
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
@@ -135,17 +135,10 @@ def load_model(name: str, device, dtype, quick: bool):
 
 def lantern_k(engine) -> int:
     V = engine.vq.config.codebook_size if engine.vq is not None else engine.config.vocab_size
-    return max(1, min(1000, V // 16, V - 1))
+    return default_lantern_k(V)
 
 
 # --- timing ---------------------------------------------------------------------------------------
-def graphs_kwargs(engine, use_graphs: Optional[bool]) -> dict:
-    """Pass ``cuda_graphs`` when this engine's generate takes it (older builds do not)."""
-    if use_graphs is not None and "cuda_graphs" in inspect.signature(engine.generate).parameters:
-        return {"cuda_graphs": use_graphs}
-    return {}
-
-
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -158,7 +151,7 @@ def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> d
         opts["lantern_k"] = lantern_k(engine)
     opts.update(extra_opts or {})
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale,
-              decode_images=args.decode_images and engine.vq is not None, **graphs_kwargs(engine, args.graphs), **opts)
+              decode_images=args.decode_images and engine.vq is not None, cuda_graphs=args.graphs, **opts)
     engine.generate(class_labels=[label_of(0)], seed=10_000, **kw)  # warm-up: graph capture, autotuning
     if args.torch_trace:  # one extra, untimed generation under torch.profiler (Chrome trace)
         from ..runtime.profiling import torch_trace

@@ -1,7 +1,7 @@
 """CASCADE (arXiv 2605.07230): the shared speculative loop with CASCADE's relaxed acceptance
 (:mod:`vvs_engine.acceptance.cascade`) on an EAGLE-1 static tree.
 
-Defaults are the reconstruction's LlamaGen values (shared/reference/cascade.md §4): static tree
+Defaults are the reconstruction's LlamaGen values (docs/methods.md §3): static tree
 ``naive_extend_57`` (57 nodes, depth 5), τ_b 0.9, τ_d 0.625 on the target's logits at parent and
 child, κ 4.0 — with two choices made from measurements on the Zoo model (benchmarks/cascade_zoo.py):
 the breadth similarity uses the target's hidden states (``cascade_source target-hidden``; the

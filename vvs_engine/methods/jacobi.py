@@ -3,7 +3,7 @@
 SJD (Teng et al., ICLR 2025, arXiv 2410.01699) is speculative sampling whose drafts are the target's
 own predictions from the previous Jacobi iteration; GSD (So et al., ICCV 2025, arXiv 2508.07747) is the
 same loop with the grouped acceptance rule of :mod:`vvs_engine.acceptance.gsd`. Spec:
-``shared/reference/gsd_sjd_cascade.md`` §1-2. One image at a time (both CFG rows), static KV cache,
+``docs/methods.md`` §1-2. One image at a time (both CFG rows), static KV cache,
 device-side lengths, like the drafter-based loop in ``speculative.py``:
 
     prefill; x0 ~ p; window = [x0, L-1 fresh drafts (q one-hot)]

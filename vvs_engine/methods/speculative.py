@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ..acceptance.verify import make_rule, verify_tree
+from ..acceptance.verify import default_lantern_k, make_rule, verify_tree
 from ..kernels import gather_rows, scatter_rows_
 from ..drafting.session import DraftSession, TreeSpec
 from ..errors import VVSError
@@ -118,7 +118,7 @@ def run(engine, cond, key_mask, n, params, gen, opts: SpecOptions, show_progress
     elif any(getattr(opts, k) is not None for k in ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold")):
         raise VVSError("--gsd-* options need --accept gsd (or --method gsd)")
     rule = make_rule(opts.accept or "exact", engine,
-                     lantern_k=opts.lantern_k or max(1, _codebook(engine) // 16),
+                     lantern_k=opts.lantern_k or default_lantern_k(_codebook(engine)),
                      lantern_delta=opts.lantern_delta, lantern_lambda=opts.lantern_lambda,
                      reference_residual=opts.lantern_reference_residual, **opts.rule_options)
     out, st = [], Stats()

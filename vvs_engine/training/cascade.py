@@ -1,4 +1,4 @@
-"""CASCADE's drafter-training change (shared/reference/cascade.md §4.6): redundancy re-weighting.
+"""CASCADE's drafter-training change (docs/methods.md §3): redundancy re-weighting.
 
 Inside each training image, a position t whose target logit vector (or last-layer hidden state) has
 cosine similarity above 0.625 with that of some *later* position t' > t is where inference-time
@@ -6,8 +6,7 @@ merging tends to fire; its classification (soft cross-entropy) term gets weight 
 :func:`train_drafter` normalises by the weight sum (the authors' 723b562 variant).
 
 ``cascade_loss_weights(...)`` is the ``loss_weights`` callable of :func:`vvs_engine.training.drafter.train_drafter`;
-:func:`train_cascade_drafter` wraps the two; :func:`cli_train_cascade_drafter` is the command line
-(``vvs-engine train-drafter --cascade-weighting`` once wired).
+:func:`train_cascade_drafter` wraps the two. ``vvs-engine train-drafter --cascade-weighting`` uses it.
 """
 from __future__ import annotations
 
