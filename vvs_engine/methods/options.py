@@ -52,7 +52,8 @@ def method_flags() -> List[Flag]:
 
     _load_all()
     flags: Dict[str, Flag] = {}
-    for method, (_, options_cls) in _REGISTRY.items():
+    for method in sorted(_REGISTRY):  # not registration order: that depends on what was imported first
+        options_cls = _REGISTRY[method][1]
         if options_cls is None:
             continue
         hints = typing.get_type_hints(options_cls)
