@@ -329,11 +329,11 @@ def test_subcommand_dispatch(monkeypatch, tmp_path, capsys):
     fake_bench.main = lambda args: calls.setdefault("bench", args) and 0
     fake_drafter = types.ModuleType("vvs_engine.training.drafter")
     fake_drafter.cli_train = lambda args: calls.setdefault("drafter", args) and 0
-    fake_eval = types.ModuleType("vvs_engine.evaluation.quality")
+    fake_eval = types.ModuleType("vvs_engine.evaluation.report")
     fake_eval.evaluate_dir = lambda d, o: calls.setdefault("eval", (d, o)) and {"class_accuracy": 1.0}
     monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.bench", fake_bench)
     monkeypatch.setitem(sys.modules, "vvs_engine.training.drafter", fake_drafter)
-    monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.quality", fake_eval)
+    monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.report", fake_eval)
     assert main(["bench", "--methods", "ar,vvs", "--steps", "3"]) == 0
     assert calls["bench"] == ["--methods", "ar,vvs", "--steps", "3"]
     assert main(["train-drafter", "--epochs", "1"]) == 0

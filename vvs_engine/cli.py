@@ -5,7 +5,7 @@ Subcommands:
 * ``generate``       generate images with any decoding method (the contract other tools rely on, see
                      README "Command line"): writes ``tokens.npz``, ``stats.json`` and one PNG per image.
 * ``zoo list|train`` list the shipped models / retrain them (``vvs_engine.zoo``).
-* ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.evaluation.quality``).
+* ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.evaluation.report``).
 * ``bench``          speed benchmarks (``vvs_engine.evaluation.bench``).
 * ``train-drafter``  train an EAGLE-style drafter (``vvs_engine.training.drafter``).
 
@@ -304,7 +304,7 @@ def cmd_eval(args) -> int:
     if not os.path.isdir(args.images):
         raise VVSError(f"not a folder: {args.images}")
     out_json = args.out or os.path.join(args.images, "metrics.json")
-    metrics = call("vvs_engine.evaluation.quality", "evaluate_dir", args.images, out_json)
+    metrics = call("vvs_engine.evaluation.report", "evaluate_dir", args.images, out_json)
     if isinstance(metrics, dict):
         print(json.dumps(json_ready(metrics), indent=2))
         return 0
