@@ -125,10 +125,14 @@ def main(argv=None):
                     " so each shard has its own same-run AR baseline); merge the shards with --merge")
     ap.add_argument("--merge", nargs="+", default=None, help="merge shard JSON files into one table")
     ap.add_argument("--reeval", action="store_true", help="with --merge: recompute quality from saved tokens")
+    ap.add_argument("--table", default=None, metavar="JSON", help="only rewrite the markdown table (--out + .md) "
+                    "from a results JSON; runs nothing")
     ap.add_argument("--ckpt-dir", default=None, help="load zoo-{gpt,vq,drafter} from this folder")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "spec_zoo"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "vvs_pareto.png"))
     a = ap.parse_args(argv)
+    if a.table:
+        return write_table(a.table, a.out)
     if a.merge:
         return merge(a.merge, a.out, a.plot, a.reeval, not a.no_inception)
     if a.ckpt_dir:
@@ -212,6 +216,8 @@ def merge(files, out, plot_path, reeval=False, inception=True):
                     toks, labels = torch.as_tensor(z["tokens"].astype("int64")), [int(x) for x in z["labels"]]
                 evaluate_row(r, eng.decode_images(toks), labels, inception)
     meta["command"] = meta["command"] + f"  (merged from {len(files)} shards run side by side)"
+    meta.setdefault("merges", []).append("python benchmarks/spec_zoo.py --merge " + " ".join(files)
+                                         + (" --reeval" if reeval else "") + ("" if inception else " --no-inception"))
     with open(out + ".json", "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=2)
     md = to_markdown(meta, rows)
@@ -222,6 +228,17 @@ def merge(files, out, plot_path, reeval=False, inception=True):
         plot(rows, plot_path)
 
 
+def write_table(json_path, out):
+    """Rewrite ``out``.md from a results JSON (the table is never edited by hand)."""
+    with open(json_path) as fh:
+        d = json.load(fh)
+    md = to_markdown(d["meta"], d["rows"], table_command=f"python benchmarks/spec_zoo.py --table {json_path} "
+                                                           f"--out {os.path.relpath(out, ROOT)}")
+    with open(out + ".md", "w") as fh:
+        fh.write(md)
+    print(md)
+
+
 def _fmt(v, nd=3):
     if v is None:
         return "–"
@@ -230,16 +247,21 @@ def _fmt(v, nd=3):
     return str(v)
 
 
-def to_markdown(meta, rows):
+def to_markdown(meta, rows, table_command=None):
     lines = [f"# Speculative methods on the Zoo model ({meta['device']}, {meta['dtype']})", "",
              f"{meta['n_images']} images ({meta['labels']}), seed {meta['seed']}, sampling {meta['sampling']}, "
              f"{meta['tokens_per_image']} tokens/image; torch {meta['torch']}, {meta['threads']} threads. "
              f"Wall-clock includes VQ decoding; speed-up = AR wall / row wall, same run. On a shared CPU the "
              f"ratio is only meaningful under steady load (the committed run's load changed while it ran); "
              f"clean CPU latencies: e2e_zoo_cpu.md. On a CPU, TPF and quality are the figures.", "",
-             f"Command: `{meta['command']}`", "",
-             "| method | TPF | mean accepted | speed-up vs AR | class acc | FD (classifier) | FID | skip steps |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"Command: `{meta['command']}`", ""]
+    if meta.get("merges"):
+        lines += ["Merged by: " + "; ".join(f"`{c}`" for c in meta["merges"]), ""]
+    if table_command:
+        lines += [f"Table written by `{table_command}`.", ""]
+    lines += [
+        "| method | TPF | mean accepted | speed-up vs AR | class acc | FD (classifier) | FID | skip steps |",
+        "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['name']} | error: {r['error']} |||||||")
