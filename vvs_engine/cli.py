@@ -195,7 +195,10 @@ def method_options(args) -> dict:
 def flag_names(message: str) -> str:
     """An option error in CLI terms: ``lantern_delta`` -> ``--lantern-delta``."""
     for fl in method_flags():
-        message = re.sub(rf"(?<![\w-]){fl.name}(?!\w)", fl.flag, message)
+        if "_" not in fl.name:  # one-word options (tree, accept, select) are ordinary words in messages
+            continue
+        names = "|".join(re.escape(n) for n in {fl.name, fl.flag[2:]})
+        message = re.sub(rf"(?<![\w-])(?:{names})(?![\w-])", fl.flag, message)
     return message
 
 
