@@ -53,6 +53,7 @@ def apply_threads(n: Optional[int]) -> int:
     torch.set_num_threads(n)
     return n
 
+
 # --- argument parsing ---------------------------------------------------------------------------
 class UsageError(Exception):
     """Raised instead of argparse's print-usage-and-exit so that main() prints one line and returns 2."""
