@@ -49,7 +49,7 @@ setup(
     package_data={"vvs_engine": ["zoo/checkpoints/*.safetensors", "zoo/checkpoints/*.json"]},
     include_package_data=True,
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.4",  # torch.library.custom_op
         "numpy",
         "transformers",
         "safetensors",

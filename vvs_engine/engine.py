@@ -25,10 +25,23 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 
 def resolve_device(device) -> torch.device:
-    d = torch.device(device) if not isinstance(device, torch.device) else device
+    try:
+        d = torch.device(device) if not isinstance(device, torch.device) else device
+    except (RuntimeError, TypeError):
+        raise VVSError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
     if d.type == "cuda" and not torch.cuda.is_available():
-        raise VVSError("CUDA was requested but no CUDA device is available (use --device cpu)")
+        raise VVSError("CUDA was requested but no CUDA device is available (use the device 'cpu')")
+    if d.type not in ("cpu", "cuda"):
+        raise VVSError(f"unsupported device {device!r}; use cpu, cuda or cuda:N")
     return d
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise VVSError(f"seed must be an integer, got {seed!r}")
+    if not -2 ** 63 <= seed < 2 ** 63:
+        raise VVSError(f"seed must fit in 64 bits (|seed| < 2**63), got {seed}")
+    return seed
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -70,6 +83,9 @@ class Engine:
         and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used."""
         device, dtype = resolve_device(device), resolve_dtype(dtype)
         info = {}
+        if gpt_ckpt is None and gpt_model is not None:
+            raise VVSError("gpt_model names the architecture of a gpt_ckpt file; give the checkpoint too "
+                           "(the default Zoo model has its own config)")
         if gpt_ckpt is None:
             from . import zoo
 
@@ -122,6 +138,8 @@ class Engine:
 
     def check_labels(self, labels) -> List[int]:
         check(self.config.model_type == "c2i", "this model is text-conditional: pass prompts, not class labels")
+        if isinstance(labels, (int, str)) or not hasattr(labels, "__iter__"):
+            raise VVSError(f"class_labels must be a list of integers (one image each), e.g. [3], got {labels!r}")
         out = []
         for x in labels:
             if isinstance(x, bool) or not isinstance(x, int):
@@ -137,7 +155,7 @@ class Engine:
         check(len(out) > 0, "no class labels given")
         return out
 
-    def condition_rows(self, labels=None, prompts=None, use_cfg=True):
+    def condition_rows(self, labels=None, prompts=None, use_cfg=True, clean_captions=True):
         """-> (cond rows [rows, ...], key mask [rows, cls] or None): cond rows then uncond rows."""
         if labels is not None:
             lab = torch.tensor(labels, dtype=torch.long, device=self.device)
@@ -147,7 +165,7 @@ class Engine:
         check(prompts is not None and len(prompts) > 0, "give class labels or prompts")
         check(self.config.model_type == "t2i", "this model is class-conditional: pass class labels, not prompts")
         check(self.caption_encoder is not None, "text-conditional generation needs a T5 encoder (--t5-path)")
-        emb, mask = self.caption_encoder.encode(list(prompts))
+        emb, mask = self.caption_encoder.encode(list(prompts), clean=clean_captions)
         emb = emb.to(self.device, self.dtype)
         mask = mask.to(self.device)
         if use_cfg:
@@ -160,18 +178,22 @@ class Engine:
     def generate(self, class_labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
                  method: str = "ar", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
-                 cuda_graphs: Optional[bool] = None, **method_opts) -> GenerationOutput:
+                 cuda_graphs: Optional[bool] = None, clean_captions: bool = True,
+                 **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt). Returns tokens, PIL images (when a tokenizer is
-        loaded) and stats. ``method_opts`` are the method's options (see ``vvs_engine.methods``)."""
+        loaded) and stats. ``method_opts`` are the method's options (see ``vvs_engine.methods``).
+        ``clean_captions``: clean prompts as LlamaGen does before T5 (``models.t5.clean_caption``)."""
         from .methods import get_method
 
         params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
         run, opts = get_method(method, self, method_opts)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise VVSError(f"seed must be an integer, got {seed!r}")
+        check_seed(seed)
         labels = self.check_labels(class_labels) if class_labels is not None else None
         if labels is None and prompts is None:
             raise VVSError("give class labels or prompts")
+        if prompts is not None and (isinstance(prompts, str) or not all(isinstance(x, str) for x in prompts)):
+            raise VVSError("prompts must be a list of strings (one image each), e.g. [\"a cat\"]")
+
         n = len(labels) if labels is not None else len(prompts)
         gen = make_generator(seed, self.device)
         from .runtime.runner import graphs_default
@@ -180,9 +202,9 @@ class Engine:
         self.cuda_graphs = graphs_default(self.device) if cuda_graphs is None else bool(cuda_graphs)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg)
+            cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg, clean_captions)
             res = run(self, cond, key_mask, n, params, gen, opts, progress)
-            tokens = res.tokens.cpu()  # the one host sync of the whole generation
+            tokens = res.tokens.cpu()
         wall = time.perf_counter() - t0
         stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image}
         stats.update(res.stats)

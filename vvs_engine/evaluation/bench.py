@@ -365,7 +365,7 @@ def _plot(result, path):
 # --- entry point ----------------------------------------------------------------------------------
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="vvs-engine bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="zoo", help="zoo (default; a tiny random model until it ships) or a random "
+    p.add_argument("--model", default="zoo", help="zoo (default; the shipped Zoo model) or a random-weight "
                                                  f"shape: {', '.join(SHAPES)}")
     p.add_argument("--settings", default=None, help="semicolon-separated method[:k=v,...] list "
                                                     f"(default: {';'.join(DEFAULT_SETTINGS)}); ar is always added")
@@ -383,7 +383,8 @@ def parse_args(argv):
     p.add_argument("--replay-models", default="GPT-XL,GPT-7B", help="shapes for --replay (default GPT-XL,GPT-7B; "
                                                                      "NAME:TOKENS overrides the token count)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and settings, 2 repeats (CPU smoke run)")
-    p.add_argument("--out", default=RESULTS, help=f"output folder (default {RESULTS})")
+    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results in a source checkout, "
+                                                "else ./bench-results)")
     p.add_argument("--tag", default=None, help="file name tag (default: mode and device)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--torch-trace", default=None, metavar="DIR",
@@ -392,6 +393,8 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if a.repeats < 1:
         raise VVSError("--repeats must be >= 1")
+    if a.out is None:  # never inside site-packages: RESULTS exists only in a source checkout
+        a.out = RESULTS if os.path.isdir(os.path.dirname(RESULTS)) else "bench-results"
     return a
 
 

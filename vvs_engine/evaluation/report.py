@@ -49,8 +49,11 @@ def read_generate_dir(path: str) -> tuple:
 def evaluate_dir(path: str, out_json: Optional[str] = None, inception: bool = True,
                  inception_path: Optional[str] = None) -> dict:
     """``vvs-engine eval --images DIR --out metrics.json``: metrics of a generate output folder."""
+    import sys
+
     imgs, labels, _ = read_generate_dir(path)
-    m = evaluate_images(imgs, labels, inception=inception, inception_path=inception_path)
+    m = evaluate_images(imgs, labels, inception=inception, inception_path=inception_path,
+                        progress=lambda msg: print(msg, file=sys.stderr))
     m["images_dir"] = os.path.abspath(path)
     if out_json:
         with open(out_json, "w") as f:

@@ -44,6 +44,14 @@ def parse_options(options_cls, opts: dict, method: str):
     return o.validate() if hasattr(o, "validate") else o
 
 
+def get_method_options(name: str, opts: dict):
+    """Parse and validate a method's options without an engine (the CLI checks flags before loading)."""
+    _load_all()
+    if name not in _REGISTRY:
+        raise VVSError(f"unknown method '{name}'; known: {', '.join(sorted(_REGISTRY))}")
+    return parse_options(_REGISTRY[name][1], dict(opts), name)
+
+
 def get_method(name: str, engine, opts: dict):
     _load_all()
     if name not in _REGISTRY:
