@@ -44,7 +44,7 @@ class SpecOptions:
     lantern_k: Optional[int] = None  # None = codebook_size // 16 (LANTERN: 1000 of 16384)
     lantern_delta: float = 0.2
     lantern_lambda: float = 2.0
-    lantern_reference_residual: bool = False
+    lantern_reference_residual: str = "off"  # off | llamagen | lumina-mgpt: reproduce that family's released code
     tree: Optional[str] = None  # dynamic | static | chain; None = method default
     tree_total: int = 59
     tree_depth: int = 4
@@ -83,6 +83,9 @@ class SpecOptions:
         if self.lantern_k is not None and (isinstance(self.lantern_k, bool) or not isinstance(self.lantern_k, int)
                                            or self.lantern_k < 1):
             raise VVSError(f"lantern-k must be an integer >= 1, got {self.lantern_k}")
+        from ..acceptance import check_lantern_reference
+
+        self.lantern_reference_residual = check_lantern_reference(self.lantern_reference_residual)
         if self.skip_policy not in ("never", "uniform", "dynamic"):
             raise VVSError(f"skip-policy must be uniform or dynamic, got '{self.skip_policy}'")
         i = self.skip_interval
