@@ -116,3 +116,31 @@ def test_lantern_reference_option_values():
     assert check_lantern_reference("lumina-mgpt") == "lumina-mgpt"
     with pytest.raises(VVSError, match="llamagen"):
         check_lantern_reference(True)
+
+
+# --- GSD: the released window at the lowest ranks --------------------------------------------------
+def test_gsd_window_edge_released_code_falls_back_to_sjd():
+    from vvs_engine.gsd_rule import GroupedRule
+
+    # V = 6, p sorted descending: tokens 0..5 with p = .30 .25 .20 .12 .08 .05; G = 4 (G//2 = 2 ranks
+    # below x, 1 above); prob threshold 1 and no distance filter, so every existing candidate counts.
+    p = T([[0.30, 0.25, 0.20, 0.12, 0.08, 0.05]])
+    q = T([[0.02, 0.02, 0.02, 0.02, 0.02, 0.90]])
+    ctx = SimpleNamespace(draft_q=q)
+    x, qx = T([4]), T([0.02])
+    # x = token 4 (rank 4): the 2 ranks below are 5 and 6; rank 6 does not exist.
+    # shorten: C = {3, 4, 5}: sum p = .25, sum q = .94 -> accept iff u < .266
+    short = GroupedRule(4, 1.0, math.inf)
+    assert short.cluster(p, x).tolist() == [[3, 4, 5, -1]]
+    assert short.accept(p, x, qx, T([0.26]), ctx)[0].item()
+    assert not short.accept(p, x, qx, T([0.27]), ctx)[0].item()
+    # released (ascending sort, slice [a-2 : a+2] with a = 1 -> start -1 -> empty -> SJD ratio):
+    # C = {4}: p(x)/q(x) = .08/.02 = 4 -> always accepted
+    sjd = GroupedRule(4, 1.0, math.inf, window_edge="sjd")
+    assert sjd.cluster(p, x).tolist() == [[-1, 4, -1, -1]]
+    assert sjd.accept(p, x, qx, T([0.99]), ctx)[0].item()
+    # x = token 3 (rank 3): ranks 4 and 5 exist -> both settings take the full window {2, 3, 4, 5}
+    x3 = T([3])
+    assert sjd.cluster(p, x3).tolist() == short.cluster(p, x3).tolist() == [[2, 3, 4, 5]]
+    with pytest.raises(VVSError, match="window-edge"):
+        GroupedRule(4, 1.0, math.inf, window_edge="clip")

@@ -1,22 +1,21 @@
 """CASCADE (arXiv 2605.07230): the shared speculative loop with CASCADE's relaxed acceptance
-(:mod:`vvs_engine.cascade_rule`) on an EAGLE-1 static tree.
+(:mod:`vvs_engine.cascade_rule`) on an EAGLE-1 static tree (``naive_extend_57``).
 
-Defaults are the reconstruction's LlamaGen values (shared/reference/cascade.md §4): static tree
-``naive_extend_57`` (57 nodes, depth 5), τ_b 0.9, τ_d 0.625 on the target's logits at parent and
-child, κ 4.0 — with two choices made from measurements on the Zoo model (benchmarks/cascade_zoo.py):
-the breadth similarity uses the target's hidden states (``cascade_source target-hidden``; the
-authors' LlamaGen code used the drafter's predictions, ``drafter``), and the gate is the authors'
-final nucleus gate (``cascade_gate nucleus``; their LlamaGen KL gate, ``kl`` with κ 4, accepted more
-but cost ~0.9 nats/token of target likelihood on the Zoo model).
-Every SpecOptions option applies too
-(``skip_policy`` for VVS skipping, ``tree dynamic`` with a target source, ...).
+``cascade_variant`` picks a preset: ``engine`` (default), ``llamagen`` or ``lumina-final`` (the
+authors' two published codes; docs/reference_modes.md). A ``cascade_*`` option given with a value
+other than the engine default overrides the preset's value. The engine default keeps the LlamaGen
+thresholds and depth term (τ_b 0.9, τ_d 0.625 on the target's logits at parent and child) and takes,
+from measurements on the Zoo model (benchmarks/cascade_zoo.py), the target's hidden states as the
+breadth source and the Lumina final nucleus gate evaluated once per parent (see
+``cascade_rule.DEFAULTS``). Every SpecOptions option applies too (``skip_policy`` for VVS skipping,
+``tree dynamic`` with a target source, ...).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from ..cascade_rule import check_options
+from ..cascade_rule import DEFAULTS, DRAFTER_SOURCES, check_options, variant_options
 from . import register
 from .speculative import SpecOptions, run
 
@@ -30,15 +29,23 @@ class CascadeOptions(SpecOptions):
     cascade_kappa: float = 4.0  # κ (nats) of the kl and entropy gates
     cascade_depth_source: str = "logits"  # logits | hidden: target state compared by the depth term
     cascade_nucleus: float = 0.8  # mass of the nucleus gate
+    cascade_depth_mode: str = "parent-child"  # parent-child | grandparent-parent (Lumina final)
+    cascade_gate_input: str = "parent"  # parent (unrelaxed p, once) | residual (per sibling, as published)
+    cascade_variant: str = "engine"  # engine | llamagen | lumina-final: preset of the options above
 
     def rule_kwargs(self) -> dict:
-        return dict(breadth_threshold=self.cascade_breadth_threshold, depth_threshold=self.cascade_depth_threshold,
-                    gate=self.cascade_gate, source=self.cascade_source, kappa=self.cascade_kappa,
-                    depth_source=self.cascade_depth_source, nucleus=self.cascade_nucleus)
+        """The rule options: the preset's values, replaced by every option set away from the default."""
+        given = dict(breadth_threshold=self.cascade_breadth_threshold, depth_threshold=self.cascade_depth_threshold,
+                     gate=self.cascade_gate, source=self.cascade_source, kappa=self.cascade_kappa,
+                     depth_source=self.cascade_depth_source, nucleus=self.cascade_nucleus,
+                     depth_mode=self.cascade_depth_mode, gate_input=self.cascade_gate_input)
+        preset = variant_options(self.cascade_variant, flag=lambda n: "cascade-" + n)
+        return {k: (v if v != DEFAULTS[k] else preset[k]) for k, v in given.items()}
 
     def validate(self):
         check_options(**self.rule_kwargs(), flag=lambda n: "cascade-" + n.replace("_", "-"))
-        if self.tree == "dynamic" and self.cascade_source == "drafter" and self.accept in (None, "cascade"):
+        source = self.rule_kwargs()["source"]
+        if self.tree == "dynamic" and source in DRAFTER_SOURCES and self.accept in (None, "cascade"):
             from ..errors import VVSError
 
             raise VVSError("cascade-source drafter needs a static tree (dynamic trees keep no per-node drafter "

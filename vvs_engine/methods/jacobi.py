@@ -38,7 +38,7 @@ from ..masks import causal_local
 from ..sampling import guided_logits, process_logits, sample
 from ..target import TargetSession
 from ..gsd_rule import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
-                        make_grouped_rule)
+                        check_window_edge, make_grouped_rule)
 from . import register
 from .common import MethodResult, progress
 
@@ -74,10 +74,12 @@ class GSDOptions(SJDOptions):
     gsd_prob_threshold: float = DEFAULT_PROB_THRESHOLD  # keep j only if |p(j) - p(x)| < this
     gsd_dist_threshold: float = DEFAULT_DIST_THRESHOLD  # ... and |e_j - e_x|^2 < this (unit codebook vectors)
     gsd_static_clusters: bool = False  # the paper's ablation: x's nearest codes instead of its p-rank window
+    gsd_window_edge: str = "shorten"  # shorten | sjd (the released code: SJD ratio for the least likely drafts)
 
     def validate(self):
         super().validate()
         check_gsd_values(self.gsd_group, self.gsd_prob_threshold, self.gsd_dist_threshold, self.gsd_static_clusters)
+        check_window_edge(self.gsd_window_edge)
         return self
 
     def check_engine(self, engine):
@@ -87,7 +89,7 @@ class GSDOptions(SJDOptions):
     def rule(self, engine):
         return make_grouped_rule(engine, gsd_group=self.gsd_group, gsd_prob_threshold=self.gsd_prob_threshold,
                                  gsd_dist_threshold=self.gsd_dist_threshold,
-                                 gsd_static_clusters=self.gsd_static_clusters)
+                                 gsd_static_clusters=self.gsd_static_clusters, gsd_window_edge=self.gsd_window_edge)
 
 
 def _grid_width(T: int) -> int:
