@@ -144,3 +144,162 @@ def test_gsd_window_edge_released_code_falls_back_to_sjd():
     assert sjd.cluster(p, x3).tolist() == short.cluster(p, x3).tolist() == [[2, 3, 4, 5]]
     with pytest.raises(VVSError, match="window-edge"):
         GroupedRule(4, 1.0, math.inf, window_edge="clip")
+
+
+# --- CASCADE ----------------------------------------------------------------------------------------
+def _tree(q=None, draft_logits=None):
+    """root 0 (token 0) -> nodes 1, 2 (tokens 1, 2) at depth 1; node 1 -> node 3 (token 3). V = 4."""
+    from vvs_engine.tree import DraftTree, tree_structure
+
+    parents = T([-1, 0, 0, 1])
+    mask, depth, paths, leaf, children = tree_structure(parents, 2, 2)
+    return DraftTree(T([0, 1, 2, 3]), parents, mask, depth, paths, leaf, children, q=q, draft_logits=draft_logits)
+
+
+def _cctx(tree, p, logits=None, hidden=None, child=1, parent=0):
+    from vvs_engine.acceptance import VerifyContext
+
+    return VerifyContext(tree, T([parent]), T([child]), T([True]), p, logits, hidden)
+
+
+def test_cascade_llamagen_breadth_uses_masked_drafter_logits():
+    from vvs_engine.cascade_rule import CascadeRule
+
+    # Drafter predictions after nodes 1 and 2: logits z and 5z on the kept entries; entry 3 was
+    # removed by the drafter's top-k (q = 0 there) and has a very different raw logit at node 2.
+    q = torch.zeros(4, 4)
+    q[1] = torch.softmax(T([1.0, 0.0, 0.0, -1e9]), 0)
+    q[2] = torch.softmax(T([5.0, 0.0, 0.0, -1e9]), 0)
+    lg = torch.zeros(4, 4)
+    lg[1] = T([1.0, 0.0, 0.0, -7.0])
+    lg[2] = T([5.0, 0.0, 0.0, 40.0])
+    tree = _tree(q, lg)
+    p = T([[0.1, 0.2, 0.3, 0.4]] * 4)
+    # masked logits (1, 0, 0, 0) and (5, 0, 0, 0): cos = 1 > 0.9 -> S(node 1) = {node 2}, credit p(2) = 0.3
+    llama = CascadeRule(source="drafter-logits", breadth_threshold=0.9, depth_threshold=2.0, gate="kl")
+    A, moved = llama.credit(p[:1], T([1]), _cctx(tree, p))
+    assert A.item() == pytest.approx(0.3) and moved.tolist() == [[False, False, True, False]]
+    # softmax source: softmax(1,0,0) = (e, 1, 1)/(e+2), softmax(5,0,0) = (e^5, 1, 1)/(e^5+2):
+    # cos = (e^6 + 2) / sqrt((e^2 + 2)(e^10 + 2)) = 405.4 / 454.8 = 0.891 < 0.9 -> no set, no credit
+    want_cos = (math.e ** 6 + 2) / math.sqrt((math.e ** 2 + 2) * (math.e ** 10 + 2))
+    assert want_cos == pytest.approx(0.891, abs=1e-3)
+    soft = CascadeRule(source="drafter", breadth_threshold=0.9, depth_threshold=2.0, gate="kl")
+    assert soft.credit(p[:1], T([1]), _cctx(tree, p))[0].item() == 0.0
+    # ... and above 0.85 the softmax source finds it
+    soft = CascadeRule(source="drafter", breadth_threshold=0.85, depth_threshold=2.0, gate="kl")
+    assert soft.credit(p[:1], T([1]), _cctx(tree, p))[0].item() == pytest.approx(0.3)
+    # unmasked logits (1, 0, 0, -7) vs (5, 0, 0, 40) would have cos = (5 - 280) / (7.07 * 40.3) < 0
+
+
+def test_cascade_gate_on_the_sibling_updated_residual():
+    from vvs_engine.cascade_rule import CascadeRule
+
+    tree = _tree()
+    logits = torch.zeros(4, 4)
+    logits[0] = T([1.0, 0.0, 0.0, 0.0])
+    logits[1] = T([0.9, math.sqrt(1 - 0.81), 0.0, 0.0])  # cos(parent, node 1) = 0.9 > 0.625
+    confident = torch.full((4, 4), 0.25)
+    confident[0] = T([0.97, 0.01, 0.01, 0.01])  # the unrelaxed target at the parent
+    residual = torch.full((1, 4), 0.25)  # after earlier siblings were rejected: flat
+    # KL(p || softmax(l/|l|)) with l/|l| = (1, 0, 0, 0), log-softmax = (1 - L, -L, -L, -L), L = log(e + 3):
+    #   flat residual: log .25 - (1 - 4L)/4 = 0.107;  confident: sum p log p + L - 0.97 = 0.606.
+    # kappa = 0.3: the residual passes, the unrelaxed parent distribution does not.
+    ctx = _cctx(tree, confident, logits)
+    x = T([1])
+    by_parent = CascadeRule(breadth_threshold=2.0, depth_threshold=0.625, gate="kl", kappa=0.3)
+    assert by_parent.credit(residual, x, ctx)[0].item() == 0.0
+    by_residual = CascadeRule(breadth_threshold=2.0, depth_threshold=0.625, gate="kl", kappa=0.3,
+                              gate_input="residual")
+    assert by_residual.credit(residual, x, ctx)[0].item() == pytest.approx(0.9, abs=1e-6)
+    # tested against the unrelaxed distribution itself, the residual gate agrees with the parent gate
+    assert by_residual.credit(confident[:1], x, ctx)[0].item() == 0.0
+    # nucleus on the residual: r = (.1, .6, .2, .1): the 0.8 nucleus is {1, 2}; x = token 1 is inside
+    # it, while under the confident parent distribution (0.97 alone) it is not.
+    r = T([[0.1, 0.6, 0.2, 0.1]])
+    nuc = CascadeRule(breadth_threshold=2.0, depth_threshold=0.625, gate="nucleus", gate_input="residual")
+    assert nuc.credit(r, x, ctx)[0].item() == pytest.approx(0.9, abs=1e-6)
+    nuc_parent = CascadeRule(breadth_threshold=2.0, depth_threshold=0.625, gate="nucleus")
+    assert nuc_parent.credit(r, x, ctx)[0].item() == 0.0
+
+
+def test_cascade_lumina_final_depth_compares_grandparent_and_parent():
+    from vvs_engine.cascade_rule import CascadeRule
+
+    tree = _tree()
+    p = T([[0.25] * 4] * 4)
+    hidden = torch.zeros(1, 4, 2)  # [rows, N, D]; node 0 (root) h = (0, 0): softmax (.5, .5)
+    hidden[0, 1] = T([0.1, 0.0])  # softmax (.52498, .47502)
+    hidden[0, 3] = T([-5.0, 5.0])  # node 3's own state plays no part
+    # node 3 (depth 2): cos(softmax h_root, softmax h_1) = .5 / (.70711 * .70799) = 0.99875 > 0.9
+    rule = CascadeRule(breadth_threshold=2.0, depth_threshold=0.9, gate="none", depth_source="hidden",
+                       depth_mode="grandparent-parent")
+    A, _ = rule.credit(p[:1], T([3]), _cctx(tree, p, hidden=hidden, child=3, parent=1))
+    assert A.item() == pytest.approx(0.99875, abs=1e-5)
+    # node 1 (depth 1) has no grandparent: no depth term, whatever the states
+    rule = CascadeRule(breadth_threshold=2.0, depth_threshold=0.9, gate="none", depth_source="hidden",
+                       depth_mode="grandparent-parent")
+    assert rule.credit(p[:1], T([1]), _cctx(tree, p, hidden=hidden, child=1))[0].item() == 0.0
+    # the parent-child mode compares h_1 and h_3: cos((.1, 0), (-5, 5)) = -0.707 -> nothing
+    pc = CascadeRule(breadth_threshold=2.0, depth_threshold=0.9, gate="none", depth_source="hidden")
+    assert pc.credit(p[:1], T([3]), _cctx(tree, p, hidden=hidden, child=3, parent=1))[0].item() == 0.0
+    # h_1 = (2, 0): softmax (.8808, .1192); cos with (.5, .5) = .5 / (.70711 * .88883) = 0.7955 < 0.9
+    hidden[0, 1] = T([2.0, 0.0])
+    rule = CascadeRule(breadth_threshold=2.0, depth_threshold=0.9, gate="none", depth_source="hidden",
+                       depth_mode="grandparent-parent")
+    assert rule.credit(p[:1], T([3]), _cctx(tree, p, hidden=hidden, child=3, parent=1))[0].item() == 0.0
+
+
+def test_cascade_variant_presets():
+    from vvs_engine.cascade_rule import DEFAULTS, make_cascade_rule
+    from vvs_engine.methods.cascade import CascadeOptions
+
+    llama = make_cascade_rule(variant="llamagen")
+    assert (llama.source, llama.gate, llama.gate_input, llama.depth_mode, llama.tau_b, llama.tau_d, llama.kappa) == \
+        ("drafter-logits", "kl", "residual", "parent-child", 0.9, 0.625, 4.0)
+    lum = make_cascade_rule(variant="lumina-final")
+    assert (lum.source, lum.gate, lum.gate_input, lum.depth_mode, lum.depth_source, lum.tau_b, lum.tau_d,
+            lum.nucleus) == ("drafter", "nucleus", "residual", "grandparent-parent", "hidden", 0.5, 0.9, 0.8)
+    assert CascadeOptions().rule_kwargs() == DEFAULTS
+    o = CascadeOptions(cascade_variant="lumina-final", cascade_breadth_threshold=0.7)
+    kw = o.rule_kwargs()
+    assert kw["breadth_threshold"] == 0.7 and kw["depth_mode"] == "grandparent-parent"  # explicit option wins
+    with pytest.raises(VVSError, match="cascade-variant"):
+        CascadeOptions(cascade_variant="anole").validate()
+    with pytest.raises(VVSError, match="static tree"):
+        CascadeOptions(cascade_variant="llamagen", tree="dynamic").validate()
+
+
+# --- whole runs: a reference mode whose relaxation cannot fire is the exact method ------------------
+@pytest.fixture(scope="module")
+def eng():
+    from spec_models import tiny_engine
+
+    return tiny_engine(vocab=64, block=36, peak=8.0)
+
+
+@pytest.mark.parametrize("family", ["llamagen", "lumina-mgpt"])
+@pytest.mark.parametrize("method", ["lantern", "lantern++"])
+def test_lantern_reference_with_nothing_to_credit_is_exact(eng, family, method):
+    # delta = 0 (lambda = 1): only a neighbour with target probability exactly 0 fits a prefix. Greedy
+    # (any tree) and sampled chains (no sibling is rejected, so no entry of the residual is zeroed
+    # before the next test) then never credit anything and the released residual is the exact one.
+    # With siblings the released code does act at delta = 0: a rejected sibling's zeroed entry makes
+    # c_1 = 0 for a later sibling whose nearest neighbour it is, and k + 1 neighbours are removed.
+    bound = dict(lantern_delta=0.0) if method == "lantern" else dict(lantern_lambda=1.0)
+    for temperature, seed, tree in ((0.0, 0, {}), (1.0, 4, dict(tree="chain", tree_depth=3))):
+        kw = dict(class_labels=[0, 3], temperature=temperature, cfg_scale=3.0, seed=seed, decode_images=False, **tree)
+        exact = eng.generate(method="eagle", **({"tree": "static"} if method == "lantern++" and not tree else {}),
+                             **kw).tokens
+        ref = eng.generate(method=method, lantern_reference_residual=family, **bound, **kw).tokens
+        assert torch.equal(exact, ref)
+
+
+@pytest.mark.parametrize("variant", ["llamagen", "lumina-final"])
+def test_cascade_variants_run_and_never_firing_is_exact(eng, variant):
+    kw = dict(class_labels=[1, 4], temperature=1.0, cfg_scale=3.0, seed=9, decode_images=False)
+    exact = eng.generate(method="eagle", tree="static", **kw)
+    off = eng.generate(method="cascade", cascade_variant=variant, cascade_breadth_threshold=1.5,
+                       cascade_depth_threshold=1.01, **kw)
+    assert torch.equal(exact.tokens, off.tokens)
+    on = eng.generate(method="cascade", cascade_variant=variant, cascade_gate="none", **kw)
+    assert on.stats["tpf"] > exact.stats["tpf"]
