@@ -34,6 +34,7 @@ METHOD_FLAGS = [
     ("--lantern-k", int, "LANTERN: number of codebook neighbours k"),
     ("--lantern-delta", float, "LANTERN: total-variation bound delta"),
     ("--lantern-lambda", float, "LANTERN++: multiplicative cap lambda"),
+    ("--lantern-reference-residual", str, "LANTERN: off|llamagen|lumina-mgpt (reproduce that released code)"),
     ("--tree", str, "draft tree: dynamic|static|chain"),
     ("--tree-total", int, "draft tree: total nodes"),
     ("--tree-depth", int, "draft tree: depth"),
@@ -48,6 +49,7 @@ METHOD_FLAGS = [
     ("--gsd-group", int, "GSD: group size"),
     ("--gsd-prob-threshold", float, "GSD: probability threshold"),
     ("--gsd-dist-threshold", float, "GSD: codebook distance threshold"),
+    ("--gsd-window-edge", str, "GSD: shorten|sjd (the released code's fallback at the lowest ranks)"),
     ("--cascade-breadth-threshold", float, "CASCADE: breadth similarity threshold tau_b"),
     ("--cascade-depth-threshold", float, "CASCADE: depth convergence threshold tau_d"),
     ("--cascade-gate", str, "CASCADE: uncertainty gate"),
@@ -55,6 +57,9 @@ METHOD_FLAGS = [
     ("--cascade-kappa", float, "CASCADE: kappa (nats) of the kl and entropy gates"),
     ("--cascade-depth-source", str, "CASCADE: state compared by the depth term logits|hidden"),
     ("--cascade-nucleus", float, "CASCADE: probability mass of the nucleus gate"),
+    ("--cascade-depth-mode", str, "CASCADE: depth term parent-child|grandparent-parent"),
+    ("--cascade-gate-input", str, "CASCADE: gate on the parent's p or the sibling-updated residual"),
+    ("--cascade-variant", str, "CASCADE: preset engine|llamagen|lumina-final (published codes)"),
 ]
 
 
