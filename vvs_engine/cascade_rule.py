@@ -1,4 +1,4 @@
-"""CASCADE's relaxed acceptance (arXiv 2605.07230, reconstructed in shared/reference/cascade.md §4).
+"""CASCADE's relaxed acceptance (arXiv 2605.07230; the reproduced variants: docs/reference_modes.md).
 
 Two redundancies of the target across a draft tree relax the acceptance of a drafted token x:
 
