@@ -303,3 +303,11 @@ def test_cascade_variants_run_and_never_firing_is_exact(eng, variant):
     assert torch.equal(exact.tokens, off.tokens)
     on = eng.generate(method="cascade", cascade_variant=variant, cascade_gate="none", **kw)
     assert on.stats["tpf"] > exact.stats["tpf"]
+
+
+def test_lantern_reference_under_vvs_post_verify_reject(eng):
+    # VVS's rollback asks the rule for a residual without a credit mask; the reference mode must cope.
+    kw = dict(class_labels=[2], temperature=1.0, cfg_scale=3.0, seed=6, decode_images=False)
+    out = eng.generate(method="vvs", skip_interval=2, post_verify="reject", lantern_reference_residual="llamagen",
+                       **kw)
+    assert out.tokens.shape == (1, eng.tokens_per_image) and out.stats["post_verify_rollbacks"] > 0

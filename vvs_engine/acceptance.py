@@ -154,6 +154,8 @@ class LanternRule(AcceptanceRule):
     def residual(self, r, q, x, moved):
         if not self.ref:
             return super().residual(r, q, x, moved)
+        if moved is None:  # a caller without a credit (VVS's post-verification rollback)
+            moved = torch.zeros_like(r, dtype=torch.bool)
         if q is None:  # deterministic drafts (dynamic trees): zero x and the neighbours in the target
             res = r.scatter(1, x[:, None], 0.0).masked_fill(moved, 0.0)
         elif self.reference == "llamagen":  # static tree, LlamaGen file: the neighbours leave q
