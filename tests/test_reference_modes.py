@@ -311,3 +311,16 @@ def test_lantern_reference_under_vvs_post_verify_reject(eng):
     out = eng.generate(method="vvs", skip_interval=2, post_verify="reject", lantern_reference_residual="llamagen",
                        **kw)
     assert out.tokens.shape == (1, eng.tokens_per_image) and out.stats["post_verify_rollbacks"] > 0
+
+
+def test_gsd_window_edge_option_reaches_the_rule(eng):
+    from vvs_engine.methods.jacobi import GSDOptions
+
+    assert GSDOptions(gsd_window_edge="sjd").validate().rule(eng).window_edge == "sjd"
+    with pytest.raises(VVSError, match="window-edge"):
+        GSDOptions(gsd_window_edge="wrap").validate()
+    kw = dict(class_labels=[1], temperature=1.0, cfg_scale=3.0, seed=2, decode_images=False)
+    out = eng.generate(method="eagle", accept="gsd", gsd_window_edge="sjd", gsd_dist_threshold=math.inf, **kw)
+    assert out.tokens.shape == (1, eng.tokens_per_image)
+    with pytest.raises(VVSError, match="--accept gsd"):
+        eng.generate(method="eagle", gsd_window_edge="sjd", **kw)

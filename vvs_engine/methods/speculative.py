@@ -62,6 +62,7 @@ class SpecOptions:
     gsd_group: Optional[int] = None
     gsd_prob_threshold: Optional[float] = None
     gsd_dist_threshold: Optional[float] = None
+    gsd_window_edge: Optional[str] = None  # shorten | sjd (the released code's fallback)
 
     def validate(self):
         if self.tree not in (None, "dynamic", "static", "chain"):
@@ -111,11 +112,11 @@ class SpecOptions:
 
 
 def run(engine, cond, key_mask, n, params, gen, opts: SpecOptions, show_progress=False) -> MethodResult:
+    gsd_keys = ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold", "gsd_window_edge")
     if opts.accept == "gsd":
-        gsd = {k: getattr(opts, k) for k in ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold")
-               if getattr(opts, k) is not None}
+        gsd = {k: getattr(opts, k) for k in gsd_keys if getattr(opts, k) is not None}
         opts.rule_options = {**gsd, **opts.rule_options}
-    elif any(getattr(opts, k) is not None for k in ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold")):
+    elif any(getattr(opts, k) is not None for k in gsd_keys):
         raise VVSError("--gsd-* options need --accept gsd (or --method gsd)")
     rule = make_rule(opts.accept or "exact", engine,
                      lantern_k=opts.lantern_k or max(1, _codebook(engine) // 16),
