@@ -324,3 +324,18 @@ def test_gsd_window_edge_option_reaches_the_rule(eng):
     assert out.tokens.shape == (1, eng.tokens_per_image)
     with pytest.raises(VVSError, match="--accept gsd"):
         eng.generate(method="eagle", gsd_window_edge="sjd", **kw)
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"--method": "lantern", "--lantern-reference-residual": "yes"}, "lantern-reference-residual must be one of"),
+    ({"--method": "cascade", "--cascade-variant": "anole"}, "cascade-variant must be one of"),
+    ({"--method": "cascade", "--cascade-gate-input": "child"}, "cascade-gate-input must be one of"),
+    ({"--method": "gsd", "--gsd-window-edge": "wrap"}, "gsd-window-edge must be"),
+])
+def test_cli_one_line_errors(ckpts, tmp_path, capsys, over, match):
+    from test_cli import contract_argv, run_error
+
+    run_error(capsys, contract_argv(ckpts, tmp_path / "out", **over), match=match)
+
+
+from test_cli import ckpts  # noqa: E402,F401  (the CLI tests' checkpoint fixture)

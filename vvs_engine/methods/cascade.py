@@ -25,7 +25,7 @@ class CascadeOptions(SpecOptions):
     cascade_breadth_threshold: float = 0.9  # τ_b: cosine of next-token predictions within a level
     cascade_depth_threshold: float = 0.625  # τ_d: cosine of the target's state at parent and child
     cascade_gate: str = "nucleus"  # nucleus | kl | entropy | none: gate of the relaxation
-    cascade_source: str = "target-hidden"  # target-hidden | target-logits | drafter: breadth predictions
+    cascade_source: str = "target-hidden"  # target-hidden | target-logits | drafter (softmax) | drafter-logits
     cascade_kappa: float = 4.0  # κ (nats) of the kl and entropy gates
     cascade_depth_source: str = "logits"  # logits | hidden: target state compared by the depth term
     cascade_nucleus: float = 0.8  # mass of the nucleus gate
