@@ -263,8 +263,11 @@ def plot(rows: list, path: str, fastest=None) -> None:
         ax.axhspan(*ar[key]["ci"], color="grey", alpha=0.2, label="AR 95 % interval")
         for r in ok:
             m, t = r[key], r["tpf"]
-            ax.errorbar(t["value"], m["value"], yerr=[[m["value"] - m["ci"][0]], [m["ci"][1] - m["value"]]],
-                        xerr=[[t["value"] - t["ci"][0]], [t["ci"][1] - t["value"]]], fmt="o" if r["parity"] else "x",
+            # a bootstrap FD interval can lie above the full-set value (resamples repeat images): clip at 0
+            ax.errorbar(t["value"], m["value"], yerr=[[max(0.0, m["value"] - m["ci"][0])],
+                                                      [max(0.0, m["ci"][1] - m["value"])]],
+                        xerr=[[max(0.0, t["value"] - t["ci"][0])], [max(0.0, t["ci"][1] - t["value"])]],
+                        fmt="o" if r["parity"] else "x",
                         ms=5, capsize=2, color="C2" if r["parity"] else "C3")
             ax.annotate(r["name"] + (" ★" if r["name"] == fastest else ""), (t["value"], m["value"]), fontsize=6,
                         xytext=(3, 3), textcoords="offset points")
