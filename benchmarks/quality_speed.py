@@ -9,8 +9,9 @@ per target forward) and compute ops per token (one image, counted with :class:`v
 OpCounter`). Every quality figure and TPF gets a 95 % percentile-bootstrap interval over images, and
 the difference to AR an interval from the same resampled image indices (paired by seed).
 
-Parity: a setting keeps AR quality when its class accuracy and classifier FD (and FID, when computed)
-lie inside AR's 95 % interval. The table names the fastest setting (highest TPF) at parity.
+Parity: a setting keeps AR quality when none of class accuracy, classifier FD and FID (when computed)
+is detectably worse: each paired difference's 95 % interval reaches 0 or the better side. The table
+names the fastest setting (highest TPF) at parity.
 
 Generated tokens are cached per setting (``<out>_tokens/<setting>.npz``, keyed by checkpoints,
 sampling, options, labels and seeds): an interrupted run resumes where it stopped.
@@ -90,21 +91,30 @@ def estimate(stat, idx: np.ndarray, ar=None) -> tuple:
     return out, boot
 
 
-def inside(value: float, ci) -> bool:
-    return ci[0] <= value <= ci[1]
+PARITY_METRICS = {"class_accuracy": +1, "fd_classifier": -1, "fid_inception": -1}  # +1: higher is better
 
 
-PARITY_METRICS = ("class_accuracy", "fd_classifier", "fid_inception")
+def at_parity(row: dict) -> bool:
+    """Not detectably worse than AR: for every quality metric the paired difference's 95 % interval
+    reaches the no-difference point or the better side. (Differences, not the setting's own interval
+    against AR's: an FD interval from resamples that repeat images is shifted upwards, and the shift
+    cancels in a paired difference.)"""
+    for k, sign in PARITY_METRICS.items():
+        m = row.get(k)
+        if m is None or "diff_ci" not in m:
+            continue
+        lo, hi = m["diff_ci"]
+        if (hi if sign > 0 else -lo) < 0:
+            return False
+    return True
 
 
 def parity_verdicts(rows: list) -> str | None:
-    """Marks every row ``parity`` True/False (its quality inside AR's intervals); returns the name of
-    the fastest non-AR row at parity, or None."""
-    ar = next(r for r in rows if r["method"] == "ar")
+    """Marks every row ``parity`` True/False; returns the name of the fastest (highest TPF) non-AR row
+    at parity, or None."""
     best = None
     for r in rows:
-        keys = [k for k in PARITY_METRICS if k in r and k in ar]
-        r["parity"] = all(inside(r[k]["value"], ar[k]["ci"]) for k in keys)
+        r["parity"] = r["method"] == "ar" or at_parity(r)
         if r["parity"] and r["method"] != "ar" and (best is None or r["tpf"]["value"] > best["tpf"]["value"]):
             best = r
     return best["name"] if best else None
@@ -231,8 +241,9 @@ def to_markdown(meta: dict, rows: list, fastest) -> str:
              f"(paired with AR by seed), sampling {meta['sampling']}, checkpoints {meta['checkpoints']}, "
              f"torch {meta['torch']}, {meta['threads']} threads, device {meta['device']}. Intervals: 95 % "
              f"percentile bootstrap over images ({meta['bootstrap']} draws; {meta['inception_bootstrap']} for the "
-             f"Inception metrics); Δ = setting − AR on the same draws. Parity: class accuracy, classifier FD and "
-             f"FID inside AR's interval. Ops/token: aten compute ops of one image (views excluded) per token.", "",
+             f"Inception metrics); Δ = setting − AR on the same draws. Parity: no Δ interval (class accuracy, "
+             f"classifier FD, FID) lies wholly on the worse side. FD intervals come from resamples that "
+             f"repeat images and sit above the full-set value; their Δ is unbiased by that. Ops/token: aten compute ops of one image (views excluded) per token.", "",
              f"**Fastest setting at parity: {fastest or 'none'}**", "",
              "| setting | TPF | ops/token | class acc | Δ acc vs AR | FD (classifier) | Δ FD | FID | precision | recall "
              "| parity |",

@@ -34,19 +34,24 @@ def test_estimate_and_paired_difference_by_hand():
     assert z["diff"] == 0 and z["diff_ci"] == (0.0, 0.0)
 
 
-def _row(name, method, acc, ci, fd, fd_ci, tpf):
-    return {"name": name, "method": method, "class_accuracy": {"value": acc, "ci": ci},
-            "fd_classifier": {"value": fd, "ci": fd_ci}, "tpf": {"value": tpf, "ci": (tpf, tpf)}}
+def _row(name, method, acc_diff_ci, fd_diff_ci, tpf):
+    return {"name": name, "method": method, "tpf": {"value": tpf, "ci": (tpf, tpf)},
+            "class_accuracy": {"value": 0.5, "ci": (0.46, 0.54), "diff": 0.0, "diff_ci": acc_diff_ci},
+            "fd_classifier": {"value": 10.0, "ci": (9.0, 11.0), "diff": 0.0, "diff_ci": fd_diff_ci}}
 
 
 def test_parity_and_fastest_at_parity():
-    rows = [_row("AR", "ar", 0.50, (0.46, 0.54), 10.0, (9.0, 11.0), 1.0),
-            _row("fast but worse", "x", 0.40, (0.36, 0.44), 10.0, (9.0, 11.0), 3.0),
-            _row("slow at parity", "x", 0.52, (0.48, 0.56), 10.5, (9.5, 11.5), 1.5),
-            _row("faster at parity", "x", 0.47, (0.43, 0.51), 9.5, (8.5, 10.5), 2.0),
-            _row("fd too high", "x", 0.50, (0.46, 0.54), 11.5, (10.5, 12.5), 2.5)]
+    ar = _row("AR", "ar", None, None, 1.0)
+    for k in ("class_accuracy", "fd_classifier"):
+        del ar[k]["diff"], ar[k]["diff_ci"]
+    rows = [ar,
+            _row("fast but worse", "x", (-0.10, -0.02), (-1.0, 1.0), 3.0),  # accuracy surely lower
+            _row("slow at parity", "x", (-0.05, 0.04), (-1.0, 1.0), 1.5),
+            _row("faster at parity", "x", (-0.04, 0.00), (0.0, 2.0), 2.0),  # both reach 0
+            _row("fd too high", "x", (-0.03, 0.03), (0.1, 2.0), 2.5),  # FD surely higher
+            _row("better", "x", (0.01, 0.05), (-2.0, -0.5), 1.2)]
     assert qs.parity_verdicts(rows) == "faster at parity"
-    assert [r["parity"] for r in rows] == [True, False, True, True, False]
+    assert [r["parity"] for r in rows] == [True, False, True, True, False, True]
     md = qs.to_markdown({"command": "python benchmarks/quality_speed.py --x", "n_images": 6, "labels": "l",
                          "seed": 0, "sampling": {}, "checkpoints": "c", "torch": "t", "threads": 1, "device": "cpu",
                          "bootstrap": 10, "inception_bootstrap": 5}, rows, "faster at parity")
@@ -56,6 +61,7 @@ def test_parity_and_fastest_at_parity():
     table = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| setting")]
     assert len(table) == len(rows) and all(ln.count("|") == 12 for ln in table)
     assert "0.500 [0.460, 0.540]" in table[0] and table[1].endswith("| no |")
+    assert "-0.100, -0.020" in table[1]
 
 
 def test_tiny_run_metrics_cache_and_report(tmp_path, monkeypatch):
