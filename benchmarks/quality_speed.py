@@ -5,7 +5,7 @@ One run, one checkpoint set: every setting generates the same labels (``--images
 class, default 40 -> 640 images) with the same per-image seeds (image i uses ``--seed + i``, one image
 per generate call, so AR and a method are paired by seed). Per setting: class accuracy, FD in the
 classifier's feature space, Inception FID, precision/recall (Inception features, k = 3), TPF (tokens
-per target forward) and compute ops per token (one image, counted with :class:`vvs_engine.op_count.
+per target forward) and compute ops per token (one image, counted with :class:`vvs_engine.evaluation.op_count.
 OpCounter`). Every quality figure and TPF gets a 95 % percentile-bootstrap interval over images, and
 the difference to AR an interval from the same resampled image indices (paired by seed).
 
@@ -168,7 +168,7 @@ def _takes(fn, name: str) -> bool:
 
 
 def ops_per_token(eng, method, opts, label, seed, sampling) -> float:
-    from vvs_engine.op_count import OpCounter
+    from vvs_engine.evaluation.op_count import OpCounter
 
     with OpCounter() as c:
         eng.generate(class_labels=[label], method=method, seed=seed, decode_images=False, **sampling, **opts)
@@ -178,7 +178,7 @@ def ops_per_token(eng, method, opts, label, seed, sampling) -> float:
 # --- metrics ----------------------------------------------------------------------------------------
 def image_features(eng, tokens, labels, inception: bool) -> dict:
     """Per-image quantities every metric is computed from (so bootstrap draws need no new images)."""
-    from vvs_engine.eval import as_float_images, classifier_features, get_inception, load_classifier
+    from vvs_engine.evaluation.quality import as_float_images, classifier_features, get_inception, load_classifier
 
     images = eng.decode_images(torch.as_tensor(tokens))
     x = as_float_images(images)
@@ -196,7 +196,7 @@ def image_features(eng, tokens, labels, inception: bool) -> dict:
 def setting_metrics(feats, forwards, tokens_per_image, ref, idx, inception_reps=None, ar=None, pr_k=3) -> tuple:
     """Every metric with its interval -> (metrics, draws). With ``ar`` (AR's draws from an earlier
     call on the same ``idx``) each metric also gets the paired difference to AR."""
-    from vvs_engine.eval import feature_stats, frechet_distance, precision_recall
+    from vvs_engine.evaluation.quality import feature_stats, frechet_distance, precision_recall
 
     def fd(f, r):
         mu_r, s_r = feature_stats(r)
@@ -297,7 +297,7 @@ def plot(rows: list, path: str, fastest=None) -> None:
 def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, inception_reps=100, batch_size=1,
              cache_dir=None, ckpt_key="", ops=True, show=True) -> tuple:
     """Generate (or load) every setting, compute the metrics -> (rows, fastest setting at parity)."""
-    from vvs_engine.eval import reference_features
+    from vvs_engine.evaluation.quality import reference_features
     from vvs_engine.errors import VVSError
 
     seeds = [seed + i for i in range(len(labels))]

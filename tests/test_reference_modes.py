@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vvs_engine.acceptance import LanternRule, check_lantern_reference
+from vvs_engine.acceptance.verify import LanternRule, check_lantern_reference
 from vvs_engine.errors import VVSError
 
 T = torch.tensor
@@ -120,7 +120,7 @@ def test_lantern_reference_option_values():
 
 # --- GSD: the released window at the lowest ranks --------------------------------------------------
 def test_gsd_window_edge_released_code_falls_back_to_sjd():
-    from vvs_engine.gsd_rule import GroupedRule
+    from vvs_engine.acceptance.gsd import GroupedRule
 
     # V = 6, p sorted descending: tokens 0..5 with p = .30 .25 .20 .12 .08 .05; G = 4 (G//2 = 2 ranks
     # below x, 1 above); prob threshold 1 and no distance filter, so every existing candidate counts.
@@ -149,7 +149,7 @@ def test_gsd_window_edge_released_code_falls_back_to_sjd():
 # --- CASCADE ----------------------------------------------------------------------------------------
 def _tree(q=None, draft_logits=None):
     """root 0 (token 0) -> nodes 1, 2 (tokens 1, 2) at depth 1; node 1 -> node 3 (token 3). V = 4."""
-    from vvs_engine.tree import DraftTree, tree_structure
+    from vvs_engine.drafting.tree import DraftTree, tree_structure
 
     parents = T([-1, 0, 0, 1])
     mask, depth, paths, leaf, children = tree_structure(parents, 2, 2)
@@ -157,13 +157,13 @@ def _tree(q=None, draft_logits=None):
 
 
 def _cctx(tree, p, logits=None, hidden=None, child=1, parent=0):
-    from vvs_engine.acceptance import VerifyContext
+    from vvs_engine.acceptance.verify import VerifyContext
 
     return VerifyContext(tree, T([parent]), T([child]), T([True]), p, logits, hidden)
 
 
 def test_cascade_llamagen_breadth_uses_masked_drafter_logits():
-    from vvs_engine.cascade_rule import CascadeRule
+    from vvs_engine.acceptance.cascade import CascadeRule
 
     # Drafter predictions after nodes 1 and 2: logits z and 5z on the kept entries; entry 3 was
     # removed by the drafter's top-k (q = 0 there) and has a very different raw logit at node 2.
@@ -192,7 +192,7 @@ def test_cascade_llamagen_breadth_uses_masked_drafter_logits():
 
 
 def test_cascade_gate_on_the_sibling_updated_residual():
-    from vvs_engine.cascade_rule import CascadeRule
+    from vvs_engine.acceptance.cascade import CascadeRule
 
     tree = _tree()
     logits = torch.zeros(4, 4)
@@ -223,7 +223,7 @@ def test_cascade_gate_on_the_sibling_updated_residual():
 
 
 def test_cascade_lumina_final_depth_compares_grandparent_and_parent():
-    from vvs_engine.cascade_rule import CascadeRule
+    from vvs_engine.acceptance.cascade import CascadeRule
 
     tree = _tree()
     p = T([[0.25] * 4] * 4)
@@ -250,7 +250,7 @@ def test_cascade_lumina_final_depth_compares_grandparent_and_parent():
 
 
 def test_cascade_variant_presets():
-    from vvs_engine.cascade_rule import DEFAULTS, make_cascade_rule
+    from vvs_engine.acceptance.cascade import DEFAULTS, make_cascade_rule
     from vvs_engine.methods.cascade import CascadeOptions
 
     llama = make_cascade_rule(variant="llamagen")

@@ -1,5 +1,5 @@
 """CASCADE (arXiv 2605.07230): the shared speculative loop with CASCADE's relaxed acceptance
-(:mod:`vvs_engine.cascade_rule`) on an EAGLE-1 static tree (``naive_extend_57``).
+(:mod:`vvs_engine.acceptance.cascade`) on an EAGLE-1 static tree (``naive_extend_57``).
 
 ``cascade_variant`` picks a preset: ``engine`` (default), ``llamagen`` or ``lumina-final`` (the
 authors' two published codes; docs/reference_modes.md). A ``cascade_*`` option given with a value
@@ -7,7 +7,7 @@ other than the engine default overrides the preset's value. The engine default k
 thresholds and depth term (τ_b 0.9, τ_d 0.625 on the target's logits at parent and child) and takes,
 from measurements on the Zoo model (benchmarks/cascade_zoo.py), the target's hidden states as the
 breadth source and the Lumina final nucleus gate evaluated once per parent (see
-``cascade_rule.DEFAULTS``). Every SpecOptions option applies too (``skip_policy`` for VVS skipping,
+``acceptance.cascade.DEFAULTS``; the method: docs/methods.md §3). Every SpecOptions option applies too (``skip_policy`` for VVS skipping,
 ``tree dynamic`` with a target source, ...).
 """
 from __future__ import annotations
@@ -15,23 +15,30 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..cascade_rule import DEFAULTS, DRAFTER_SOURCES, check_options, variant_options
+from ..acceptance.cascade import DEFAULTS, DRAFTER_SOURCES, check_options, variant_options
 from . import register
+from .options import option
 from .speculative import SpecOptions, run
 
 
 @dataclass
 class CascadeOptions(SpecOptions):
-    cascade_breadth_threshold: float = 0.9  # τ_b: cosine of next-token predictions within a level
-    cascade_depth_threshold: float = 0.625  # τ_d: cosine of the target's state at parent and child
-    cascade_gate: str = "nucleus"  # nucleus | kl | entropy | none: gate of the relaxation
-    cascade_source: str = "target-hidden"  # target-hidden | target-logits | drafter (softmax) | drafter-logits
-    cascade_kappa: float = 4.0  # κ (nats) of the kl and entropy gates
-    cascade_depth_source: str = "logits"  # logits | hidden: target state compared by the depth term
-    cascade_nucleus: float = 0.8  # mass of the nucleus gate
-    cascade_depth_mode: str = "parent-child"  # parent-child | grandparent-parent (Lumina final)
-    cascade_gate_input: str = "parent"  # parent (unrelaxed p, once) | residual (per sibling, as published)
-    cascade_variant: str = "engine"  # engine | llamagen | lumina-final: preset of the options above
+    cascade_breadth_threshold: float = option(0.9, "CASCADE: breadth threshold tau_b (cosine of next-token "
+                                                   "predictions within a level)")
+    cascade_depth_threshold: float = option(0.625, "CASCADE: depth threshold tau_d (cosine of the target's "
+                                                   "state at parent and child)")
+    cascade_gate: str = option("nucleus", "CASCADE: gate of the relaxation: nucleus, kl, entropy or none")
+    cascade_source: str = option("target-hidden", "CASCADE: breadth predictions from target-hidden, "
+                                                  "target-logits, drafter (softmax) or drafter-logits")
+    cascade_kappa: float = option(4.0, "CASCADE: kappa (nats) of the kl and entropy gates")
+    cascade_depth_source: str = option("logits", "CASCADE: state compared by the depth term: logits or hidden")
+    cascade_nucleus: float = option(0.8, "CASCADE: probability mass of the nucleus gate")
+    cascade_depth_mode: str = option("parent-child", "CASCADE: depth term: parent-child, or grandparent-parent "
+                                                     "(the Lumina final code)")
+    cascade_gate_input: str = option("parent", "CASCADE: gate on the parent's unrelaxed p (once) or on the "
+                                               "residual (per sibling, as published)")
+    cascade_variant: str = option("engine", "CASCADE: preset engine, llamagen or lumina-final (the published "
+                                            "codes); options set away from their default override it")
 
     def rule_kwargs(self) -> dict:
         """The rule options: the preset's values, replaced by every option set away from the default."""

@@ -1,4 +1,5 @@
-"""CASCADE's relaxed acceptance (arXiv 2605.07230; the reproduced variants: docs/reference_modes.md).
+"""CASCADE's relaxed acceptance (arXiv 2605.07230, summarised in docs/methods.md §3; the reproduced
+published variants: docs/reference_modes.md).
 
 Two redundancies of the target across a draft tree relax the acceptance of a drafted token x:
 
@@ -30,7 +31,7 @@ With A(x) = [gate and s_d > τ_d]·s_d(x) + Σ_{t ∈ tokens(S(x)) \\ {x}} r(t),
 is the exact rule bit for bit), i.e. P(accept) = min(1, r(x)/(q(x) − A(x))), always when A ≥ q. On
 rejection the residual is the unrelaxed EAGLE one, norm((r − q)⁺): the method is lossy by design.
 
-Choices where the reconstruction leaves room (see the module's tests and the issue note):
+Choices where the reconstruction leaves room (see the module's tests):
 * S(x) credits the probability of the *set of tokens* of S(x), each token once and never x's own
   token (two same-depth nodes can carry the same token under different parents; crediting nodes
   would count such a token twice, and crediting x's own token would double p(x)).
@@ -50,9 +51,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .acceptance import AcceptanceRule
-from .errors import VVSError
-from .rules_registry import register_rule
+from .verify import AcceptanceRule
+from ..errors import VVSError
+from .registry import register_rule
 
 SOURCES = ("drafter", "drafter-logits", "target-logits", "target-hidden")
 DRAFTER_SOURCES = ("drafter", "drafter-logits")
@@ -70,7 +71,7 @@ GATE_INPUTS = ("parent", "residual")
 # evaluated once per parent on the unrelaxed target (not re-evaluated per sibling on the residual).
 DEFAULTS = dict(breadth_threshold=0.9, depth_threshold=0.625, gate="nucleus", source="target-hidden", kappa=4.0,
                 depth_source="logits", nucleus=0.8, depth_mode="parent-child", gate_input="parent")
-# The authors' published codes (shared spec §4; "final cascade" commit), option by option.
+# The authors' published codes (docs/reference_modes.md; "final cascade" commit), option by option.
 VARIANTS = {
     "engine": DEFAULTS,
     "llamagen": dict(breadth_threshold=0.9, depth_threshold=0.625, gate="kl", source="drafter-logits", kappa=4.0,

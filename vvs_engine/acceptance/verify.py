@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from .errors import VVSError
+from ..errors import VVSError
+from .registry import make, register_rule
 
 
 @dataclass
@@ -65,6 +66,12 @@ class AcceptanceRule:
 
 class ExactRule(AcceptanceRule):
     pass
+
+
+def default_lantern_k(codebook_size: int) -> int:
+    """LANTERN's neighbourhood size when none is given: 1/16 of the codebook (the paper used 1000 of
+    16384), at least 1."""
+    return max(1, codebook_size // 16)
 
 
 def neighbor_table(codebook: torch.Tensor, k: int) -> torch.Tensor:
@@ -122,12 +129,9 @@ class LanternRule(AcceptanceRule):
         self.greedy_updates_residual = not self.ref
 
     def credit(self, r, x):
-        from . import kernels
+        from .. import kernels
 
-        if hasattr(kernels, "lantern_mass"):
-            relaxed, m_star = kernels.lantern_mass(r, x, self.nb, self.delta, self.ratio)
-        else:
-            relaxed, m_star = lantern_mass_reference(r, x, self.nb, self.delta, self.ratio)
+        relaxed, m_star = kernels.lantern_mass(r, x, self.nb, self.delta, self.ratio)
         if self.ref:  # the released code's rejection set: k + 1 neighbours, only when m* > 0
             nbx = self.nb_all[x, :self.k + 1]
             cols = (m_star[:, None] > 0).expand(-1, nbx.shape[1])
@@ -148,7 +152,9 @@ class LanternRule(AcceptanceRule):
         g = r
         if ctx is not None and getattr(ctx, "logits", None) is not None:
             g = torch.softmax(ctx.logits[ctx.parent].float(), -1)
-        relaxed, _ = lantern_mass_reference(g, x, self.nb, self.delta, self.ratio)
+        from ..kernels.reference import lantern_mass
+
+        relaxed, _ = lantern_mass(g, x, self.nb, self.delta, self.ratio)
         return g.scatter(1, x[:, None], relaxed[:, None].to(g.dtype)).argmax(-1) == x
 
     def residual(self, r, q, x, moved):
@@ -167,16 +173,6 @@ class LanternRule(AcceptanceRule):
         return torch.where(s > 0, res / s.clamp(min=1e-30), uniform)
 
 
-def lantern_mass_reference(p, tokens, neighbors, delta: float, ratio: bool):
-    nb = neighbors[tokens]  # [M, k]
-    c = p.gather(1, nb).cumsum(1)  # c_m for m = 1..k
-    px = p.gather(1, tokens[:, None])[:, 0]
-    bound = (delta - 1.0) * px if ratio else torch.full_like(px, delta)
-    m_star = (c <= bound[:, None]).sum(1)
-    gathered = torch.where(m_star > 0, c.gather(1, (m_star - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(px))
-    return px + gathered, m_star
-
-
 # --- tree verification ----------------------------------------------------------------------------
 @dataclass
 class VerifyResult:
@@ -190,7 +186,7 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generato
                 logits=None, hidden=None, engine=None) -> VerifyResult:
     """p [N, V]: processed target distribution after each node. Returns the accepted path and the
     next token (no host sync)."""
-    from .sampling import sample
+    from ..sampling import sample
 
     N, V = p.shape
     dev = p.device
@@ -245,7 +241,7 @@ def _greedy_ok(rule, r, x, moved):
 def _walk(accepted_child: torch.Tensor, children: torch.Tensor, max_depth: int):
     """Follow accepted children from the root (the acceptance-walk kernel: first-child / next-sibling
     order, a loop over depth only, device ops, no host sync)."""
-    from . import kernels
+    from .. import kernels
 
     N = children.shape[0]
     accepted = torch.zeros(N + 1, dtype=torch.bool, device=children.device)
@@ -255,18 +251,34 @@ def _walk(accepted_child: torch.Tensor, children: torch.Tensor, max_depth: int):
     return kernels.accept_walk(accepted[:N], first_child, next_sibling, max_depth)
 
 
-def make_rule(name: str, engine=None, lantern_k: int = 1000, lantern_delta: float = 0.2,
-              lantern_lambda: float = 2.0, reference_residual="off", **kw) -> AcceptanceRule:
-    if name == "exact":
-        return ExactRule()
-    if name in ("lantern", "lantern++"):
-        reference = check_lantern_reference(reference_residual)
-        K = engine.vq.config.codebook_size if engine and engine.vq is not None else lantern_k + 2
-        k = min(lantern_k, K - 1)
-        # reference mode removes k + 1 neighbours on rejection (fewer if the codebook has no more)
-        nb = engine.codebook_neighbors(min(k + 1, K - 1) if reference != "off" else k)
-        bound = lantern_delta if name == "lantern" else lantern_lambda
-        return LanternRule(nb, bound, ratio=name == "lantern++", reference=reference, k=k)
-    from . import rules_registry
+LANTERN_RULES = ("lantern", "lantern++")
 
-    return rules_registry.make(name, engine, **kw)
+
+def make_lantern_rule(engine, name: str = "lantern", lantern_k: Optional[int] = None, lantern_delta: float = 0.2,
+                      lantern_lambda: float = 2.0, reference_residual="off") -> LanternRule:
+    reference = check_lantern_reference(reference_residual)
+    V = engine.vq.config.codebook_size if engine.vq is not None else engine.config.vocab_size
+    k = lantern_k or default_lantern_k(V)
+    n_cols = k
+    if engine.vq is not None:
+        k = min(k, V - 1)  # a codebook of V codes has V - 1 neighbours
+        n_cols = min(k + 1, V - 1) if reference != "off" else k  # reference rejections remove k + 1
+    elif reference != "off":
+        n_cols = k + 1
+    nb = engine.codebook_neighbors(n_cols)
+    bound = lantern_delta if name == "lantern" else lantern_lambda
+    return LanternRule(nb, bound, ratio=name == "lantern++", reference=reference, k=k)
+
+
+register_rule("exact", lambda engine, **options: ExactRule())  # exact takes no options
+register_rule("lantern", lambda engine, **kw: make_lantern_rule(engine, "lantern", **kw))
+register_rule("lantern++", lambda engine, **kw: make_lantern_rule(engine, "lantern++", **kw))
+
+
+def make_rule(name: str, engine=None, lantern_k: Optional[int] = None, lantern_delta: float = 0.2,
+              lantern_lambda: float = 2.0, reference_residual="off", **kw) -> AcceptanceRule:
+    """The rule ``name`` from the registry; the LANTERN options go to the LANTERN rules only."""
+    if name in LANTERN_RULES:
+        kw = dict(lantern_k=lantern_k, lantern_delta=lantern_delta, lantern_lambda=lantern_lambda,
+                  reference_residual=reference_residual)
+    return make(name, engine, **kw)
