@@ -44,7 +44,8 @@ SETTINGS = [
     ("LANTERN d=0.3", "lantern", {"lantern_delta": 0.3}),
     ("LANTERN++", "lantern++", {}),
 ] + [
-    (f"VVS-U i={i} {pv}", "vvs", {"skip_policy": "uniform", "skip_interval": i, "post_verify": pv, "lantern_delta": 0.2})
+    (f"VVS-U i={i} {pv}", "vvs",
+     {"skip_policy": "uniform", "skip_interval": i, "post_verify": pv, "lantern_delta": 0.2})
     for i in (2, 3, 4) for pv in ("fill", "reject")
 ] + [
     (f"VVS-D s={s} fill", "vvs", {"skip_policy": "dynamic", "skip_threshold": s, "lantern_delta": 0.2})
@@ -243,7 +244,8 @@ def to_markdown(meta: dict, rows: list, fastest) -> str:
              f"percentile bootstrap over images ({meta['bootstrap']} draws; {meta['inception_bootstrap']} for the "
              f"Inception metrics); Δ = setting − AR on the same draws. Parity: no Δ interval (class accuracy, "
              f"classifier FD, FID) lies wholly on the worse side. FD intervals come from resamples that "
-             f"repeat images and sit above the full-set value; their Δ is unbiased by that. Ops/token: aten compute ops of one image (views excluded) per token.", "",
+             f"repeat images and sit above the full-set value; the shift largely cancels in Δ. "
+             f"Ops/token: aten compute ops of one image (views excluded) per token.", "",
              f"**Fastest setting at parity: {fastest or 'none'}**", "",
              "| setting | TPF | ops/token | class acc | Δ acc vs AR | FD (classifier) | Δ FD | FID | precision | recall "
              "| parity |",

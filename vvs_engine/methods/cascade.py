@@ -7,7 +7,8 @@ other than the engine default overrides the preset's value. The engine default k
 thresholds and depth term (τ_b 0.9, τ_d 0.625 on the target's logits at parent and child) and takes,
 from measurements on the Zoo model (benchmarks/cascade_zoo.py), the target's hidden states as the
 breadth source and the Lumina final nucleus gate evaluated once per parent (see
-``acceptance.cascade.DEFAULTS``; the method: docs/methods.md §3). Every SpecOptions option applies too (``skip_policy`` for VVS skipping,
+``acceptance.cascade.DEFAULTS``; the method: docs/methods.md §3). Every SpecOptions option applies
+too (``skip_policy`` for VVS skipping,
 ``tree dynamic`` with a target source, ...).
 """
 from __future__ import annotations
