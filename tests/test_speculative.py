@@ -160,10 +160,10 @@ def test_relaxed_accept_and_residual():
     # principled residual: x and the 2 credited neighbours (1, 2) removed, renormalised
     res = rule.residual(p, None, x, moved)
     assert torch.allclose(res, torch.tensor([[0, 0, 0, 0.15 / 0.55, 0.40 / 0.55]]))
-    ref = LanternRule(nb, 0.2, reference_residual=True)
+    ref = LanternRule(nb, 0.2, reference="llamagen", k=3)
     _, moved_ref = ref.accept(p, x, torch.ones(1), torch.tensor([0.46]), None)
-    res_ref = ref.residual(p, None, x, moved_ref)  # all k neighbours removed: only x's... nothing left
-    assert torch.isfinite(res_ref).all() and res_ref.sum().item() == pytest.approx(1.0)
+    res_ref = ref.residual(p, None, x, moved_ref)  # x and its k + 1 = 4 neighbours removed: uniform
+    assert torch.allclose(res_ref, torch.full((1, 5), 0.2))
 
 
 def test_neighbor_table():

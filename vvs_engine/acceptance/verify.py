@@ -40,6 +40,11 @@ class VerifyContext:
 class AcceptanceRule:
     name = "exact"
     lossless = True
+    greedy_updates_residual = True  # greedy: rejections update the residual the next token comes from
+
+    def greedy_accept(self, r, x, ctx):
+        """A rule's own greedy test ([M] bool), or None for the default (argmax of the relaxed r)."""
+        return None
 
     def accept(self, r, x, qx, u, ctx):
         px = r.gather(1, x[:, None])[:, 0]
@@ -79,35 +84,93 @@ def neighbor_table(codebook: torch.Tensor, k: int) -> torch.Tensor:
     return d.topk(k, dim=1, largest=False).indices
 
 
+LANTERN_REFERENCES = ("off", "llamagen", "lumina-mgpt")
+
+
+def check_lantern_reference(value) -> str:
+    """``lantern-reference-residual``: off (the principled residual) or the published code family to
+    reproduce. Returns the canonical value; a one-line VVSError otherwise."""
+    if value is None or value is False:
+        return "off"
+    if value not in LANTERN_REFERENCES:
+        raise VVSError(f"lantern-reference-residual must be one of {', '.join(LANTERN_REFERENCES)} "
+                       f"(the published code family to reproduce), got {value!r}")
+    return value
+
+
 class LanternRule(AcceptanceRule):
     """LANTERN (TVD bound δ) or LANTERN++ (``ratio=True``: relaxed mass at most λ·p(x)).
 
     p̃(x) = p(x) + c_{m*} with c_m the mass of x's m nearest latent neighbours and m* the largest m
-    whose c_m fits the bound. ``reference_residual`` reproduces the published code, which removes
-    x's k+1 nearest codes from the residual on rejection instead of the m* actually credited."""
+    whose c_m fits the bound. The default residual removes x and the m* credited neighbours (the
+    relaxed target gives them probability 0), then subtracts q.
+
+    ``reference`` = ``llamagen`` | ``lumina-mgpt`` reproduces the authors' released code instead
+    (``evaluate_posterior`` / ``evaluate_posterior_v1`` of each family; docs/reference_modes.md):
+    on rejection, when some neighbour prefix was credited (m* > 0), the k + 1 nearest neighbours
+    (their table excludes x itself) are removed: from the target for dynamic trees (both families)
+    and for static trees in the Lumina-mGPT file, from the *draft* q for static trees in the LlamaGen
+    file (the neighbours keep their target mass). An empty residual becomes uniform over the whole
+    vocabulary. Greedy: x is accepted iff it is the argmax of softmax(target logits) with p(x)
+    raised to p(x) + c_{m*} and every other entry unchanged; rejections leave the target as it is.
+    ``neighbors`` needs k + 1 columns in reference mode (k = ``k`` or its column count)."""
 
     lossless = False
 
-    def __init__(self, neighbors: torch.Tensor, delta: float, ratio: bool = False, reference_residual=False):
-        self.nb, self.delta, self.ratio, self.ref = neighbors, float(delta), ratio, reference_residual
+    def __init__(self, neighbors: torch.Tensor, delta: float, ratio: bool = False, reference: str = "off",
+                 k: Optional[int] = None):
+        self.delta, self.ratio = float(delta), ratio
+        self.reference = check_lantern_reference(reference)
+        self.ref = self.reference != "off"
+        self.k = int(k) if k is not None else neighbors.shape[1]
+        self.nb_all = neighbors  # [K, >= k] (k + 1 columns used on reference rejections)
+        self.nb = neighbors[:, :self.k].contiguous()
         self.name = "lantern++" if ratio else "lantern"
+        self.greedy_updates_residual = not self.ref
 
     def credit(self, r, x):
         from .. import kernels
 
         relaxed, m_star = kernels.lantern_mass(r, x, self.nb, self.delta, self.ratio)
-        nbx = self.nb[x]  # [M, k]
-        k = nbx.shape[1]
-        n_moved = torch.full_like(m_star, k) if self.ref else m_star
-        cols = torch.arange(k, device=r.device)[None] < n_moved[:, None]
+        if self.ref:  # the released code's rejection set: k + 1 neighbours, only when m* > 0
+            nbx = self.nb_all[x, :self.k + 1]
+            cols = (m_star[:, None] > 0).expand(-1, nbx.shape[1])
+        else:
+            nbx = self.nb[x]  # [M, k]
+            cols = torch.arange(nbx.shape[1], device=r.device)[None] < m_star[:, None]
         moved = torch.zeros_like(r, dtype=torch.bool).scatter_(1, nbx, cols)
-        if self.ref:  # the published code drops k neighbours (+ x itself, handled by residual)
-            moved = moved & (m_star[:, None] > 0)
         return relaxed, moved
 
     def accept(self, r, x, qx, u, ctx):
         relaxed, moved = self.credit(r, x)
         return u * qx < relaxed, moved
+
+    def greedy_accept(self, r, x, ctx):
+        """The released greedy test: argmax of softmax(logits) with p(x) := p(x) + c_{m*}."""
+        if not self.ref:
+            return None
+        g = r
+        if ctx is not None and getattr(ctx, "logits", None) is not None:
+            g = torch.softmax(ctx.logits[ctx.parent].float(), -1)
+        from ..kernels.reference import lantern_mass
+
+        relaxed, _ = lantern_mass(g, x, self.nb, self.delta, self.ratio)
+        return g.scatter(1, x[:, None], relaxed[:, None].to(g.dtype)).argmax(-1) == x
+
+    def residual(self, r, q, x, moved):
+        if not self.ref:
+            return super().residual(r, q, x, moved)
+        if moved is None:  # a caller without a credit (VVS's post-verification rollback)
+            moved = torch.zeros_like(r, dtype=torch.bool)
+        if q is None:  # deterministic drafts (dynamic trees): zero x and the neighbours in the target
+            res = r.scatter(1, x[:, None], 0.0).masked_fill(moved, 0.0)
+        elif self.reference == "llamagen":  # static tree, LlamaGen file: the neighbours leave q
+            res = (r - q.masked_fill(moved, 0.0)).clamp(min=0)
+        else:  # static tree, Lumina-mGPT file: the neighbours leave the target
+            res = (r.masked_fill(moved, 0.0) - q).clamp(min=0)
+        s = res.sum(-1, keepdim=True)
+        uniform = torch.full_like(res, 1.0 / res.shape[-1])
+        return torch.where(s > 0, res / s.clamp(min=1e-30), uniform)
 
 
 # --- tree verification ----------------------------------------------------------------------------
@@ -148,11 +211,13 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generato
         ctx = VerifyContext(tree, parents, cc, valid, p, logits, hidden, engine)
         ok, moved = rule.accept(r, x, qx, u_all[rank], ctx)
         if greedy:
-            ok = _greedy_ok(rule, r, x, moved)
+            own = rule.greedy_accept(r, x, ctx)
+            ok = _greedy_ok(rule, r, x, moved) if own is None else own
         acc = valid & ok
         accepted_child = torch.where(acc, child, accepted_child)
         rej = valid & ~acc
-        r = torch.where(rej[:, None], rule.residual(r, qn, x, moved), r)
+        if not greedy or rule.greedy_updates_residual:
+            r = torch.where(rej[:, None], rule.residual(r, qn, x, moved), r)
         if q is not None:
             q = torch.where(rej[:, None], q.scatter(1, x[:, None], 0.0), q)
     path, n_acc, last = _walk(accepted_child, tree.children, tree.max_depth)
@@ -190,15 +255,19 @@ LANTERN_RULES = ("lantern", "lantern++")
 
 
 def make_lantern_rule(engine, name: str = "lantern", lantern_k: Optional[int] = None, lantern_delta: float = 0.2,
-                      lantern_lambda: float = 2.0, reference_residual: bool = False) -> LanternRule:
+                      lantern_lambda: float = 2.0, reference_residual="off") -> LanternRule:
+    reference = check_lantern_reference(reference_residual)
     V = engine.vq.config.codebook_size if engine.vq is not None else engine.config.vocab_size
     k = lantern_k or default_lantern_k(V)
+    n_cols = k
     if engine.vq is not None:
         k = min(k, V - 1)  # a codebook of V codes has V - 1 neighbours
-    nb = engine.codebook_neighbors(k)
-    if name == "lantern":
-        return LanternRule(nb, lantern_delta, ratio=False, reference_residual=reference_residual)
-    return LanternRule(nb, lantern_lambda, ratio=True, reference_residual=reference_residual)
+        n_cols = min(k + 1, V - 1) if reference != "off" else k  # reference rejections remove k + 1
+    elif reference != "off":
+        n_cols = k + 1
+    nb = engine.codebook_neighbors(n_cols)
+    bound = lantern_delta if name == "lantern" else lantern_lambda
+    return LanternRule(nb, bound, ratio=name == "lantern++", reference=reference, k=k)
 
 
 register_rule("exact", lambda engine, **options: ExactRule())  # exact takes no options
@@ -207,7 +276,7 @@ register_rule("lantern++", lambda engine, **kw: make_lantern_rule(engine, "lante
 
 
 def make_rule(name: str, engine=None, lantern_k: Optional[int] = None, lantern_delta: float = 0.2,
-              lantern_lambda: float = 2.0, reference_residual: bool = False, **kw) -> AcceptanceRule:
+              lantern_lambda: float = 2.0, reference_residual="off", **kw) -> AcceptanceRule:
     """The rule ``name`` from the registry; the LANTERN options go to the LANTERN rules only."""
     if name in LANTERN_RULES:
         kw = dict(lantern_k=lantern_k, lantern_delta=lantern_delta, lantern_lambda=lantern_lambda,

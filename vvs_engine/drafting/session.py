@@ -76,9 +76,10 @@ class DraftSession:
                                      else 1.0, self.dparams.temperature, self.dparams.top_k, self.dparams.top_p, k)
         return lp.to(h.dtype if h.dtype == torch.float64 else torch.float32), tok
 
-    def _q(self, h: torch.Tensor) -> torch.Tensor:
-        """drafter features [rows, F, D] -> processed guided distribution [F, V]."""
-        return process_logits(guided_logits(self.drafter.logits(h), self.dparams), self.dparams)[0]
+    def _q(self, h: torch.Tensor):
+        """drafter features [rows, F, D] -> (processed guided distribution [F, V], guided logits [F, V])."""
+        lg = guided_logits(self.drafter.logits(h), self.dparams)[0]
+        return process_logits(lg, self.dparams), lg
 
     def _run_nodes(self, feats, tokens, position, P_d, scratch_cols, anc):
         """Run tree nodes: feats [rows, F, D], tokens [F], all at ``position``; node f's K/V go to
@@ -154,6 +155,7 @@ class DraftSession:
         tokens = torch.zeros(N, dtype=torch.long, device=dev)
         tokens[0] = root.reshape(())
         q_nodes = torch.zeros(N, V, device=dev)
+        logit_nodes = torch.zeros(N, V, device=dev)  # guided drafter logits (CASCADE's LlamaGen breadth)
         feats = torch.zeros(self.rows, N, h_root.shape[-1], device=dev, dtype=h_root.dtype)
         feats[:, 0] = h_root
         mask_full, dep, paths, leaf, children = tree_structure(parents, L["max_depth"], K)
@@ -161,14 +163,15 @@ class DraftSession:
         for d in range(L["max_depth"]):
             lvl = L["by_level"][d]  # nodes at depth d: already have tokens; get their q
             if d == 0:
-                q = self._q(h_root[:, None])
+                q, lg = self._q(h_root[:, None])
             else:
                 cols = lvl - 1
                 anc = mask_full[lvl][:, 1:]  # scratch column of node i is i - 1
                 out = self._run_nodes(feats[:, parents[lvl]], tokens[lvl], P_d + d - 1, P_d, cols, anc)
                 feats[:, lvl] = out
-                q = self._q(out)
+                q, lg = self._q(out)
             q_nodes[lvl] = q
+            logit_nodes[lvl] = lg.float()
             if self.sample_drafts:  # K draws without replacement: the exponential race, top-K
                 e = torch.empty_like(q).exponential_(generator=gen)
                 draws = (q / e).topk(K, dim=-1).indices
@@ -180,4 +183,4 @@ class DraftSession:
             tokens[kids] = draws[row, ranks[kids]]
             logp[kids] = torch.log(q[row].gather(1, tokens[kids][:, None])[:, 0])
         return DraftTree(tokens, parents, mask_full, dep, paths, leaf, children, q=q_nodes, draft_logp=logp,
-                         draft_feats=feats, sampled=self.sample_drafts)
+                         draft_feats=feats, sampled=self.sample_drafts, draft_logits=logit_nodes)

@@ -38,7 +38,7 @@ from ..runtime.masks import causal_local
 from ..sampling import guided_logits, process_logits, sample
 from ..runtime.target import TargetSession
 from ..acceptance.gsd import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
-                        make_grouped_rule)
+                              check_window_edge, make_grouped_rule)
 from . import register
 from .common import MethodResult, progress
 from .options import option
@@ -78,10 +78,13 @@ class GSDOptions(SJDOptions):
     gsd_dist_threshold: float = option(DEFAULT_DIST_THRESHOLD, "GSD: ... and its squared distance to x on "
                                                                "the unit codebook < this")
     gsd_static_clusters: bool = False  # the paper's ablation: x's nearest codes instead of its p-rank window
+    gsd_window_edge: str = option("shorten", "GSD: shorten, or sjd (the released code's plain SJD ratio when "
+                                             "the window falls off the lowest ranks)")
 
     def validate(self):
         super().validate()
         check_gsd_values(self.gsd_group, self.gsd_prob_threshold, self.gsd_dist_threshold, self.gsd_static_clusters)
+        check_window_edge(self.gsd_window_edge)
         return self
 
     def check_engine(self, engine):
@@ -91,7 +94,7 @@ class GSDOptions(SJDOptions):
     def rule(self, engine):
         return make_grouped_rule(engine, gsd_group=self.gsd_group, gsd_prob_threshold=self.gsd_prob_threshold,
                                  gsd_dist_threshold=self.gsd_dist_threshold,
-                                 gsd_static_clusters=self.gsd_static_clusters)
+                                 gsd_static_clusters=self.gsd_static_clusters, gsd_window_edge=self.gsd_window_edge)
 
 
 def _grid_width(T: int) -> int:

@@ -45,7 +45,8 @@ class SpecOptions:
     lantern_k: Optional[int] = option(None, "LANTERN: codebook neighbours k; default codebook size // 16")
     lantern_delta: float = option(0.2, "LANTERN: total-variation budget delta per step")
     lantern_lambda: float = option(2.0, "LANTERN++: cap lambda on the relaxed mass (<= lambda * p(x))")
-    lantern_reference_residual: bool = False  # the published code's residual (drops x's k nearest codes)
+    lantern_reference_residual: str = option("off", "LANTERN: off, or llamagen / lumina-mgpt to reproduce that "
+                                                    "family's released residual and greedy test")
     tree: Optional[str] = option(None, "draft tree: dynamic (EAGLE-2), static (naive_extend_57) or chain")
     tree_total: int = option(59, "dynamic tree: nodes including the root")
     tree_depth: int = option(4, "dynamic tree: expansion steps (levels = depth + 1); chain length")
@@ -65,6 +66,8 @@ class SpecOptions:
     gsd_prob_threshold: Optional[float] = option(None, "GSD: keep a group member j only if |p(j) - p(x)| < this")
     gsd_dist_threshold: Optional[float] = option(None, "GSD: ... and its squared distance to x on the unit "
                                                        "codebook < this")
+    gsd_window_edge: Optional[str] = option(None, "GSD: shorten, or sjd (the released code's plain SJD ratio "
+                                                  "when the window falls off the lowest ranks)")
 
     def validate(self):
         if self.tree not in (None, "dynamic", "static", "chain"):
@@ -86,6 +89,9 @@ class SpecOptions:
         if self.lantern_k is not None and (isinstance(self.lantern_k, bool) or not isinstance(self.lantern_k, int)
                                            or self.lantern_k < 1):
             raise VVSError(f"lantern-k must be an integer >= 1, got {self.lantern_k}")
+        from ..acceptance.verify import check_lantern_reference
+
+        self.lantern_reference_residual = check_lantern_reference(self.lantern_reference_residual)
         if self.skip_policy not in ("never", "uniform", "dynamic"):
             raise VVSError(f"skip-policy must be uniform or dynamic, got '{self.skip_policy}'")
         i = self.skip_interval
@@ -111,11 +117,11 @@ class SpecOptions:
 
 
 def run(engine, cond, key_mask, n, params, gen, opts: SpecOptions, show_progress=False) -> MethodResult:
+    gsd_keys = ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold", "gsd_window_edge")
     if opts.accept == "gsd":
-        gsd = {k: getattr(opts, k) for k in ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold")
-               if getattr(opts, k) is not None}
+        gsd = {k: getattr(opts, k) for k in gsd_keys if getattr(opts, k) is not None}
         opts.rule_options = {**gsd, **opts.rule_options}
-    elif any(getattr(opts, k) is not None for k in ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold")):
+    elif any(getattr(opts, k) is not None for k in gsd_keys):
         raise VVSError("--gsd-* options need --accept gsd (or --method gsd)")
     rule = make_rule(opts.accept or "exact", engine,
                      lantern_k=opts.lantern_k or default_lantern_k(_codebook(engine)),
