@@ -27,16 +27,16 @@ def cluster():
 def test_one_and_two_workers_match_one_process(cluster, tmp_path):
     """The Zoo model, sampling at temperature 1: 1 process, 1 Ray worker and 2 Ray workers write the same
     shards (same tokens, indices, labels and PNGs)."""
-    job = dict(class_labels=[5, 0, 12], method="ar", seed=4, shard_size=1, batch_size=1, threads=1,
+    job = dict(class_labels=[5, 12], method="ar", seed=4, shard_size=1, batch_size=1, threads=1,
                progress=False)
     runs = {}
     for name, kw in (("local", {}), ("ray1", {"ray": "auto", "workers": 1}), ("ray2", {"ray": "auto", "workers": 2})):
         s = dataset.generate(str(tmp_path / name), **job, **kw)
-        assert s["workers"] == (kw.get("workers") or 1) and s["images_this_run"] == 3
+        assert s["workers"] == (kw.get("workers") or 1) and s["images_this_run"] == 2
         runs[name] = read_all(tmp_path / name)
     for name in ("ray1", "ray2"):
         assert np.array_equal(runs[name]["tokens"], runs["local"]["tokens"]), name
-        assert runs[name]["index"].tolist() == [0, 1, 2] and runs[name]["labels"].tolist() == [5, 0, 12]
+        assert runs[name]["index"].tolist() == [0, 1] and runs[name]["labels"].tolist() == [5, 12]
         for png in runs["local"]["pngs"]:
             assert (tmp_path / name / png).read_bytes() == (tmp_path / "local" / png).read_bytes()
     assert ray.is_initialized()  # a cluster the job did not start is left running
