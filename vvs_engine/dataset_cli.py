@@ -1,22 +1,32 @@
 """``vvs-engine generate-dataset``: the command line of :mod:`vvs_engine.dataset`.
 
-The model, sampling and method flags are those of ``generate`` (inherited from its parser, so the two
+The model, sampling and method flags are those of ``generate`` (copied from its parser, so the two
 commands cannot drift apart); conditions, output and Ray flags are its own.
 """
 from __future__ import annotations
 
-import argparse
+import copy
 
 from . import dataset
 from .errors import VVSError
 
 
+# generate's flags that generate-dataset does not take (or defines its own way).
+OWN_FLAGS = {"help", "class_labels", "prompts", "out", "no_images", "profile", "quiet"}
+
+
 def add_dataset_parser(sub, generate_parser) -> None:
-    d = sub.add_parser("generate-dataset", parents=[generate_parser], conflict_handler="resolve", add_help=False,
-                       help="generate a whole evaluation set as resumable shards (one process or Ray)",
+    d = sub.add_parser("generate-dataset", help="generate a whole evaluation set as resumable shards (one process "
+                                                "or Ray)",
                        description="Generate many images into shard-NNNNN.npz files, PNGs named by global image "
                                    "index and manifest.json. A re-run finishes an interrupted job.")
-    d.add_argument("-h", "--help", action="help", help="show this help message and exit")
+    # generate's model, sampling and method flags, copied so that the two commands cannot drift apart.
+    for group in generate_parser._action_groups:
+        actions = [a for a in group._group_actions if a.dest not in OWN_FLAGS]
+        if actions:
+            copy_group = d.add_argument_group(group.title)
+            for action in actions:
+                copy_group._add_action(copy.copy(action))
     c = d.add_argument_group("conditions (one of)")
     c.add_argument("--class-labels", default=None, metavar="SPEC",
                    help="class labels and ranges, e.g. 0-999 or 0,3,7-9")
@@ -35,7 +45,6 @@ def add_dataset_parser(sub, generate_parser) -> None:
                    help=f"images per engine call (default {dataset.DEFAULT_BATCH_SIZE})")
     o.add_argument("--no-images", action="store_true", help="write tokens only, no PNGs")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
-    o.add_argument("--profile", default=None, help=argparse.SUPPRESS)
 
     r = d.add_argument_group("workers")
     r.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
@@ -59,8 +68,6 @@ def cmd_generate_dataset(args) -> int:
     given = [x for x in (args.class_labels, args.labels_file, args.prompts) if x is not None]
     if len(given) != 1:
         raise VVSError("give exactly one of --class-labels, --labels-file or --prompts")
-    if args.profile is not None:
-        raise VVSError("--profile is not available for generate-dataset (profile one batch with generate)")
     labels = prompts = ids = None
     if args.class_labels is not None:
         labels = dataset.parse_label_ranges(args.class_labels)
