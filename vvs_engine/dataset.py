@@ -370,7 +370,7 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
 
     bar = tqdm(total=n, initial=sum(len(shards[k]) for k in done), unit="img", desc="generate-dataset",
                disable=not progress, dynamic_ncols=True)
-    timing = {"shard_wall_s": []}
+    timing = {"shard_wall_s": [], "shard_decode_s": []}
     try:
         def commit(k, result):
             c, p, ids = cond_of(shards[k])
@@ -390,8 +390,11 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     made = sum(len(shards[k]) for k in todo)
     summary.update(images_this_run=made, shards_this_run=len(todo), shards_skipped=len(done),
                    job_wall_s=wall, images_per_s=made / wall if wall else None, startup_s=timing.get("startup_s"),
-                   workers=timing.get("workers"), mean_shard_s=float(np.mean(timing["shard_wall_s"]))
-                   if timing["shard_wall_s"] else None, retries=timing.get("retries", 0))
+                   workers=timing.get("workers"), retries=timing.get("retries", 0),
+                   mean_shard_s=float(np.mean(timing["shard_wall_s"])) if todo else None,
+                   # per shard, time outside the decode loop: VQ decoding, PNG encoding, hand-off, writing
+                   mean_shard_outside_decode_s=float(np.mean(np.subtract(timing["shard_wall_s"],
+                                                                         timing["shard_decode_s"]))) if todo else None)
     run_info.update(finished=time.time(), images=made, wall_s=wall)
     manifest["stats"] = summary
     write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
@@ -420,7 +423,7 @@ def _run_local(model, threads, engine_factory, shards, todo, cond_of, job, commi
         labels, prompts, _ = cond_of(shards[k])
         result = worker.run_shard(list(shards[k]), labels, prompts, job, on_batch=bar.update)
         commit(k, result)
-        timing["shard_wall_s"].append(time.perf_counter() - t)
+        _record_shard(timing, t, result)
 
 
 def _run_ray(address, workers, threads, gpus_per_worker, model, engine_factory, shards, todo, cond_of, job, commit,
@@ -484,7 +487,7 @@ def _run_ray(address, workers, threads, gpus_per_worker, model, engine_factory, 
                 idle.append(a)
                 continue
             commit(k, result)
-            timing["shard_wall_s"].append(time.perf_counter() - t)
+            _record_shard(timing, t, result)
             bar.update(len(shards[k]))
             idle.append(a)
     finally:
@@ -492,6 +495,12 @@ def _run_ray(address, workers, threads, gpus_per_worker, model, engine_factory, 
             ray.kill(a)
         if started_here:
             ray.shutdown()
+
+
+def _record_shard(timing: dict, t_start: float, result: dict) -> None:
+    """Shard wall time (hand-out to files written) and the engine's decode-loop time within it."""
+    timing["shard_wall_s"].append(time.perf_counter() - t_start)
+    timing["shard_decode_s"].append(sum(s.get("wall_time_s", 0.0) for s in result["stats"]))
 
 
 def _check_conditions(model: dict, labels, prompts) -> None:
