@@ -87,6 +87,23 @@ def test_bad_input_is_one_line(tiny, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "o" / "shard-00000.npz")
 
 
+def test_merge_stats():
+    from vvs_engine.stats import merge_stats
+
+    a = {"method": "sjd", "n_images": 1, "tokens_generated": 256, "target_forward_passes": 128, "wall_time_s": 1.0,
+         "mean_accepted_length": 2.0, "jacobi_window": 16, "accepted_drafts_histogram": [3, 1],
+         "time_split_s": {"forward": 0.5}, "acceptance_rate_by_depth": {"1": 0.5}, "cuda_graphs": False}
+    b = dict(a, n_images=3, tokens_generated=768, target_forward_passes=256, wall_time_s=2.5,
+             mean_accepted_length=4.0, accepted_drafts_histogram=[1, 2, 5], time_split_s={"forward": 1.0},
+             acceptance_rate_by_depth={"1": 0.9})
+    m = merge_stats([a, b])
+    assert m["n_images"] == 4 and m["tokens_generated"] == 1024 and m["target_forward_passes"] == 384
+    assert m["tpf"] == 1024 / 384 and m["wall_time_s"] == 3.5 and m["jacobi_window"] == 16
+    assert m["mean_accepted_length"] == 3.5  # image-weighted: (2 * 1 + 4 * 3) / 4
+    assert m["accepted_drafts_histogram"] == [4, 3, 5] and m["time_split_s"] == {"forward": 1.5}
+    assert abs(m["acceptance_rate_by_depth"]["1"] - 0.8) < 1e-12 and m["method"] == "sjd"
+
+
 # --- identity -----------------------------------------------------------------------------------
 def test_image_seed_is_distinct_and_stable():
     seeds = {image_seed(s, i) for s in range(3) for i in range(1000)}

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
@@ -290,7 +291,7 @@ def generate_by_index(engine: "Engine", class_labels, prompts, seed, image_indic
     check(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be an integer, got {seed!r}")
     outs = []
     for j, idx in enumerate(image_indices):
-        check(isinstance(idx, int) and not isinstance(idx, bool) and idx >= 0,
+        check(isinstance(idx, numbers.Integral) and not isinstance(idx, bool) and idx >= 0,
               f"image indices must be non-negative integers, got {idx!r}")
         outs.append(engine.generate(class_labels=None if class_labels is None else [class_labels[j]],
                                     prompts=None if prompts is None else [prompts[j]],
