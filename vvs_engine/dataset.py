@@ -25,6 +25,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from .errors import VVSError, check
+from .stats import merge_stats, plain
 
 MANIFEST = "manifest.json"
 FORMAT = "vvs-engine dataset v1"
@@ -213,7 +214,7 @@ def write_shard(out_dir: str, k: int, indices: range, labels, prompt_ids, prompt
                 per_image.setdefault(key, []).extend(vals)
         arrays = {"tokens": result["tokens"], "index": np.arange(indices.start, indices.stop, dtype=np.int64),
                   "labels": np.asarray(labels if labels is not None else [-1] * len(indices), dtype=np.int64),
-                  "stats": np.asarray(json.dumps(_json_ready(_merge([_without(s, "per_image") for s in result["stats"]])))),
+                  "stats": np.asarray(json.dumps(plain(_merge([_without(s, "per_image") for s in result["stats"]])))),
                   "device": np.asarray(result.get("device", ""))}
         if prompts is not None:
             arrays["prompt_ids"] = np.asarray(prompt_ids, dtype=np.int64)
@@ -262,7 +263,7 @@ def read_manifest(out_dir: str) -> Optional[dict]:
 def write_json_atomic(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(_json_ready(obj), f, indent=2)
+        json.dump(plain(obj), f, indent=2)
     os.replace(tmp, path)
 
 
@@ -344,7 +345,7 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     os.makedirs(out_dir, exist_ok=True)
     manifest = read_manifest(out_dir)
     if manifest is not None:
-        diff = [k for k in identity if _json_ready(manifest["identity"].get(k)) != _json_ready(identity[k])]
+        diff = [k for k in identity if plain(manifest["identity"].get(k)) != plain(identity[k])]
         check(not diff, f"{out_dir} holds a dataset made with different settings ({', '.join(diff)}); "
                         f"use another folder or the same options")
     else:
@@ -526,8 +527,6 @@ def _check_conditions(model: dict, labels, prompts) -> None:
 
 
 def _merge(stats: List[dict]) -> dict:
-    from .stats import merge_stats
-
     return merge_stats(stats)
 
 
@@ -537,12 +536,6 @@ def _without(d: dict, key: str) -> dict:
 
 def _sha256_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _json_ready(x):
-    from .cli import json_ready
-
-    return json_ready(x)
 
 
 def _first_line(e: BaseException) -> str:

@@ -63,7 +63,7 @@ def add_dataset_parser(sub, generate_parser) -> None:
 
 
 def cmd_generate_dataset(args) -> int:
-    from .cli import method_options, pick_device
+    from .cli import method_options
 
     given = [x for x in (args.class_labels, args.labels_file, args.prompts) if x is not None]
     if len(given) != 1:
@@ -75,7 +75,7 @@ def cmd_generate_dataset(args) -> int:
         labels = dataset.read_labels_file(args.labels_file)
     else:
         ids, prompts = dataset.read_prompt_file(args.prompts)
-    device = args.device if args.ray is not None else pick_device(args.device)
+    device = args.device  # "auto": each worker takes its GPU when it has one (dataset.load_engine)
     model = {"gpt_ckpt": args.gpt_ckpt, "gpt_model": args.gpt_model, "vq_ckpt": args.vq_ckpt,
              "vq_model": args.vq_model, "image_size": args.image_size, "drafter": args.drafter, "device": device,
              "dtype": args.dtype, "t5_path": args.t5_path}
@@ -91,9 +91,11 @@ def cmd_generate_dataset(args) -> int:
     return 0
 
 
-def print_summary(s: dict, out_dir: str) -> None:
-    from .cli import _fmt
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
+
+def print_summary(s: dict, out_dir: str) -> None:
     rows = [("method", s.get("method")), ("images (all shards)", s.get("n_images")),
             ("images this run", s.get("images_this_run")), ("shards skipped (done before)", s.get("shards_skipped")),
             ("workers", s.get("workers")), ("start-up (s)", _fmt(s.get("startup_s"))),

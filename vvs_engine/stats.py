@@ -1,6 +1,7 @@
 """Merging the stats of several ``Engine.generate`` calls into the stats of the whole set."""
 from __future__ import annotations
 
+import math
 from typing import List
 
 # Totals: summed over calls. Everything else numeric is averaged, weighted by the call's image count.
@@ -41,3 +42,16 @@ def merge_stats(stats: List[dict]) -> dict:
     if out.get("target_forward_passes"):
         out["tpf"] = out["tokens_generated"] / out["target_forward_passes"]
     return out
+
+
+def plain(x):
+    """Stats as plain JSON values: tensors and numpy values to numbers or lists, infinities to None."""
+    if hasattr(x, "tolist") and not isinstance(x, (list, tuple, dict, str)):
+        x = x.tolist()
+    if isinstance(x, dict):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x if isinstance(x, (str, int, float, bool)) or x is None else str(x)
