@@ -79,7 +79,8 @@ def test_bad_input_is_one_line(tiny, tmp_path, capsys):
              (["--class-labels", "0-10"], "out of range"),
              (["--class-labels", "0", "--prompts", str(prompts)], "exactly one"),
              (["--class-labels", "0", "--shard-size", "0"], "shard size"),
-             (["--class-labels", "0", "--method", "nope"], "unknown method")]
+             (["--class-labels", "0", "--method", "nope"], "unknown method"),
+             (["--class-labels", "0", "--lantern-k", "3"], "takes no options")]
     for extra, match in cases:
         rc = main(base + extra + ["--out", str(tmp_path / "o")])
         err = capsys.readouterr().err.strip()

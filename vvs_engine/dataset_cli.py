@@ -21,12 +21,15 @@ def add_dataset_parser(sub, generate_parser) -> None:
                        description="Generate many images into shard-NNNNN.npz files, PNGs named by global image "
                                    "index and manifest.json. A re-run finishes an interrupted job.")
     # generate's model, sampling and method flags, copied so that the two commands cannot drift apart.
+    method_options = []
     for group in generate_parser._action_groups:
         actions = [a for a in group._group_actions if a.dest not in OWN_FLAGS]
         if actions:
             copy_group = d.add_argument_group(group.title)
             for action in actions:
                 copy_group._add_action(copy.copy(action))
+            if (group.title or "").startswith("method options"):
+                method_options += [a.dest for a in actions]
     c = d.add_argument_group("conditions (one of)")
     c.add_argument("--class-labels", default=None, metavar="SPEC",
                    help="class labels and ranges, e.g. 0-999 or 0,3,7-9")
@@ -59,12 +62,10 @@ def add_dataset_parser(sub, generate_parser) -> None:
     r.add_argument("--max-retries", type=int, default=dataset.DEFAULT_MAX_RETRIES, metavar="N",
                    help=f"Ray: times a failed shard is retried on another worker (default "
                         f"{dataset.DEFAULT_MAX_RETRIES})")
-    d.set_defaults(func=cmd_generate_dataset)
+    d.set_defaults(func=cmd_generate_dataset, method_option_names=tuple(method_options))
 
 
 def cmd_generate_dataset(args) -> int:
-    from .cli import method_options
-
     given = [x for x in (args.class_labels, args.labels_file, args.prompts) if x is not None]
     if len(given) != 1:
         raise VVSError("give exactly one of --class-labels, --labels-file or --prompts")
@@ -86,7 +87,7 @@ def cmd_generate_dataset(args) -> int:
         cfg_scale=args.cfg_scale, seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size,
         decode_images=not args.no_images, model=model, ray=args.ray, workers=args.workers, threads=threads,
         gpus_per_worker=args.gpus_per_worker, max_retries=args.max_retries, progress=not args.quiet,
-        **method_options(args))
+        **{name: getattr(args, name) for name in args.method_option_names})
     print_summary(summary, args.out)
     return 0
 
