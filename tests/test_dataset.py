@@ -167,6 +167,12 @@ def test_resume_after_worker_crash(tiny, tmp_path):
     assert again["images_this_run"] == 0 and again["shards_skipped"] == 4
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["runs"]) == 3 and manifest["identity"]["model_checksums"]["gpt"]
+    # Per-image and merged stats: AR makes one forward pass per token after the prefill.
+    with np.load(out / "shard-00001.npz") as z:
+        assert z["target_forward_passes"].tolist() == [15, 15, 15] and z["wall_time_s"].shape == (3,)
+        assert json.loads(str(z["stats"]))["n_images"] == 3
+    totals = manifest["stats"]
+    assert totals["n_images"] == 10 and totals["target_forward_passes"] == 150 and totals["tpf"] == 160 / 150
 
 
 def test_changed_job_is_refused(tiny, tmp_path, capsys):
@@ -210,6 +216,20 @@ def test_interrupted_run_leaves_only_complete_shards(tiny, tmp_path):
     tiny_job(tmp_path / "ref", tiny, class_labels=list(range(10)), per_condition=12, shard_size=4, seed=3,
              decode_images=False)
     assert np.array_equal(got["tokens"], read_all(tmp_path / "ref")["tokens"])
+
+
+def test_prompt_shard_layout(tmp_path):
+    """A text-conditional shard carries prompt ids and texts, labels -1, PNGs named by global index."""
+    result = {"tokens": np.arange(6, dtype=np.int64).reshape(2, 3), "pngs": [b"png-5", b"png-6"],
+              "stats": [{"n_images": 2, "tokens_generated": 6, "target_forward_passes": 4,
+                         "per_image": {"target_forward_passes": [2, 2]}}]}
+    dataset.write_shard(str(tmp_path), 2, range(5, 7), None, [41, 17], ["a red bus", "a bus"], result, 1000)
+    with np.load(tmp_path / "shard-00002.npz") as z:
+        assert z["index"].tolist() == [5, 6] and z["labels"].tolist() == [-1, -1]
+        assert z["prompt_ids"].tolist() == [41, 17] and z["prompts"].tolist() == ["a red bus", "a bus"]
+        assert z["target_forward_passes"].tolist() == [2, 2] and json.loads(str(z["stats"]))["tpf"] == 1.5
+    assert (tmp_path / "000005.png").read_bytes() == b"png-5" and sorted(os.listdir(tmp_path)) == [
+        "000005.png", "000006.png", "shard-00002.npz"]
 
 
 def test_eval_reads_the_dataset_folder(tiny, tmp_path):
