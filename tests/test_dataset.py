@@ -233,7 +233,7 @@ def test_prompt_shard_layout(tmp_path):
 
 
 def test_eval_reads_the_dataset_folder(tiny, tmp_path):
-    from vvs_engine.eval import read_generate_dir
+    from vvs_engine.evaluation.report import read_generate_dir
 
     tiny_job(tmp_path / "o", tiny)
     imgs, labels, tokens = read_generate_dir(str(tmp_path / "o"))
