@@ -106,7 +106,7 @@ def _tree_attention_kernel(
         q = q.to(tl.float32)
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
-    prefix_len = tl.load(prefix_len_ptr)
+    prefix_len = tl.minimum(tl.load(prefix_len_ptr), n_slots)  # P > S: the reference sees all S slots
     # This split's share of the prefix, in whole key tiles (the last splits may get nothing).
     per_split = tl.cdiv(tl.cdiv(prefix_len, n_splits), BLOCK_N) * BLOCK_N
     lo = split * per_split

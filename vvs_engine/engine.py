@@ -183,6 +183,9 @@ class Engine:
             cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg)
             res = run(self, cond, key_mask, n, params, gen, opts, progress)
             tokens = res.tokens.cpu()  # the one host sync of the whole generation
+        from .kernels.bounds import raise_if_set
+
+        raise_if_set(self.device, f"{method} generation")  # bad indices met by a compiled kernel
         wall = time.perf_counter() - t0
         stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image}
         stats.update(res.stats)
