@@ -197,6 +197,9 @@ class Engine:
         stats["seed"] = seed
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
         stats["cuda_graphs"] = self.cuda_graphs
+        from .kernels.flash import describe
+
+        stats["attention_backend"] = describe(self.device, self.dtype, self.gpt.config.head_dim, key_mask is not None)
         images = []
         if decode_images and self.vq is not None:
             from .profiling import nvtx_range
