@@ -4,8 +4,8 @@ candidates (greedy, or k draws without replacement by the exponential race) and 
 Rows below ``CHUNKED_FROM`` (8192) tokens: one program per output row holds the whole vocabulary row.
 Larger vocabularies (Janus-Pro 16384, Lumina-mGPT 65536, Emu3 184622) go through four small launches
 over ``CHUNK``-token slices, so no program holds a whole row: (1) per chunk, sort the order keys and
-prefix-sum ``exp(x - chunk max)``; (2) per row, find the top-k and top-p thresholds by a 4-round
-radix-256 search whose counts and masses are binary searches into the sorted chunks (no data-dependent
+prefix-sum ``exp(x - chunk max)``; (2) per row, find the top-k and top-p thresholds by an 8-round
+radix-16 search whose counts and masses are binary searches into the sorted chunks (no data-dependent
 trip count); (3) per chunk, the ``k`` best candidates under the final distribution; (4) per row, merge
 the chunk candidates. Same thresholds, probabilities and tie order as the one-program kernel.
 
@@ -32,6 +32,9 @@ import triton.language as tl
 NOISE_NONE, NOISE_TENSOR, NOISE_PHILOX = 0, 1, 2
 CHUNKED_FROM = 8192  # vocabularies at least this large use the chunked kernels
 CHUNK = 4096  # tokens per chunk program (sorted in registers)
+# Threshold search: 2^4 pivots per round, 8 rounds (256 pivots x 4 rounds compiles to a register-hungry
+# [chunks, 256] kernel that takes minutes to build).
+RADIX_BITS = 4
 INT32_MIN = -2147483648
 
 
@@ -142,12 +145,11 @@ def _sort_descending(x, N: tl.constexpr, LOG_N: tl.constexpr):
     (a, b) partner pairs with reshape/permute/split, so every step is whole-tensor min/max (fast on
     a GPU and under the interpreter, where ``tl.sort``'s xor-reduction runs in Python)."""
     for s in tl.static_range(1, LOG_N + 1):  # merge bitonic blocks of 2^s
-        for jj in tl.static_range(s):
-            j: tl.constexpr = s - 1 - jj  # partners 2^j apart
-            y = tl.permute(tl.reshape(x, [N >> (j + 1), 2, 1 << j]), (0, 2, 1))
+        for jj in tl.static_range(s):  # partners 2^(s - 1 - jj) apart
+            y = tl.permute(tl.reshape(x, [N >> (s - jj), 2, 1 << (s - 1 - jj)]), (0, 2, 1))
             a, b = tl.split(y)
-            outer = tl.arange(0, N >> (j + 1))[:, None]
-            desc = ((outer >> (s - 1 - j)) & 1) == 0  # even blocks descending, odd ascending
+            outer = tl.arange(0, N >> (s - jj))[:, None]
+            desc = ((outer >> jj) & 1) == 0  # even blocks of 2^s descending, odd ones ascending
             hi = tl.maximum(a, b)
             lo = tl.minimum(a, b)
             x = tl.reshape(tl.permute(tl.join(tl.where(desc, hi, lo), tl.where(desc, lo, hi)), (0, 2, 1)), [N])
@@ -179,25 +181,23 @@ def _chunk_sort_kernel(
 
 
 @triton.jit
-def _count_ge(keys_ptr, chunk_base, t, CHUNK: tl.constexpr):
+def _count_ge(keys_ptr, chunk_base, t, CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr):
     """Per chunk lane: #{key >= t} in its descending-sorted keys (branch-free binary search). ``t`` is
     int64 and may exceed the int32 range (then the count is 0)."""
     t32 = tl.minimum(t, 2147483647).to(tl.int32)
     pos = tl.zeros(t.shape, tl.int64)
-    step = CHUNK // 2
-    while step >= 1:  # unrolled: CHUNK is a constexpr
-        probe = tl.load(keys_ptr + chunk_base + pos + (step - 1))
-        pos = tl.where(probe >= t32, pos + step, pos)
-        step = step // 2
+    for i in tl.static_range(LOG_CHUNK):  # steps CHUNK/2, CHUNK/4, ..., 1
+        probe = tl.load(keys_ptr + chunk_base + pos + ((CHUNK >> (i + 1)) - 1))
+        pos = tl.where(probe >= t32, pos + (CHUNK >> (i + 1)), pos)
     probe = tl.load(keys_ptr + chunk_base + pos)
     pos = tl.where(probe >= t32, pos + 1, pos)
     return tl.where(t > 2147483647, 0, pos)
 
 
 @triton.jit
-def _mass_ge(keys_ptr, cum_ptr, chunk_base, scale, t, CHUNK: tl.constexpr):
+def _mass_ge(keys_ptr, cum_ptr, chunk_base, scale, t, CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr):
     """Per chunk lane: sum of exp(x - global max) over keys >= t."""
-    n = _count_ge(keys_ptr, chunk_base, t, CHUNK)
+    n = _count_ge(keys_ptr, chunk_base, t, CHUNK, LOG_CHUNK)
     cum = tl.load(cum_ptr + chunk_base + tl.maximum(n - 1, 0))
     return tl.where(n > 0, cum, 0.0) * scale
 
@@ -205,11 +205,12 @@ def _mass_ge(keys_ptr, cum_ptr, chunk_base, scale, t, CHUNK: tl.constexpr):
 @triton.jit
 def _thresholds_kernel(
     keys_ptr, cum_ptr, cmax_ptr, thr_ptr, mz_ptr, n_chunks, top_k, top_p,
-    USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr, RADIX_BITS: tl.constexpr,
 ):
     """Per row: the kept set {key >= T} (T = max of the top-k and top-p cuts), the row max M and the
     kept mass Z = sum exp(x - M). Each threshold is the largest pivot with a monotone predicate true,
-    found 8 bits at a time: 256 pivots x all chunks per round, 4 rounds."""
+    found RADIX_BITS bits at a time: 2^RADIX_BITS pivots x all chunks per round, 32 / RADIX_BITS rounds."""
     row = tl.program_id(0)
     cj = tl.arange(0, BLOCK_C)
     c_ok = cj < n_chunks
@@ -218,18 +219,18 @@ def _thresholds_kernel(
     scale = tl.where(c_ok, tl.exp(m_c - M), 0.0)[:, None]  # [BLOCK_C, 1]
     # Padded chunk lanes search chunk 0 (always valid) and are zeroed by scale / c_ok.
     chunk_base = ((row * n_chunks + tl.where(c_ok, cj, 0)) * CHUNK).to(tl.int64)[:, None]
-    j = tl.arange(0, 256).to(tl.int64)[None, :]
+    j = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)[None, :]
     lowest = tl.full((), -2147483648, tl.int64)
 
     t_k = lowest
     if USE_TOP_K:
         base = tl.full((), 0, tl.int64)  # unsigned key space; invariant: count(key >= base - 2^31) >= top_k
-        for r in tl.static_range(4):
-            pivots = base + (j << (24 - 8 * r)) + lowest
-            n = tl.sum(tl.where(c_ok[:, None], _count_ge(keys_ptr, chunk_base, pivots, CHUNK), 0), 0)
-            base = base + ((tl.sum((n >= top_k).to(tl.int64), 0) - 1) << (24 - 8 * r))
+        for r in tl.static_range(32 // RADIX_BITS):
+            pivots = base + (j << (32 - RADIX_BITS * (r + 1))) + lowest
+            n = tl.sum(tl.where(c_ok[:, None], _count_ge(keys_ptr, chunk_base, pivots, CHUNK, LOG_CHUNK), 0), 0)
+            base = base + ((tl.sum((n >= top_k).to(tl.int64), 0) - 1) << (32 - RADIX_BITS * (r + 1)))
         t_k = base + lowest  # the top_k-th largest key
-    z_k = tl.sum(_mass_ge(keys_ptr, cum_ptr, chunk_base, scale, t_k + 0 * j, CHUNK), 0)
+    z_k = tl.sum(_mass_ge(keys_ptr, cum_ptr, chunk_base, scale, t_k + 0 * chunk_base, CHUNK, LOG_CHUNK), 0)
     z_k = tl.max(z_k, 0)
 
     t_p = lowest
@@ -237,15 +238,15 @@ def _thresholds_kernel(
         # A token goes when the kept mass strictly above it exceeds top_p: keep key >= lo + 1 for the
         # largest lo with mass(key > lo) > top_p (true at the bottom: the whole mass is 1).
         base = tl.full((), 0, tl.int64)
-        for r in tl.static_range(4):
-            pivots = base + (j << (24 - 8 * r)) + lowest
+        for r in tl.static_range(32 // RADIX_BITS):
+            pivots = base + (j << (32 - RADIX_BITS * (r + 1))) + lowest
             above = tl.maximum(pivots + 1, t_k)
-            mass = tl.sum(_mass_ge(keys_ptr, cum_ptr, chunk_base, scale, above, CHUNK), 0) / z_k
-            base = base + ((tl.sum((mass > top_p).to(tl.int64), 0) - 1) << (24 - 8 * r))
+            mass = tl.sum(_mass_ge(keys_ptr, cum_ptr, chunk_base, scale, above, CHUNK, LOG_CHUNK), 0) / z_k
+            base = base + ((tl.sum((mass > top_p).to(tl.int64), 0) - 1) << (32 - RADIX_BITS * (r + 1)))
         t_p = base + lowest + 1
 
     t = tl.maximum(t_k, t_p)
-    z = tl.max(tl.sum(_mass_ge(keys_ptr, cum_ptr, chunk_base, scale, t + 0 * j, CHUNK), 0), 0)
+    z = tl.max(tl.sum(_mass_ge(keys_ptr, cum_ptr, chunk_base, scale, t + 0 * chunk_base, CHUNK, LOG_CHUNK), 0), 0)
     tl.store(thr_ptr + row, t)
     tl.store(mz_ptr + row * 2, M)
     tl.store(mz_ptr + row * 2 + 1, z)
@@ -322,8 +323,8 @@ def _draft_topk_chunked(logits, noise, seed_offset, tokens, logp, B, V, cfg_scal
         USE_CFG=use_cfg, CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1, num_warps=warps)
     _thresholds_kernel[(B,)](
         keys, cum, cmax, thr, mz, n_chunks, int(top_k), float(top_p),
-        USE_TOP_K=0 < top_k < V, USE_TOP_P=top_p < 1.0, CHUNK=chunk,
-        BLOCK_C=max(2, triton.next_power_of_2(n_chunks)), num_warps=8)
+        USE_TOP_K=0 < top_k < V, USE_TOP_P=top_p < 1.0, CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1,
+        BLOCK_C=max(2, triton.next_power_of_2(n_chunks)), RADIX_BITS=RADIX_BITS, num_warps=4)
     _chunk_candidates_kernel[(B, n_chunks)](
         logits, noise if noise is not None else logits, seed_offset if seed_offset is not None else thr,
         thr, mz, cand_score, cand_tok, cand_p,
@@ -340,8 +341,9 @@ def draft_topk(logits: torch.Tensor, cfg_scale: float, temperature: float, top_k
     """logits [R, V] (R = 2B with CFG, rows [cond; uncond]) -> (tokens [B, k] int64, logp [B, k] fp32).
     ``noise`` [B, V] Exp(1) samples, or ``seed_offset`` int64 [2] (seed, offset) on the device for
     in-kernel Philox noise (the offset is advanced by B * V in place), or neither for greedy top-k.
-    ``out``: optional preallocated (tokens, logp). ``chunk``: force the chunked kernels with this chunk
-    size (a power of 2; tests use it on small vocabularies); by default they run from V >= 8192."""
+    ``out``: optional preallocated (tokens, logp). ``chunk``: None = chunked kernels from V >= 8192;
+    a power of 2 = chunked kernels with that chunk size (tests use it on small vocabularies); 0 = the
+    one-program kernel at any V (benchmarks compare the two)."""
     if not temperature > 0:
         raise ValueError(f"draft sampling needs temperature > 0 (pass 1.0 for greedy runs), got {temperature}")
     use_cfg = cfg_scale != 1.0
@@ -361,7 +363,7 @@ def draft_topk(logits: torch.Tensor, cfg_scale: float, temperature: float, top_k
         mode = NOISE_PHILOX
     else:
         mode = NOISE_NONE
-    if chunk is not None or V >= CHUNKED_FROM:
+    if chunk or (chunk is None and V >= CHUNKED_FROM):
         _draft_topk_chunked(logits, noise, seed_offset, tokens, logp, B, V, cfg_scale, temperature, top_k, top_p, k,
                             use_cfg, mode, chunk or CHUNK)
         if mode == NOISE_PHILOX:
