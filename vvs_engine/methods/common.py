@@ -1,15 +1,40 @@
-"""Shared pieces of the decoding methods."""
+"""Shared pieces of the decoding methods: the batch a runner decodes and what it returns."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
+
+from ..rng import CounterRNG
+
+
+@dataclass
+class DecodeBatch:
+    """B images decoded together by one runner call.
+
+    ``cond`` holds the condition rows as ``Engine.condition_rows`` builds them: the B conditional rows,
+    then (with CFG) the B unconditional rows. ``rng`` is keyed by (seed, global image index), so an
+    image's draws never depend on the batch it sits in. Rows ``n_real..B-1`` are bucket padding: decoded
+    like the others (static shapes) and dropped by the caller.
+    """
+
+    cond: torch.Tensor
+    key_mask: Optional[torch.Tensor]
+    rng: CounterRNG
+    n_real: int
+    on_tokens: Optional[Callable[[int], None]] = None  # progress: called with newly committed tokens (host-side counts only)
+
+    @property
+    def size(self) -> int:
+        return self.rng.batch
 
 
 @dataclass
 class MethodResult:
-    tokens: torch.Tensor  # [n_images, tokens_per_image] int64
-    stats: dict = field(default_factory=dict)  # method-specific counters; target_forward_passes required
+    tokens: torch.Tensor  # [B, tokens_per_image] int64, on the device
+    stats: dict = field(default_factory=dict)  # method counters; target_forward_passes required
+    image_passes: Optional[torch.Tensor] = None  # [B] target forwards while each image was unfinished
 
 
 def progress(it, show: bool, desc: str):
