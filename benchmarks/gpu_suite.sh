@@ -18,7 +18,7 @@
 #   4. GPU tests: kernels (incl. flash-attn == Triton, bounds flags), then the runner (graph replay ==
 #      eager, sync-debug "error" over steady-state AR and speculative rounds)
 #   5. end-to-end: measure methods x settings on the Zoo model and record its acceptance, then
-#      replay it on random GPT-XL (576 tokens) and GPT-7B (Chameleon-class; 512 tokens to fit the
+#      replay it on random GPT-XL (576 tokens) and GPT-7B (Chameleon-class; 576 tokens, a square grid, to fit the
 #      time). Until the Zoo model ships: a tiny random model, and the built-in synthetic profile.
 # What comes back ($OUT, at most 8 files): suite.log, summary.md (every table, concatenated),
 # results.tar.gz (all JSON/CSV/MD/PNG written under the results folder).
@@ -123,7 +123,7 @@ TRACE="$RES/trace_zoo.json"
 grep -q '"model": "zoo"' "$TRACE" 2>/dev/null || TRACE=synthetic
 echo "replaying trace: $TRACE" >> "$LOG"
 step e2e_replay 90 python benchmarks/e2e.py --replay "$TRACE" --repeats 2 --out "$RES" \
-  --tag replay_cuda --replay-models GPT-XL,GPT-7B:512
+  --tag replay_cuda --replay-models GPT-XL,GPT-7B:576
 
 {
   echo "# GPU suite $(date -u +%FT%TZ) ($(( $(date +%s) - START )) s)"; echo
