@@ -214,6 +214,9 @@ class Engine:
             cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg, clean_captions)
             res = run(self, cond, key_mask, n, params, gen, opts, progress)
             tokens = res.tokens.cpu()
+        from .kernels.bounds import raise_if_set
+
+        raise_if_set(self.device, f"{method} generation")  # bad indices met by a compiled kernel
         wall = time.perf_counter() - t0
         stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image}
         stats.update(res.stats)
@@ -225,6 +228,9 @@ class Engine:
         stats["seed"] = seed
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
         stats["cuda_graphs"] = self.cuda_graphs
+        from .kernels.flash import describe
+
+        stats["attention_backend"] = describe(self.device, self.dtype, self.gpt.config.head_dim, key_mask is not None)
         images = []
         if decode_images and self.vq is not None:
             from .runtime.profiling import nvtx_range

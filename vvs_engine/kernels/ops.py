@@ -11,17 +11,30 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference
+from . import bounds, reference
 from .backends import choose, cuda_module, triton_module
+
+
+# Compiled kernels of these ops take the device's bounds flag (vvs_engine/kernels/bounds.py).
+BOUNDS_CHECKED = {"cuda": {"kv_compact", "gather_rows", "scatter_rows_"}, "triton": {"lantern_mass", "group_mass"}}
 
 
 def _impl(op: str, device: torch.device):
     backend = choose(op, device)
-    if backend == "cuda":
-        return getattr(cuda_module(), op)
-    if backend == "triton":
-        return getattr(triton_module(), op)
-    return getattr(reference, op)
+    if backend == "reference":
+        return getattr(reference, op)
+    fn = getattr(cuda_module() if backend == "cuda" else triton_module(), op)
+    if op not in BOUNDS_CHECKED[backend]:
+        return fn
+    flag = bounds.error_flag(device)
+
+    def checked(*args):
+        out = fn(*args, flag) if backend == "cuda" else fn(*args, error_flag=flag)
+        if bounds.debug():
+            bounds.raise_if_set(device, f"{backend} {op}")
+        return out
+
+    return checked
 
 
 # ---------------------------------------------------------------------------------------------- attention

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .kv_cache import StaticKVCache
-from .masks import LocalMask
+from ..kernels import flash
 from ..models.gpt import GPT
+from .kv_cache import StaticKVCache
+from .masks import LocalMask, causal_local
 
 
 class TargetSession:
@@ -59,9 +60,12 @@ class TargetSession:
         last one's logits predict image token 0)."""
         c = self.c
         pos = torch.arange(c, device=self.device)
+        x = self.model.embed_condition(self.cond_rows)
+        if not self.has_key_mask and flash.usable(self.device, self.dtype, self.model.config.head_dim):
+            mask = LocalMask(torch.zeros(1, dtype=torch.long, device=self.device), causal_local(c, self.device), causal=True)
+            return self.model.forward_hidden(x, pos, self.kv, pos, mask)
         vis = (self.slot_ids[None, :] <= pos[:, None])[None] & self.key_valid[:, None, :]
         vis = vis | (self.slot_ids[None, None, :] == pos[None, :, None])  # a padded query sees itself
-        x = self.model.embed_condition(self.cond_rows)
         h = self.model.forward_hidden(x, pos, self.kv, pos, vis.unsqueeze(1))
         return h
 
