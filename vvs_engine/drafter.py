@@ -126,7 +126,7 @@ class Drafter(nn.Module):
     def forward(self, feats, tokens, positions, kv=None, slots=None, mask=None):
         """feats [rows, T, D] (target or stale or own features at positions t), tokens [rows, T]
         (x_{t+1}), positions [T] -> predicted features [rows, T, D]."""
-        emb = self.target.tok_embeddings(tokens).to(feats.dtype)
+        emb = self.target.embed_tokens(tokens).to(feats.dtype)
         x = self.fc(torch.cat([emb, feats], dim=-1))
         rope = self.rope_rows(positions)
         for i, layer in enumerate(self.layers):

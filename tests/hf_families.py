@@ -1,0 +1,52 @@
+"""Tiny random Hugging Face folders of the target families, built with transformers' own config and
+model classes and written with ``save_pretrained`` (plus a tiny word-level tokenizer)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+JANUS_WORDS = ["<|", "User", "|>:", "Assistant", "a", "red", "cat", "blue", "dog", "on", "the", "grass",
+               "photo", "of", "small", "house"]
+JANUS_SPECIAL = {"<unk>": 0, "<bos>": 1, "<eos>": 2, "<pad>": 3, "<begin_of_image>": 4}
+PROMPTS = ["a red cat", "a photo of the small blue dog on the grass"]
+
+
+def word_tokenizer(words, special: dict):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = dict(special)
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(list(special))
+    return tok
+
+
+def make_janus_folder(path: str, seed: int = 0, grid: int = 4, n_codes: int = 40, scale_head: float = 4.0):
+    """A Janus folder (GQA Llama of 2 layers, dim 32; 4x4 image grid; a 40-code VQ). The generation
+    head is scaled up so greedy CFG decisions have margins well above fp32 noise."""
+    from transformers import (GenerationConfig, JanusConfig, JanusForConditionalGeneration, JanusVisionConfig,
+                              JanusVQVAEConfig, LlamaConfig)
+
+    torch.manual_seed(seed)
+    tc = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=3)
+    vc = JanusVisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=16 * grid,
+                           patch_size=16, projection_dim=32, num_image_tokens=grid * grid)
+    qc = JanusVQVAEConfig(embed_dim=4, num_embeddings=n_codes, base_channels=32, channel_multiplier=[1, 2],
+                          num_res_blocks=1, latent_channels=32, projection_dim=32, image_token_embed_dim=32)
+    model = JanusForConditionalGeneration(JanusConfig(text_config=tc, vision_config=vc, vq_config=qc,
+                                                      image_token_id=5)).eval()
+    with torch.no_grad():  # transformers' init (std 0.02) gives near-constant greedy images: widen it
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.9 / p.shape[1] ** 0.5)
+        model.model.generation_head.vision_head.weight.mul_(scale_head)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                                               generation_kwargs={"boi_token_id": 4})
+    model.save_pretrained(path)
+    word_tokenizer(JANUS_WORDS, JANUS_SPECIAL).save(os.path.join(path, "tokenizer.json"))
+    return model

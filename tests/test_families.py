@@ -1,0 +1,161 @@
+"""Hugging Face target families against transformers (the oracle): logits, greedy CFG images, the
+VQ decoder, loading errors, and every decoding method on each family."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from hf_families import PROMPTS, make_janus_folder
+from vvs_engine.drafter import Drafter, DrafterConfig
+from vvs_engine.engine import Engine
+from vvs_engine.errors import VVSError
+
+LOSSLESS = [("eagle", {}), ("eagle", {"tree": "static"}), ("lantern", {"lantern_delta": 0.0}),
+            ("vvs", {"skip_interval": 1}), ("sjd", {}), ("gsd", {})]
+ALL_METHODS = ["ar", "eagle", "lantern", "lantern++", "vvs", "sjd", "gsd", "cascade"]
+
+
+@pytest.fixture(scope="module")
+def janus(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("janus"))
+    hf = make_janus_folder(path)
+    return path, hf, Engine.load(model_dir=path, max_prompt_tokens=24)
+
+
+def hf_janus_logits(hf, ids, codes):
+    """transformers' Janus: prompt ids [1, L], codes [1, T] -> generation-head logits [T, V]."""
+    x = torch.cat([hf.get_input_embeddings()(ids), hf.prepare_embeddings_for_image_generation(codes[:, :-1])], 1)
+    h = hf.model.language_model(inputs_embeds=x).last_hidden_state
+    return hf.model.generation_head(h[:, ids.shape[1] - 1:])[0]
+
+
+def test_janus_logits_match_transformers(janus):
+    path, hf, eng = janus
+    codes = torch.randint(0, eng.config.vocab_size, (len(PROMPTS), eng.tokens_per_image),
+                          generator=torch.Generator().manual_seed(0))
+    ours = eng.score(prompts=PROMPTS, tokens=codes)  # left-padded prompts of different lengths
+    for i, p in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = hf_janus_logits(hf, torch.tensor([eng.gpt.prompt_ids(p)]), codes[i:i + 1])
+        assert ref.abs().max() > 1.0  # not a vacuous comparison
+        torch.testing.assert_close(ours[i], ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("cfg_scale", [1.5, 5.0])
+def test_janus_greedy_cfg_equals_transformers_generate(janus, cfg_scale):
+    path, hf, eng = janus
+    for p in PROMPTS:
+        ours = eng.generate(prompts=[p], temperature=0, cfg_scale=cfg_scale, decode_images=False).tokens
+        ids = torch.tensor([eng.gpt.prompt_ids(p)])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_mode="image", do_sample=False,
+                          guidance_scale=cfg_scale)
+        assert len(set(ref[0].tolist())) > 3  # a non-degenerate image
+        assert torch.equal(ours, ref)
+
+
+def test_janus_unconditional_row_is_janus_style(janus):
+    _, _, eng = janus
+    cfg = eng.config
+    ids, mask = eng.gpt.condition_rows(PROMPTS, True, "cpu")
+    cond, unc = ids.chunk(2)
+    assert torch.equal(mask[:2], mask[2:]) and not mask[0].all()
+    kept = (cond == cfg.bos_token_id) | (cond == cfg.boi_token_id)
+    assert torch.equal(unc[kept], cond[kept])
+    assert (unc[~kept] == cfg.pad_token_id).all()
+    assert cond[:, -1].eq(cfg.boi_token_id).all()
+
+
+def test_janus_vq_decoder_matches_transformers(janus):
+    _, hf, eng = janus
+    codes = torch.randint(0, eng.config.vocab_size, (2, eng.tokens_per_image), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf.decode_image_tokens(codes).permute(0, 3, 1, 2)
+    torch.testing.assert_close(eng.vq.decode(codes), ref, atol=1e-4, rtol=0)
+    out = eng.generate(prompts=PROMPTS[:1], temperature=0, cfg_scale=2.0)
+    assert out.images[0].size == (8, 8)
+
+
+@pytest.fixture(scope="module")
+def janus64(janus):
+    """The Janus engine in float64 with a random drafter (greedy ties cannot flip)."""
+    path, _, _ = janus
+    eng = Engine.load(model_dir=path, max_prompt_tokens=24)
+    c = eng.config
+    eng.drafter = Drafter(DrafterConfig(dim=c.dim, n_head=c.n_head)).attach(eng.gpt).eval()
+    eng.gpt.to(torch.float64)
+    eng.drafter.to(torch.float64)
+    eng.dtype = torch.float64
+    ar = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+    return eng, ar
+
+
+@pytest.mark.parametrize("method,opts", LOSSLESS)
+def test_janus_lossless_methods_greedy_equal_ar(janus64, method, opts):
+    eng, ar = janus64
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, method=method, decode_images=False, **opts)
+    assert torch.equal(out.tokens, ar)
+    assert out.stats["tpf"] >= 1.0
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_janus_every_method_samples(janus64, method):
+    eng, _ = janus64
+    out = eng.generate(prompts=PROMPTS, temperature=1.0, top_k=20, cfg_scale=3.0, method=method, seed=3,
+                       decode_images=False)
+    assert out.tokens.shape == (2, eng.tokens_per_image)
+    assert 0 <= int(out.tokens.min()) and int(out.tokens.max()) < eng.config.vocab_size
+    assert out.stats["target_forward_passes"] > 0 and out.stats["tpf"] > 0
+
+
+# --- loading errors -----------------------------------------------------------------------------
+def test_missing_folder_and_config(tmp_path):
+    with pytest.raises(VVSError, match="model folder not found"):
+        Engine.load(model_dir=str(tmp_path / "nope"))
+    with pytest.raises(VVSError, match="config.json not found"):
+        Engine.load(model_dir=str(tmp_path))
+
+
+def test_wrong_family(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(VVSError, match="'bert' is not a supported"):
+        Engine.load(model_dir=str(tmp_path))
+
+
+def test_missing_shard_and_misshaped_tensor(janus, tmp_path):
+    path, _, _ = janus
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    names = sorted(sd)
+    shard_dir = tmp_path / "sharded"
+    shard_dir.mkdir()
+    for f in ("config.json", "generation_config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(path, f), shard_dir / f)
+    half = len(names) // 2
+    save_file({k: sd[k] for k in names[:half]}, str(shard_dir / "model-00001-of-00002.safetensors"))
+    save_file({k: sd[k] for k in names[half:]}, str(shard_dir / "model-00002-of-00002.safetensors"))
+    wm = {k: ("model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors")
+          for i, k in enumerate(names)}
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    eng = Engine.load(model_dir=str(shard_dir), max_prompt_tokens=24, dtype="bf16")  # sharded loads
+    assert eng.dtype == torch.bfloat16
+    os.remove(shard_dir / "model-00002-of-00002.safetensors")
+    with pytest.raises(VVSError, match="missing weight shard"):
+        Engine.load(model_dir=str(shard_dir))
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    key = "model.generation_head.vision_head.weight"
+    sd[key] = sd[key][:, :-1].contiguous()
+    save_file(sd, str(bad / "model.safetensors"))
+    with pytest.raises(VVSError, match="shape mismatch.*vision_head"):
+        Engine.load(model_dir=str(bad))
+
+
+def test_prompt_too_long(janus):
+    _, _, eng = janus
+    with pytest.raises(VVSError, match="limit is 24"):
+        eng.generate(prompts=["a " * 40], temperature=0, decode_images=False)
