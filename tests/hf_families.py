@@ -50,3 +50,43 @@ def make_janus_folder(path: str, seed: int = 0, grid: int = 4, n_codes: int = 40
     model.save_pretrained(path)
     word_tokenizer(JANUS_WORDS, JANUS_SPECIAL).save(os.path.join(path, "tokenizer.json"))
     return model
+
+
+LUMINA_WORDS = ["Generate", "an", "image", "of", "64x64", "according", "to", "the", "following", "prompt", ":",
+                "a", "red", "cat", "photo", "small", "blue", "dog", "on", "grass"]
+
+
+def image_code_name(code: int) -> str:
+    return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
+
+
+def make_chameleon_folder(path: str, seed: int = 0, n_codes: int = 40, vocab: int = 8832):
+    """A Lumina-mGPT-style Chameleon folder: qk-norm GQA decoder (2 layers, dim 32), 40 image codes at
+    vocabulary ids 4..43, and Lumina's layout ids (BOI 8197, EOL 8803, resolution 8804 + n) in range."""
+    from transformers import ChameleonConfig, ChameleonForConditionalGeneration, ChameleonVQVAEConfig
+
+    torch.manual_seed(seed)
+    vocab_map = {"<s>": 0, "<pad>": 1, "</s>": 2, "<image>": 3}
+    vocab_map.update({image_code_name(i): 4 + i for i in range(n_codes)})
+    qc = ChameleonVQVAEConfig(embed_dim=4, num_embeddings=n_codes, base_channels=32, channel_multiplier=[1, 2],
+                              latent_channels=32, resolution=32, num_res_blocks=1, attn_resolutions=[])
+    cfg = ChameleonConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
+                          pad_token_id=1, eos_token_id=2, vq_config=qc.to_dict(), vocabulary_map=vocab_map)
+    model = ChameleonForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # widen transformers' init so greedy images are not constant
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.9 / p.shape[1] ** 0.5)
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(path)
+    special = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 100}
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = dict(special)
+    for i, w in enumerate(LUMINA_WORDS):
+        words[w] = 101 + i
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return model

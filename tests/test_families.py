@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from hf_families import PROMPTS, make_janus_folder
+from hf_families import PROMPTS, make_chameleon_folder, make_janus_folder
 from vvs_engine.drafter import Drafter, DrafterConfig
 from vvs_engine.engine import Engine
 from vvs_engine.errors import VVSError
@@ -109,6 +109,99 @@ def test_janus_every_method_samples(janus64, method):
     assert out.tokens.shape == (2, eng.tokens_per_image)
     assert 0 <= int(out.tokens.min()) and int(out.tokens.max()) < eng.config.vocab_size
     assert out.stats["target_forward_passes"] > 0 and out.stats["tpf"] > 0
+
+
+# --- Lumina-mGPT (Chameleon) ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lumina(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("chameleon"))
+    hf = make_chameleon_folder(path)
+    return path, hf, Engine.load(model_dir=path, max_prompt_tokens=32, image_size=64)
+
+
+def with_row_ends(eng, tokens):
+    """Put the EOL index at the end of every row of method tokens [n, h*(w+1)]."""
+    c = eng.config
+    tokens.view(tokens.shape[0], c.grid_h, c.grid_w + 1)[:, :, -1] = c.n_codes
+    return tokens
+
+
+def assert_lumina_layout(eng, tokens):
+    c = eng.config
+    rows = tokens.view(tokens.shape[0], c.grid_h, c.grid_w + 1)
+    assert (rows[:, :, -1] == c.n_codes).all()  # EOL closes every row
+    assert (rows[:, :, :-1] < c.n_codes).all()  # and appears nowhere else
+
+
+def test_lumina_logits_match_transformers(lumina):
+    path, hf, eng = lumina
+    m, T = eng.gpt, eng.tokens_per_image
+    tokens = with_row_ends(eng, torch.randint(0, eng.config.n_codes, (2, T), generator=torch.Generator().manual_seed(0)))
+    ours = eng.score(prompts=PROMPTS, tokens=tokens)
+    for i, p in enumerate(PROMPTS):
+        ids = torch.tensor([m.prompt_ids(p) + m.vocab_ids[tokens[i, :-1]].tolist()])
+        with torch.no_grad():
+            ref = hf.lm_head(hf.model(input_ids=ids).last_hidden_state)[0, -T:][:, m.vocab_ids]
+        assert ref.abs().max() > 1.0
+        torch.testing.assert_close(ours[i], ref, atol=1e-4, rtol=0)
+
+
+def hf_lumina_greedy(hf, m, prompt, cfg_scale):
+    """Greedy CFG decoding with transformers' Chameleon forward (no cache) and Lumina-mGPT's layout
+    rules written out: codes only, EOL forced after each row, unconditional row = the image prefix."""
+    c = m.config
+    cond, uncond, out = m.prompt_ids(prompt), m.image_prefix(), []
+    with torch.no_grad():
+        for t in range(c.block_size):
+            if t % (c.grid_w + 1) == c.grid_w:
+                tok = c.n_codes
+            else:
+                lc, lu = (hf.lm_head(hf.model(input_ids=torch.tensor([s])).last_hidden_state[0, -1])[m.vocab_ids[:-1]]
+                          for s in (cond, uncond))
+                tok = int((lu + cfg_scale * (lc - lu)).argmax())
+            out.append(tok)
+            cond, uncond = cond + [int(m.vocab_ids[tok])], uncond + [int(m.vocab_ids[tok])]
+    return torch.tensor([out])
+
+
+def test_lumina_greedy_cfg_equals_transformers_with_layout_rules(lumina):
+    _, hf, eng = lumina
+    for p in PROMPTS:
+        ours = eng.generate(prompts=[p], temperature=0, cfg_scale=3.0).tokens
+        ref = hf_lumina_greedy(hf, eng.gpt, p, 3.0)
+        assert len(set(ref[0].tolist())) > 3
+        assert torch.equal(ours, ref)
+        assert_lumina_layout(eng, ours)
+    assert eng.gpt.codes_of(ours).shape == (1, eng.config.grid_h * eng.config.grid_w)
+
+
+@pytest.fixture(scope="module")
+def lumina64(lumina):
+    path, _, _ = lumina
+    eng = Engine.load(model_dir=path, max_prompt_tokens=32, image_size=64)
+    c = eng.config
+    eng.drafter = Drafter(DrafterConfig(dim=c.dim, n_head=c.n_head)).attach(eng.gpt).eval()
+    eng.gpt.to(torch.float64)
+    eng.drafter.to(torch.float64)
+    eng.dtype = torch.float64
+    ar = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+    return eng, ar
+
+
+@pytest.mark.parametrize("method,opts", LOSSLESS)
+def test_lumina_lossless_methods_greedy_equal_ar(lumina64, method, opts):
+    eng, ar = lumina64
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, method=method, decode_images=False, **opts)
+    assert torch.equal(out.tokens, ar)
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_lumina_every_method_samples_within_layout(lumina64, method):
+    eng, _ = lumina64
+    out = eng.generate(prompts=PROMPTS, temperature=1.0, cfg_scale=3.0, method=method, seed=3, decode_images=False)
+    assert out.tokens.shape == (2, eng.tokens_per_image)
+    assert_lumina_layout(eng, out.tokens)
+    assert out.stats["target_forward_passes"] > 0
 
 
 # --- loading errors -----------------------------------------------------------------------------

@@ -133,8 +133,15 @@ class Drafter(nn.Module):
             x = layer(x, rope, None if kv is None else (kv.k[i], kv.v[i]), slots, mask)
         return x
 
-    def logits(self, h):
-        return self.target.logits(h)
+    def logits(self, h, position=None):
+        """Features -> target-head logits; with the drafter ``position`` [1] of the rows, tokens the
+        target family's layout forbids there (forced end-of-line tokens) get -1e9."""
+        lg = self.target.logits(h)
+        forbid = getattr(self.target, "layout_forbidden", None)
+        if forbid is None or position is None:
+            return lg
+        # Drafter position t predicts the token the target predicts at position t + 1.
+        return lg.masked_fill(forbid[(position + 1).clamp(max=forbid.shape[0] - 1)], -1e9)
 
     def new_cache(self, rows: int, n_slots: int) -> StaticKVCache:
         p = self.fc.weight

@@ -69,14 +69,15 @@ class Engine:
              max_prompt_tokens: Optional[int] = None) -> "Engine":
         """Load a target (official LlamaGen file or the project's safetensors), optionally a VQ tokenizer
         and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used.
-        ``model_dir``: a local Hugging Face folder of another family (Janus-Pro); its prompts are
-        left-padded to ``max_prompt_tokens`` (default 128)."""
+        ``model_dir``: a local Hugging Face folder of another family (Janus-Pro, Lumina-mGPT); its
+        prompts are left-padded to ``max_prompt_tokens`` (default 128)."""
         device, dtype = resolve_device(device), resolve_dtype(dtype)
         info = {}
         if model_dir is not None:
             from .models.hf_loader import DEFAULT_MAX_PROMPT_TOKENS, load_hf_folder
 
-            target, image_decoder, info = load_hf_folder(model_dir, max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS)
+            target, image_decoder, info = load_hf_folder(model_dir, max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS,
+                                                         image_size)
             dr = None
             if drafter:
                 from .drafter import load_drafter
@@ -211,7 +212,7 @@ class Engine:
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
         stats["cuda_graphs"] = self.cuda_graphs
         images = []
-        if decode_images and self.vq is not None:
+        if decode_images and self.vq is not None and getattr(self.vq, "can_decode", True):
             from .profiling import nvtx_range
 
             with nvtx_range("vq_decode"):

@@ -1,6 +1,7 @@
 """A Llama-style decoder on the engine's static KV cache, for Hugging Face checkpoint families.
 
-Janus-Pro's language model is a plain Llama (Emu3's is one too). Parameter names are those of ``transformers``' Llama-like classes below the
+Janus-Pro's language model is a plain Llama; Chameleon (Lumina-mGPT) adds a per-head q/k LayerNorm.
+Parameter names are those of ``transformers``' Llama-like classes below the
 ``layers.`` prefix, so a state dict loads after its family prefix is stripped. RoPE is the 1-D
 half-split form (``rotate_half``) with the angles computed in fp32 like transformers does, so logits
 match transformers on the same inputs. Grouped-query attention keeps only the K/V heads in the cache.
@@ -28,6 +29,7 @@ class DecoderConfig:
     rope_base: float = 10000.0
     attention_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Chameleon: per-head LayerNorm of q and k before RoPE
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,6 +53,18 @@ def apply_rope_half(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).type_as(x)
 
 
+class HeadLayerNorm(nn.Module):
+    """Chameleon's q/k norm: statistics over each head's features, a separate gain and bias per head."""
+
+    def __init__(self, n_heads: int, head_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n_heads, head_dim))
+        self.bias = nn.Parameter(torch.zeros(n_heads, head_dim))
+
+    def forward(self, x):  # x [B, T, H, hd]
+        return F.layer_norm(x, x.shape[-1:], None, None, eps=1e-5) * self.weight + self.bias
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -60,6 +74,8 @@ class DecoderAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, kv * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.dim, kv * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * hd, cfg.dim, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = HeadLayerNorm(h, hd), HeadLayerNorm(kv, hd)
 
     def forward(self, x, rope, kv=None, slots=None, mask=None):
         c = self.cfg
@@ -67,6 +83,8 @@ class DecoderAttention(nn.Module):
         q = self.q_proj(x).view(B, T, c.n_head, c.head_dim)
         k = self.k_proj(x).view(B, T, c.n_kv_head, c.head_dim)
         v = self.v_proj(x).view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope_half(q, rope).transpose(1, 2)
         k = apply_rope_half(k, rope).transpose(1, 2)
         if kv is not None:

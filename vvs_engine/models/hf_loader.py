@@ -16,8 +16,10 @@ from ..checkpoint import load_into
 from ..errors import VVSError
 from .hf_decoder import DecoderConfig
 
-SUPPORTED_FAMILIES = ("janus",)
-PLANNED_FAMILIES = ("chameleon", "emu3")
+SUPPORTED_FAMILIES = ("janus", "chameleon")
+PLANNED_FAMILIES = ("emu3",)
+CHAMELEON_PATCH_PX = 16
+CHAMELEON_DEFAULT_IMAGE_PX = 768  # Lumina-mGPT-7B-768
 DEFAULT_MAX_PROMPT_TOKENS = 128
 
 
@@ -99,8 +101,10 @@ def load_tokenizer(model_dir: str):
         raise VVSError(f"unreadable tokenizer.json in {model_dir}: {str(e).splitlines()[0]}") from None
 
 
-def load_hf_folder(model_dir: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> Tuple[torch.nn.Module, torch.nn.Module, dict]:
-    """-> (target, image decoder, info) in fp32 on the CPU; the engine moves them afterwards."""
+def load_hf_folder(model_dir: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+                   image_size: int | None = None) -> Tuple[torch.nn.Module, torch.nn.Module, dict]:
+    """-> (target, image decoder, info) in fp32 on the CPU; the engine moves them afterwards.
+    ``image_size`` (pixels, Chameleon/Lumina-mGPT only): the square image to generate (default 768)."""
     cfg = read_folder_config(model_dir)
     family = cfg.get("model_type")
     if family in PLANNED_FAMILIES:
@@ -112,7 +116,10 @@ def load_hf_folder(model_dir: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_T
     if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 2:
         raise VVSError(f"max_prompt_tokens must be an integer >= 2, got {max_prompt_tokens!r}")
     sd = read_weights(model_dir)
-    target, vq = build_janus(model_dir, cfg, sd, max_prompt_tokens)
+    if family == "janus":
+        target, vq = build_janus(model_dir, cfg, sd, max_prompt_tokens)
+    else:
+        target, vq = build_chameleon(model_dir, cfg, sd, max_prompt_tokens, image_size or CHAMELEON_DEFAULT_IMAGE_PX)
     return target.eval(), vq.eval(), {"model": family, "model_dir": model_dir}
 
 
@@ -166,3 +173,40 @@ def build_janus(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int):
     vq = TamingVQDecoder(vq_cfg)
     load_into(vq, vq_state_dict_from_hf(sd), f"{what} (VQ decoder)")
     return target, vq
+
+
+def build_chameleon(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int, image_size: int):
+    """Lumina-mGPT on Chameleon weights: qk-norm decoder, codes restricted from the text head."""
+    from .chameleon import (ChameleonCodebook, ChameleonFamilyConfig, ChameleonTarget, code_ids_from_vocabulary_map,
+                            state_dict_from_hf)
+
+    what = f"Chameleon folder {model_dir}"
+    if cfg.get("swin_norm"):
+        raise VVSError(f"{what}: swin_norm models (Chameleon-30B) are not supported")
+    dcfg = llama_decoder_config(cfg, what)
+    if dcfg.head_dim * dcfg.n_head != dcfg.dim:
+        raise VVSError(f"{what}: hidden_size must be num_attention_heads * head_dim")
+    dcfg.qk_norm = True
+    if not isinstance(image_size, int) or image_size <= 0 or image_size % CHAMELEON_PATCH_PX:
+        raise VVSError(f"image size {image_size} is not a positive multiple of {CHAMELEON_PATCH_PX}")
+    code_ids = code_ids_from_vocabulary_map(cfg.get("vocabulary_map") or {}, what)
+    vocab = int(cfg.get("vocab_size", 0))
+    grid = image_size // CHAMELEON_PATCH_PX
+    fcfg = ChameleonFamilyConfig(family="chameleon", dim=dcfg.dim, n_layer=dcfg.n_layer, n_head=dcfg.n_head,
+                                 n_kv_head=dcfg.n_kv_head, head_dim=dcfg.head_dim, vocab_size=len(code_ids) + 1,
+                                 cls_token_num=max_prompt_tokens, block_size=grid * (grid + 1),
+                                 text_vocab_size=vocab, grid_h=grid, grid_w=grid, patch_px=CHAMELEON_PATCH_PX,
+                                 bos_token_id=int(cfg.get("bos_token_id") or 0),
+                                 pad_token_id=int(cfg.get("pad_token_id") or 1))
+    top = max(fcfg.boi_token_id, fcfg.eol_token_id, fcfg.resolution_base + grid, int(code_ids.max()))
+    if top >= vocab:
+        raise VVSError(f"{what}: vocabulary of {vocab} lacks Lumina-mGPT's layout tokens (id {top})")
+    target = ChameleonTarget(fcfg, dcfg, code_ids)
+    load_into(target, state_dict_from_hf(sd), what)
+    target.tokenizer = load_tokenizer(model_dir)
+    emb = sd.get("model.vqmodel.quantize.embedding.weight")
+    if emb is None or emb.shape[0] != len(code_ids):
+        raise VVSError(f"{what}: missing or mis-shaped model.vqmodel.quantize.embedding.weight")
+    book = ChameleonCodebook(emb.shape[0], emb.shape[1], grid)
+    book.quantize.embedding.weight.data.copy_(emb.float())
+    return target, book
