@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from hf_families import PROMPTS, make_chameleon_folder, make_janus_folder
+from vvs_engine.models.hf_tiny import PROMPTS, make_chameleon_folder, make_janus_folder
 from vvs_engine.drafter import Drafter, DrafterConfig
 from vvs_engine.engine import Engine
 from vvs_engine.errors import VVSError
