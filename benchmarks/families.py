@@ -30,12 +30,13 @@ PROMPTS = ["a red cat", "a photo of the small blue dog on the grass"]
 def family_engines(tmp: str):
     from vvs_engine.drafter import Drafter, DrafterConfig
     from vvs_engine.engine import Engine
-    from vvs_engine.models.hf_tiny import make_chameleon_folder, make_janus_folder
+    from vvs_engine.models.hf_tiny import make_chameleon_folder, make_emu3_folder, make_janus_folder
 
     out = []
     for name, make, kw in (("Janus-Pro (janus)", make_janus_folder, dict(max_prompt_tokens=24)),
                            ("Lumina-mGPT (chameleon)", make_chameleon_folder,
-                            dict(max_prompt_tokens=32, image_size=64))):
+                            dict(max_prompt_tokens=32, image_size=64)),
+                           ("Emu3 (emu3)", make_emu3_folder, dict(max_prompt_tokens=24, image_size=32))):
         path = os.path.join(tmp, name.split()[0])
         make(path)
         eng = Engine.load(model_dir=path, **kw)

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from vvs_engine.models.hf_tiny import PROMPTS, make_chameleon_folder, make_janus_folder
+from vvs_engine.models.hf_tiny import PROMPTS, make_chameleon_folder, make_emu3_folder, make_janus_folder
 from vvs_engine.drafter import Drafter, DrafterConfig
 from vvs_engine.engine import Engine
 from vvs_engine.errors import VVSError
@@ -198,6 +198,80 @@ def test_lumina_lossless_methods_greedy_equal_ar(lumina64, method, opts):
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_lumina_every_method_samples_within_layout(lumina64, method):
     eng, _ = lumina64
+    out = eng.generate(prompts=PROMPTS, temperature=1.0, cfg_scale=3.0, method=method, seed=3, decode_images=False)
+    assert out.tokens.shape == (2, eng.tokens_per_image)
+    assert_lumina_layout(eng, out.tokens)
+    assert out.stats["target_forward_passes"] > 0
+
+
+# --- Emu3 ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def emu3(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("emu3"))
+    hf = make_emu3_folder(path)
+    return path, hf, Engine.load(model_dir=path, max_prompt_tokens=24, image_size=32)
+
+
+def test_emu3_logits_match_transformers(emu3):
+    _, hf, eng = emu3
+    m, T = eng.gpt, eng.tokens_per_image
+    tokens = with_row_ends(eng, torch.randint(0, eng.config.n_codes, (2, T), generator=torch.Generator().manual_seed(0)))
+    ours = eng.score(prompts=PROMPTS, tokens=tokens)
+    for i, p in enumerate(PROMPTS):
+        ids = torch.tensor([m.prompt_ids(p) + m.vocab_ids[tokens[i, :-1]].tolist()])
+        with torch.no_grad():
+            ref = hf.lm_head(hf.model.text_model(input_ids=ids).last_hidden_state)[0, -T:][:, m.vocab_ids]
+        assert ref.abs().max() > 1.0
+        torch.testing.assert_close(ours[i], ref, atol=1e-4, rtol=0)
+
+
+def test_emu3_greedy_cfg_equals_transformers_generate_with_layout_constraints(emu3):
+    """transformers' Emu3 generate with the layout as ``prefix_allowed_tokens_fn`` (visual tokens,
+    EOL after every row) and our unconditional row as its negative prompt."""
+    _, hf, eng = emu3
+    m, c = eng.gpt, eng.config
+    visual = m.vocab_ids[:-1].tolist()
+
+    def allowed(batch_id, input_ids):
+        start = torch.nonzero(input_ids == c.image_wrapper_token_id, as_tuple=True)[0][0]
+        return [c.eol_token_id] if (input_ids.shape[0] - start) % (c.grid_w + 1) == 0 else visual
+
+    index_of = {int(v): i for i, v in enumerate(m.vocab_ids)}
+    for p in PROMPTS:
+        ours = eng.generate(prompts=[p], temperature=0, cfg_scale=3.0).tokens
+        ids, neg = torch.tensor([m.prompt_ids(p)]), torch.tensor([m.uncond_ids()])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), prefix_allowed_tokens_fn=allowed,
+                          negative_prompt_ids=neg, negative_prompt_attention_mask=torch.ones_like(neg),
+                          guidance_scale=3.0, do_sample=False, max_new_tokens=c.block_size)
+        ref = torch.tensor([[index_of[int(t)] for t in ref[0, ids.shape[1]:]]])
+        assert len(set(ref[0].tolist())) > 3
+        assert torch.equal(ours, ref)
+        assert_lumina_layout(eng, ours)
+
+
+@pytest.fixture(scope="module")
+def emu3_64(emu3):
+    path, _, _ = emu3
+    eng = Engine.load(model_dir=path, max_prompt_tokens=24, image_size=32)
+    c = eng.config
+    eng.drafter = Drafter(DrafterConfig(dim=c.dim, n_head=c.n_head)).attach(eng.gpt).eval()
+    eng.gpt.to(torch.float64)
+    eng.drafter.to(torch.float64)
+    eng.dtype = torch.float64
+    ar = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+    return eng, ar
+
+
+@pytest.mark.parametrize("method,opts", LOSSLESS)
+def test_emu3_lossless_methods_greedy_equal_ar(emu3_64, method, opts):
+    eng, ar = emu3_64
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, method=method, decode_images=False, **opts)
+    assert torch.equal(out.tokens, ar)
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_emu3_every_method_samples_within_layout(emu3_64, method):
+    eng, _ = emu3_64
     out = eng.generate(prompts=PROMPTS, temperature=1.0, cfg_scale=3.0, method=method, seed=3, decode_images=False)
     assert out.tokens.shape == (2, eng.tokens_per_image)
     assert_lumina_layout(eng, out.tokens)

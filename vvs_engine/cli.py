@@ -97,7 +97,8 @@ def build_parser() -> Parser:
                    help="image size in pixels (default: from the config file, else 256)")
     m.add_argument("--t5-path", default=None, metavar="DIR", help="local flan-t5 directory (text-conditional models)")
     m.add_argument("--model-dir", default=None, metavar="DIR",
-                   help="local Hugging Face folder of another target family (Janus-Pro); replaces --gpt-ckpt/--vq-ckpt")
+                   help="local Hugging Face folder of another target family (Janus-Pro, Lumina-mGPT, Emu3); "
+                        "replaces --gpt-ckpt/--vq-ckpt")
     m.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
                    help="with --model-dir: prompts are left-padded to N tokens (default 128)")
     m.add_argument("--drafter", default=None, metavar="PATH", help="drafter checkpoint (speculative methods)")

@@ -69,8 +69,9 @@ class Engine:
              max_prompt_tokens: Optional[int] = None) -> "Engine":
         """Load a target (official LlamaGen file or the project's safetensors), optionally a VQ tokenizer
         and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used.
-        ``model_dir``: a local Hugging Face folder of another family (Janus-Pro, Lumina-mGPT); its
-        prompts are left-padded to ``max_prompt_tokens`` (default 128)."""
+        ``model_dir``: a local Hugging Face folder of another family (Janus-Pro, Lumina-mGPT, Emu3);
+        its prompts are left-padded to ``max_prompt_tokens`` (default 128); ``image_size`` (pixels)
+        sets the Lumina-mGPT/Emu3 image."""
         device, dtype = resolve_device(device), resolve_dtype(dtype)
         info = {}
         if model_dir is not None:

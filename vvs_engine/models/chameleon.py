@@ -53,6 +53,8 @@ class ChameleonFamilyConfig:
     model_type: str = "t2i"
     num_classes: int = 0
     prompt_template: str = LUMINA_PROMPT_TEMPLATE
+    image_wrapper_token_id: int = -1  # Emu3: "<|image token|>" after the size text
+    negative_prompt: str = ""  # Emu3: the unconditional row's prompt
 
     @property
     def n_codes(self) -> int:
@@ -116,11 +118,15 @@ class ChameleonTarget(nn.Module):
         text = c.prompt_template.format(width=c.grid_w * c.patch_px, height=c.grid_h * c.patch_px, prompt=prompt)
         return [c.bos_token_id] + self.tokenizer.encode(text, add_special_tokens=False).ids + self.image_prefix()
 
+    def uncond_ids(self) -> List[int]:
+        """Lumina-mGPT's unconditional row: the image-start and resolution tokens alone."""
+        return self.image_prefix()
+
     def condition_rows(self, prompts: Sequence[str], use_cfg: bool, device):
         c, cfg = self.config.cls_token_num, self.config
         rows = [self.prompt_ids(str(p)) for p in prompts]
         if use_cfg:
-            rows += [self.image_prefix()] * len(prompts)
+            rows += [self.uncond_ids()] * len(prompts)
         ids = torch.full((len(rows), c), cfg.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(rows), c, dtype=torch.bool)
         for i, row in enumerate(rows):
@@ -163,21 +169,60 @@ def code_ids_from_vocabulary_map(vocab_map: dict, what: str) -> torch.Tensor:
     return torch.tensor([by_code[i] for i in range(len(by_code))])
 
 
-def state_dict_from_hf(sd: dict) -> dict:
+def state_dict_from_hf(sd: dict, lm: str = "model.", head: str = "lm_head.") -> dict:
+    """transformers' names -> ours; ``lm``/``head``: the language model's and text head's prefixes
+    (Emu3 folders: ``text_model.model.`` and ``text_model.lm_head.``)."""
     out = {}
     for k, v in sd.items():
-        if k.startswith("model.embed_tokens."):
-            out["embed_tokens_text." + k[len("model.embed_tokens."):]] = v
-        elif k.startswith(("model.layers.", "model.norm.")):
-            out["decoder." + k[len("model."):]] = v
-        elif k.startswith("lm_head."):
-            out[k] = v
+        if k.startswith(lm + "embed_tokens."):
+            out["embed_tokens_text." + k[len(lm + "embed_tokens."):]] = v
+        elif k.startswith((lm + "layers.", lm + "norm.")):
+            out["decoder." + k[len(lm):]] = v
+        elif k.startswith(head):
+            out["lm_head." + k[len(head):]] = v
     return out
 
 
+class Emu3Target(ChameleonTarget):
+    """Emu3: a Llama (no q/k norm) with visual tokens in its text vocabulary. Condition:
+    ``BOS prompt <|image start|> {h}*{w} <|image token|>`` (sizes in tokens, as transformers' Emu3
+    processor writes them); rows of w visual tokens each closed by ``<|extra_200|>`` (EOL, forced);
+    the unconditional row is the negative prompt with the same image prefix."""
+
+    def image_prefix(self) -> List[int]:
+        c = self.config
+        if self.tokenizer is None:
+            raise VVSError("this Emu3 folder has no tokenizer.json: the image prefix cannot be encoded")
+        size = self.tokenizer.encode(f"{c.grid_h}*{c.grid_w}", add_special_tokens=False).ids
+        return [c.boi_token_id] + size + [c.image_wrapper_token_id]
+
+    def prompt_ids(self, prompt: str) -> List[int]:
+        c = self.config
+        if self.tokenizer is None:
+            raise VVSError("this Emu3 folder has no tokenizer.json: text prompts cannot be encoded")
+        return [c.bos_token_id] + self.tokenizer.encode(prompt, add_special_tokens=False).ids + self.image_prefix()
+
+    def uncond_ids(self) -> List[int]:
+        return self.prompt_ids(self.config.negative_prompt)
+
+
+def emu3_code_ids(vocab_map: dict, what: str) -> torch.Tensor:
+    """``<|visual token NNNNNN|>`` vocabulary names -> ids ordered by VQ code."""
+    by_code = {}
+    for name, idx in vocab_map.items():
+        if name.startswith("<|visual token"):
+            try:
+                by_code[int(name[-8:-2])] = int(idx)
+            except ValueError:
+                raise VVSError(f"{what}: malformed visual token name '{name}' in vocabulary_map") from None
+    if not by_code or sorted(by_code) != list(range(len(by_code))):
+        raise VVSError(f"{what}: vocabulary_map does not name visual tokens 0..n-1")
+    return torch.tensor([by_code[i] for i in range(len(by_code))])
+
+
 class ChameleonCodebook(nn.Module):
-    """The tokenizer interface without pixels: transformers' Chameleon folders carry the VQ encoder
-    and codebook but no decoder, so tokens are the output (``can_decode`` is False). Codebook
+    """The tokenizer interface without pixels (Chameleon folders carry no VQ decoder; Emu3's MoVQ
+    decoder is not implemented here), so tokens are the output (``can_decode`` is False). Codebook
     vectors (LANTERN/GSD neighbourhoods) are the VQ embeddings; EOL sits far from every code."""
 
     can_decode = False
@@ -194,4 +239,4 @@ class ChameleonCodebook(nn.Module):
         return torch.cat([w, far])
 
     def decode(self, codes, grid=None):
-        raise VVSError("this Chameleon folder has no VQ decoder: only tokens are produced (use --no-images)")
+        raise VVSError("no VQ decoder for this family: only tokens are produced (use --no-images)")

@@ -16,10 +16,12 @@ from ..checkpoint import load_into
 from ..errors import VVSError
 from .hf_decoder import DecoderConfig
 
-SUPPORTED_FAMILIES = ("janus", "chameleon")
-PLANNED_FAMILIES = ("emu3",)
+SUPPORTED_FAMILIES = ("janus", "chameleon", "emu3")
+PLANNED_FAMILIES = ()
 CHAMELEON_PATCH_PX = 16
 CHAMELEON_DEFAULT_IMAGE_PX = 768  # Lumina-mGPT-7B-768
+EMU3_PATCH_PX = 8
+EMU3_DEFAULT_IMAGE_PX = 720  # Emu3-Gen: 90 x 90 tokens
 DEFAULT_MAX_PROMPT_TOKENS = 128
 
 
@@ -104,7 +106,7 @@ def load_tokenizer(model_dir: str):
 def load_hf_folder(model_dir: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
                    image_size: int | None = None) -> Tuple[torch.nn.Module, torch.nn.Module, dict]:
     """-> (target, image decoder, info) in fp32 on the CPU; the engine moves them afterwards.
-    ``image_size`` (pixels, Chameleon/Lumina-mGPT only): the square image to generate (default 768)."""
+    ``image_size`` (pixels; Lumina-mGPT default 768, Emu3 default 720): the square image to generate."""
     cfg = read_folder_config(model_dir)
     family = cfg.get("model_type")
     if family in PLANNED_FAMILIES:
@@ -118,6 +120,8 @@ def load_hf_folder(model_dir: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_T
     sd = read_weights(model_dir)
     if family == "janus":
         target, vq = build_janus(model_dir, cfg, sd, max_prompt_tokens)
+    elif family == "emu3":
+        target, vq = build_emu3(model_dir, cfg, sd, max_prompt_tokens, image_size or EMU3_DEFAULT_IMAGE_PX)
     else:
         target, vq = build_chameleon(model_dir, cfg, sd, max_prompt_tokens, image_size or CHAMELEON_DEFAULT_IMAGE_PX)
     return target.eval(), vq.eval(), {"model": family, "model_dir": model_dir}
@@ -207,6 +211,44 @@ def build_chameleon(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int,
     emb = sd.get("model.vqmodel.quantize.embedding.weight")
     if emb is None or emb.shape[0] != len(code_ids):
         raise VVSError(f"{what}: missing or mis-shaped model.vqmodel.quantize.embedding.weight")
+    book = ChameleonCodebook(emb.shape[0], emb.shape[1], grid)
+    book.quantize.embedding.weight.data.copy_(emb.float())
+    return target, book
+
+
+def build_emu3(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int, image_size: int):
+    """Emu3-Gen: Llama decoder, visual tokens restricted from the text head, Emu3's layout tokens."""
+    from .chameleon import ChameleonCodebook, ChameleonFamilyConfig, Emu3Target, emu3_code_ids, state_dict_from_hf
+
+    what = f"Emu3 folder {model_dir}"
+    tc = cfg.get("text_config") or {}
+    dcfg = llama_decoder_config(tc, what)
+    if not isinstance(image_size, int) or image_size <= 0 or image_size % EMU3_PATCH_PX:
+        raise VVSError(f"image size {image_size} is not a positive multiple of {EMU3_PATCH_PX}")
+    vmap = cfg.get("vocabulary_map") or {}
+    code_ids = emu3_code_ids(vmap, what)
+    special = {}
+    for key, name in (("boi", "<|image start|>"), ("wrapper", "<|image token|>"), ("eol", "<|extra_200|>")):
+        if name not in vmap:
+            raise VVSError(f"{what}: vocabulary_map lacks {name}")
+        special[key] = int(vmap[name])
+    grid = image_size // EMU3_PATCH_PX
+    fcfg = ChameleonFamilyConfig(family="emu3", dim=dcfg.dim, n_layer=dcfg.n_layer, n_head=dcfg.n_head,
+                                 n_kv_head=dcfg.n_kv_head, head_dim=dcfg.head_dim, vocab_size=len(code_ids) + 1,
+                                 cls_token_num=max_prompt_tokens, block_size=grid * (grid + 1),
+                                 text_vocab_size=int(tc.get("vocab_size", 0)), grid_h=grid, grid_w=grid,
+                                 patch_px=EMU3_PATCH_PX, bos_token_id=int(tc.get("bos_token_id") or 0),
+                                 pad_token_id=int(tc.get("pad_token_id") or 0), boi_token_id=special["boi"],
+                                 eol_token_id=special["eol"], image_wrapper_token_id=special["wrapper"])
+    target = Emu3Target(fcfg, dcfg, code_ids)
+    # transformers writes Emu3 in the original layout (text_model.model.*); accept its own names too.
+    original = any(k.startswith("text_model.") for k in sd)
+    prefixes = ("text_model.model.", "text_model.lm_head.") if original else ("model.text_model.", "lm_head.")
+    load_into(target, state_dict_from_hf(sd, *prefixes), what)
+    target.tokenizer = load_tokenizer(model_dir)
+    emb = sd.get("vqmodel.quantize.embedding.weight", sd.get("model.vqmodel.quantize.embedding.weight"))
+    if emb is None or emb.shape[0] != len(code_ids):
+        raise VVSError(f"{what}: missing or mis-shaped vqmodel.quantize.embedding.weight")
     book = ChameleonCodebook(emb.shape[0], emb.shape[1], grid)
     book.quantize.embedding.weight.data.copy_(emb.float())
     return target, book

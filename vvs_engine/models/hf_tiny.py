@@ -91,3 +91,43 @@ def make_chameleon_folder(path: str, seed: int = 0, n_codes: int = 40, vocab: in
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(os.path.join(path, "tokenizer.json"))
     return model
+
+
+EMU3_WORDS = ["a", "red", "cat", "photo", "of", "the", "small", "blue", "dog", "on", "grass", "4", "*"]
+EMU3_SPECIAL = {"<|endoftext|>": 0, "<|extra_203|>": 1, "<|extra_204|>": 2, "<|extra_200|>": 60,
+                "<|image start|>": 61, "<|image token|>": 62, "<unk>": 63}
+
+
+def make_emu3_folder(path: str, seed: int = 0, n_codes: int = 40):
+    """An Emu3 folder: GQA Llama (2 layers, dim 32), 40 visual tokens at ids 10..49 inside a
+    128-token vocabulary, Emu3's layout tokens (image start, image token, EOL ``<|extra_200|>``)."""
+    from transformers import Emu3Config, Emu3ForConditionalGeneration, Emu3TextConfig, Emu3VQVAEConfig
+
+    torch.manual_seed(seed)
+    vocab_map = dict(EMU3_SPECIAL)
+    vocab_map.update({"<|visual token %06d|>" % i: 10 + i for i in range(n_codes)})
+    words = dict(EMU3_SPECIAL)
+    for i, w in enumerate(EMU3_WORDS):
+        words[w] = 70 + i
+    vocab_map.update(words)
+    qc = Emu3VQVAEConfig(codebook_size=n_codes, embed_dim=4, latent_channels=4, base_channels=32,
+                         channel_multiplier=[1, 2], num_res_blocks=1, attn_resolutions=[], hidden_size=32,
+                         num_attention_heads=1)
+    tc = Emu3TextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+    model = Emu3ForConditionalGeneration(Emu3Config(vq_config=qc.to_dict(), text_config=tc.to_dict(),
+                                                    vocabulary_map=vocab_map)).eval()
+    with torch.no_grad():  # widen transformers' init so greedy images are not constant
+        for p in model.model.text_model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.9 / p.shape[1] ** 0.5)
+        model.lm_head.weight.normal_(0.0, 4.0 * 0.9 / model.lm_head.weight.shape[1] ** 0.5)
+    model.save_pretrained(path)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([k for k in EMU3_SPECIAL if k != "<unk>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return model
