@@ -377,3 +377,15 @@ def test_trained_drafter_beats_random_on_acceptance(janus, tmp_path):
     random_tpf = eng.generate(**kw).stats["tpf"]
     eng.drafter = train_drafter(eng.gpt, tokens, cond, steps=80, batch_size=8, lr=3e-3, log=None, progress=False)
     assert eng.generate(**kw).stats["tpf"] > random_tpf
+
+
+def test_bench_model_dir(emu3, tmp_path):
+    from vvs_engine import bench
+
+    path, _, _ = emu3
+    assert bench.main(["--model-dir", path, "--settings", "ar;sjd", "--repeats", "1", "--out", str(tmp_path),
+                       "--no-plot", "--threads", "1", "--device", "cpu", "--tag", "fam"]) == 0
+    rep = json.loads((tmp_path / "e2e_fam.json").read_text())
+    rows = rep["blocks"][0]["rows"]
+    assert [r["method"] for r in rows] == ["ar", "sjd"] and rows[1]["tpf"] >= 1.0
+    assert rep["meta"]["model"].startswith("emu3")

@@ -17,7 +17,6 @@ from ..errors import VVSError
 from .hf_decoder import DecoderConfig
 
 SUPPORTED_FAMILIES = ("janus", "chameleon", "emu3")
-PLANNED_FAMILIES = ()
 CHAMELEON_PATCH_PX = 16
 CHAMELEON_DEFAULT_IMAGE_PX = 768  # Lumina-mGPT-7B-768
 EMU3_PATCH_PX = 8
@@ -109,9 +108,6 @@ def load_hf_folder(model_dir: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_T
     ``image_size`` (pixels; Lumina-mGPT default 768, Emu3 default 720): the square image to generate."""
     cfg = read_folder_config(model_dir)
     family = cfg.get("model_type")
-    if family in PLANNED_FAMILIES:
-        raise VVSError(f"{model_dir}: family '{family}' is not implemented yet (supported: "
-                       f"{', '.join(SUPPORTED_FAMILIES)})")
     if family not in SUPPORTED_FAMILIES:
         raise VVSError(f"{model_dir}: model_type '{family}' is not a supported image-generation family "
                        f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
