@@ -28,7 +28,7 @@ PROMPTS = ["a red cat", "a photo of the small blue dog on the grass"]
 
 
 def family_engines(tmp: str):
-    from vvs_engine.drafter import Drafter, DrafterConfig
+    from vvs_engine.drafting.drafter import Drafter, DrafterConfig
     from vvs_engine.engine import Engine
     from vvs_engine.models.hf_tiny import make_chameleon_folder, make_emu3_folder, make_janus_folder
 

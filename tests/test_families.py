@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vvs_engine.models.hf_tiny import PROMPTS, make_chameleon_folder, make_emu3_folder, make_janus_folder
-from vvs_engine.drafter import Drafter, DrafterConfig
+from vvs_engine.drafting.drafter import Drafter, DrafterConfig
 from vvs_engine.engine import Engine
 from vvs_engine.errors import VVSError
 
@@ -362,7 +362,7 @@ def test_cli_generate_and_train_drafter_with_model_dir(janus, tmp_path, capsys):
 
 def test_trained_drafter_beats_random_on_acceptance(janus, tmp_path):
     """Teacher-forced training on prompt conditions learns the target: more tokens per forward."""
-    from vvs_engine.drafter import PromptConditions, train_drafter
+    from vvs_engine.training.drafter import PromptConditions, train_drafter
 
     path, _, _ = janus
     eng = Engine.load(model_dir=path, max_prompt_tokens=24)
@@ -380,7 +380,7 @@ def test_trained_drafter_beats_random_on_acceptance(janus, tmp_path):
 
 
 def test_bench_model_dir(emu3, tmp_path):
-    from vvs_engine import bench
+    from vvs_engine.evaluation import bench
 
     path, _, _ = emu3
     assert bench.main(["--model-dir", path, "--settings", "ar;sjd", "--repeats", "1", "--out", str(tmp_path),

@@ -9,7 +9,7 @@ The condition ends with the image-start token and the two resolution tokens (for
 the condition, never sampled). The decoding methods see the image part as ``h * (w + 1)`` tokens over a
 vocabulary of the ``n`` codes (in VQ-index order) plus the end-of-line token at index ``n``; the
 layout forces EOL after each row and forbids it elsewhere (``layout_forbidden``, applied by
-:class:`~vvs_engine.target.TargetSession`). The unconditional CFG row is the image-start and
+:class:`~vvs_engine.runtime.target.TargetSession`). The unconditional CFG row is the image-start and
 resolution tokens alone, as Lumina-mGPT's guidance processor feeds them.
 """
 from __future__ import annotations

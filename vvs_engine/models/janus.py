@@ -99,7 +99,7 @@ class JanusTarget(nn.Module):
         self.rope = self.rope.to(device=fn(torch.zeros(0)).device)
         return out
 
-    # --- the target interface (see vvs_engine.target) ----------------------------------------
+    # --- the target interface (see vvs_engine.runtime.target) ----------------------------------------
     def embed_condition(self, cond: torch.Tensor) -> torch.Tensor:
         """Prompt token ids [rows, cls_token_num] (left-padded) -> [rows, c, D]."""
         return self.text_embeddings(cond)

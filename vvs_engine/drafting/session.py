@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import local_visibility
-from .sampling import SamplingParams, guided_logits, process_logits
+from ..kernels import local_visibility
+from ..sampling import SamplingParams, guided_logits, process_logits
 from .tree import DraftTree, static_layout, tree_structure
 
 
@@ -70,7 +70,7 @@ class DraftSession:
         """drafter features [rows, F, D] at drafter ``position`` [1] -> (log-probs [F, k], tokens [F, k])
         of the k best drafts under the guided, processed drafter distribution: the fused
         draft-sampling kernel's job."""
-        from . import kernels
+        from .. import kernels
 
         lg = self.drafter.logits(h, position)
         tok, lp = kernels.draft_topk(lg.reshape(-1, lg.shape[-1]), self.dparams.cfg_scale if self.params.use_cfg
