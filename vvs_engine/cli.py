@@ -89,6 +89,11 @@ def build_parser() -> Parser:
     m.add_argument("--image-size", type=int, default=None, metavar="PX",
                    help="image size in pixels (default: from the config file, else 256)")
     m.add_argument("--t5-path", default=None, metavar="DIR", help="local flan-t5 directory (text-conditional models)")
+    m.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="local Hugging Face folder of another target family (Janus-Pro, Lumina-mGPT, Emu3); "
+                        "replaces --gpt-ckpt/--vq-ckpt")
+    m.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help="with --model-dir: prompts are left-padded to N tokens (default 128)")
     m.add_argument("--drafter", default=None, metavar="PATH", help="drafter checkpoint (speculative methods)")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available; default)")
     m.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
@@ -254,6 +259,8 @@ def cmd_generate(args) -> int:
 
     if args.method not in method_names():
         raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
+    if args.model_dir is not None and (args.gpt_ckpt or args.vq_ckpt):
+        raise VVSError("--model-dir replaces --gpt-ckpt/--vq-ckpt: give one or the other")
     try:
         get_method_options(args.method, method_options(args))
     except VVSError as e:
@@ -263,7 +270,8 @@ def cmd_generate(args) -> int:
 
     engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
-                         device=device, dtype=args.dtype, t5_path=args.t5_path)
+                         device=device, dtype=args.dtype, t5_path=args.t5_path, model_dir=args.model_dir,
+                         max_prompt_tokens=args.max_prompt_tokens)
     if prompts is not None:
         enc = engine.caption_encoder
         if engine.config.model_type == "t2i" and enc is not None and enc.dim != engine.config.caption_dim:

@@ -79,11 +79,27 @@ class Engine:
     @classmethod
     def load(cls, gpt_ckpt: Optional[str] = None, gpt_model: Optional[str] = None, vq_ckpt: Optional[str] = None,
              vq_model: str = "VQ-16", image_size: Optional[int] = None, drafter: Optional[str] = None,
-             device="cpu", dtype="fp32", t5_path: Optional[str] = None) -> "Engine":
+             device="cpu", dtype="fp32", t5_path: Optional[str] = None, model_dir: Optional[str] = None,
+             max_prompt_tokens: Optional[int] = None) -> "Engine":
         """Load a target (official LlamaGen file or the project's safetensors), optionally a VQ tokenizer
-        and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used."""
+        and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used.
+        ``model_dir``: a local Hugging Face folder of another family (Janus-Pro, Lumina-mGPT, Emu3);
+        its prompts are left-padded to ``max_prompt_tokens`` (default 128); ``image_size`` (pixels)
+        sets the Lumina-mGPT/Emu3 image."""
         device, dtype = resolve_device(device), resolve_dtype(dtype)
         info = {}
+        if model_dir is not None:
+            from .models.hf_loader import DEFAULT_MAX_PROMPT_TOKENS, load_hf_folder
+
+            target, image_decoder, info = load_hf_folder(model_dir, max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS,
+                                                         image_size)
+            dr = None
+            if drafter:
+                from .drafting.drafter import load_drafter
+
+                dr = load_drafter(drafter, target)
+            info["drafter"] = drafter
+            return cls(target, image_decoder, dr, None, info).to(device, dtype)
         if gpt_ckpt is None and gpt_model is not None:
             raise VVSError("gpt_model names the architecture of a gpt_ckpt file; give the checkpoint too "
                            "(the default Zoo model has its own config)")
@@ -165,6 +181,8 @@ class Engine:
             return lab, None
         check(prompts is not None and len(prompts) > 0, "give class labels or prompts")
         check(self.config.model_type == "t2i", "this model is class-conditional: pass class labels, not prompts")
+        if hasattr(self.gpt, "condition_rows"):  # a Hugging Face family: prompt token ids + its own CFG row
+            return self.gpt.condition_rows(list(prompts), use_cfg, self.device)
         check(self.caption_encoder is not None, "text-conditional generation needs a T5 encoder (--t5-path)")
         emb, mask = self.caption_encoder.encode(list(prompts), clean=clean_captions)
         emb = emb.to(self.device, self.dtype)
@@ -232,7 +250,7 @@ class Engine:
 
         stats["attention_backend"] = describe(self.device, self.dtype, self.gpt.config.head_dim, key_mask is not None)
         images = []
-        if decode_images and self.vq is not None:
+        if decode_images and self.vq is not None and getattr(self.vq, "can_decode", True):
             from .runtime.profiling import nvtx_range
 
             with nvtx_range("vq_decode"):
