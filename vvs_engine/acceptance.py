@@ -234,6 +234,8 @@ def verify_tree_torch(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: tor
         r = torch.where(rej[:, None], rule.residual(r, q_norm, x, moved), r)
         if q is not None:
             q = torch.where(rej[:, None], q.scatter(1, x[:, None], 0.0), q)
+    from .kernels.reference import walk_accepted
+
     path, n_accepted, last = walk_accepted(accepted_child.view(B, N), flat.max_depth)
     dist = r.view(B, N, V).gather(1, last[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
     if greedy:
@@ -252,24 +254,6 @@ def _greedy_ok(rule, r, x, moved):
     relaxed = r.masked_fill(moved, 0.0)
     relaxed = relaxed.scatter(1, x[:, None], r.gather(1, x[:, None]) + (r * moved).sum(-1, keepdim=True))
     return relaxed.argmax(-1) == x
-
-
-def walk_accepted(accepted_child: torch.Tensor, max_depth: int):
-    """accepted_child [B, N] flat ids (node b*N + i) of each node's accepted child, -1 if none ->
-    (path [B, max_depth + 1] local ids, -1 padded; n_accepted [B]; last [B]). A loop over depth."""
-    B, N = accepted_child.shape
-    flat = torch.cat([accepted_child.reshape(-1), accepted_child.new_full((1,), -1)])  # spill slot for "ended"
-    cur = torch.arange(B, device=accepted_child.device) * N  # the roots
-    steps = [cur]
-    for _ in range(max_depth):
-        cur = flat[torch.where(cur >= 0, cur, B * N)]
-        steps.append(cur)
-    flat_path = torch.stack(steps, 1)  # [B, max_depth + 1]
-    offset = torch.arange(B, device=accepted_child.device)[:, None] * N
-    path = torch.where(flat_path >= 0, flat_path - offset, flat_path)
-    n_accepted = (path[:, 1:] >= 0).sum(1)
-    last = path.gather(1, n_accepted[:, None])[:, 0]
-    return path, n_accepted, last
 
 
 def make_rule(name: str, engine=None, lantern_k: int = 1000, lantern_delta: float = 0.2,
