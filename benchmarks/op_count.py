@@ -2,7 +2,7 @@
 
 On a GPU every dispatched op is at least one kernel launch, so ops per committed token is the launch
 budget a method spends for what it saves in target forwards (TPF). Counted on the CPU by
-``vvs_engine.opcount.OpCounter`` (aten + vvs:: ops below autograd; views, no-op casts and bare
+``vvs_engine.runtime.opcount.OpCounter`` (aten + vvs:: ops below autograd; views, no-op casts and bare
 allocations excluded), over one whole generation (prefill included) of one image, fp32, default
 sampling, so the counts are deterministic. A round is an AR step, a verify or skip round, or a Jacobi
 iteration; the AR step is the unit. Each method is counted twice: as the CPU runs it (every kernel's
@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from vvs_engine.kernels.backends import ENV  # noqa: E402
-from vvs_engine.opcount import OpCounter  # noqa: E402
+from vvs_engine.runtime.opcount import OpCounter  # noqa: E402
 
 # (row, method, options): the methods of the issue's table with their default options.
 ROWS = [
@@ -98,16 +98,17 @@ def verify_call_ops(engine):
     node at most, the Zoo vocabulary), exact and LANTERN: the torch walk vs the fused op."""
     from types import SimpleNamespace
 
-    from vvs_engine.acceptance import LanternRule, ExactRule, verify_tree_torch
+    from vvs_engine.acceptance.verify import ExactRule, LanternRule, verify_tree_torch
     from vvs_engine.kernels import ops as kernel_ops
-    from vvs_engine.tree import children_table, tree_meta_reference
+    from vvs_engine.drafting.tree import children_table
+    from vvs_engine.kernels.reference import tree_meta
 
     gen = torch.Generator().manual_seed(0)
     N, C, D, V = 59, 10, 4, engine.config.vocab_size
     parents = [-1] + [int(torch.randint(max(0, (i - 1) // 3 - 4), max(1, (i - 1) // 3 + 1), (1,), generator=gen))
                       for i in range(1, N)]
     parents = torch.tensor(parents)
-    _, depth, paths, _ = tree_meta_reference(parents, N)
+    _, depth, paths, _ = tree_meta(parents, N)
     D = int(depth.max())
     tree = SimpleNamespace(tokens=torch.randint(0, V, (1, N), generator=gen), parents=parents[None],
                            depth=depth[None], paths=paths[None, :, : D + 1], children=children_table(parents, C)[None],

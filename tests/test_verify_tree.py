@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vvs_engine.acceptance import ExactRule, LanternRule, neighbor_table, verify_tree
-from vvs_engine.cascade_rule import CascadeRule
-from vvs_engine.gsd_rule import GroupedRule
+from vvs_engine.acceptance.verify import ExactRule, LanternRule, neighbor_table, verify_tree
+from vvs_engine.acceptance.cascade import CascadeRule
+from vvs_engine.acceptance.gsd import GroupedRule
 from vvs_engine.rng import sample_inverse_cdf
-from vvs_engine.tree import tree_structure
+from vvs_engine.drafting.tree import tree_structure
 
 V = 24
 
@@ -147,7 +147,7 @@ def test_exact_rule_matches_slow_walk(sampled, greedy):
 def test_fused_op_equals_the_rule_walk(rule_name, sampled, greedy):
     """Exact and LANTERN(++) go through kernels.tree_verify; it must decide exactly as the rule
     objects do in the generic walk."""
-    from vvs_engine.acceptance import verify_tree_torch
+    from vvs_engine.acceptance.verify import verify_tree_torch
 
     B, N = 4, 15
     tree, p, logits, hidden, u_accept, u_sample = random_trees(B, N, 4, seed=11, sampled=sampled)

@@ -10,7 +10,7 @@ import torch
 from common import MODELS, Results, device, median_ms, parse_args, triton_launchers
 
 from vvs_engine.kernels import reference as R
-from vvs_engine.tree import children_table
+from vvs_engine.drafting.tree import children_table
 
 
 def bushy_batch(B, N, branching, V, dev, seed=0):

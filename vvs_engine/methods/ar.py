@@ -2,7 +2,7 @@
 
 Static KV cache, both CFG rows in one batch, one target forward per token, and no host sync in the
 loop: the position is a device tensor advanced in place and sampled tokens stay on the device.
-With ``use_graphs`` the step runs through :class:`vvs_engine.runner.GraphRunner` (one CUDA graph per
+With ``use_graphs`` the step runs through :class:`vvs_engine.runtime.runner.GraphRunner` (one CUDA graph per
 token on CUDA; the same static-buffer code eagerly elsewhere) and gives the same tokens.
 """
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from ..sampling import guided_logits, process_logits, sample
-from ..masks import causal_local
-from ..profiling import nvtx_range
-from ..target import TargetSession
+from ..runtime.masks import causal_local
+from ..runtime.profiling import nvtx_range
+from ..runtime.target import TargetSession
 from .common import MethodResult, progress
 
 
@@ -41,7 +41,7 @@ def generate(session: TargetSession, params, gen: torch.Generator, opts=None, sh
 def generate_graphed(session: TargetSession, params, gen: torch.Generator) -> MethodResult:
     """The same loop on a cached runner's persistent session; the images are padded to a batch bucket.
     ``session`` only supplies the setting (model, conditions, CFG); its own cache is not used."""
-    from ..runner import batch_bucket, get_runner, pad_conditions
+    from ..runtime.runner import batch_bucket, get_runner, pad_conditions
 
     s0, n = session, session.n
     key_mask = s0.key_valid[:, : s0.c] if s0.has_key_mask else None
