@@ -1,12 +1,14 @@
-"""Acceptance rules behind one interface, and the vectorised tree verification that runs them.
+"""Acceptance rules behind one interface, and the vectorised, batched tree verification that runs them.
 
-Verification walks a draft tree with the target's processed distributions ``p[i]`` (the target's
-prediction *after* node i, i.e. for i's children). For every node at once and sibling by sibling
-(a loop over at most ``max_children`` ranks, never over nodes), a rule decides whether child x is
-accepted against the current residual ``r`` of its parent; on rejection the parent's residual is
-updated. Then the accepted path is walked from the root (a loop over depth), and the next token is
-drawn from the residual of the last accepted node (its children all failed) or from p itself (it is
-a leaf): the EAGLE/SpecInfer recursive rejection scheme, lossless for the exact rule.
+Verification walks B draft trees with the target's processed distributions ``p[b, i]`` (the target's
+prediction *after* node i, i.e. for i's children). The B trees are folded into one forest of B*N
+nodes; for every node at once and sibling by sibling (a loop over at most ``max_children`` ranks,
+never over nodes or images), a rule decides whether child x is accepted against the current residual
+``r`` of its parent; on rejection the parent's residual is updated. Then the accepted path is walked
+from each root (a loop over depth), and the next token is drawn by inverse CDF from the residual of
+the last accepted node (its children all failed) or from p itself (it is a leaf): the EAGLE/SpecInfer
+recursive rejection scheme, lossless for the exact rule. The uniforms come in as tensors (one per
+node, one per image for the next token), so an image's result never depends on its batch.
 
 A rule implements ``accept(r, x, qx, u, ctx) -> (accepted [M] bool, moved [M, V] bool | None)`` and
 optionally ``residual``. ``moved`` marks target mass a relaxed rule credited to x; the principled
@@ -25,15 +27,16 @@ from .registry import make, register_rule
 
 @dataclass
 class VerifyContext:
-    """What a rule may look at, for the M (parent, child) pairs tested in one sibling rank."""
+    """What a rule may look at, for the M (parent, child) pairs tested in one sibling rank. Node ids
+    index the (flattened) forest: ``tree`` is a :class:`FlatTree` under batched verification."""
 
-    tree: object  # DraftTree
+    tree: object  # FlatTree (or a single-image DraftTree)
     parent: torch.Tensor  # [M] node ids
     child: torch.Tensor  # [M] node ids (clamped; check ``valid``)
     valid: torch.Tensor  # [M] bool
     p: torch.Tensor  # [N, V] unrelaxed processed target distributions per node
     logits: Optional[torch.Tensor] = None  # [N, V] guided target logits per node
-    hidden: Optional[torch.Tensor] = None  # [rows, N, D] target features per node
+    hidden: Optional[torch.Tensor] = None  # [rows, N, D] target features per node (row 0: conditional)
     engine: object = None
 
 
@@ -176,40 +179,110 @@ class LanternRule(AcceptanceRule):
 # --- tree verification ----------------------------------------------------------------------------
 @dataclass
 class VerifyResult:
-    path: torch.Tensor  # [max_depth + 1] accepted node ids from the root, -1 padded
-    n_accepted: torch.Tensor  # [1] accepted drafted tokens (root excluded)
-    last: torch.Tensor  # [1] last node on the path
-    next_token: torch.Tensor  # [1] bonus / resampled token
+    path: torch.Tensor  # [B, max_depth + 1] accepted node ids from the root, -1 padded
+    n_accepted: torch.Tensor  # [B] accepted drafted tokens (root excluded)
+    last: torch.Tensor  # [B] last node on the path
+    next_token: torch.Tensor  # [B] bonus / resampled token
 
 
-def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generator, greedy: bool,
-                logits=None, hidden=None, engine=None) -> VerifyResult:
-    """p [N, V]: processed target distribution after each node. Returns the accepted path and the
-    next token (no host sync)."""
-    from ..sampling import sample
+@dataclass
+class FlatTree:
+    """B draft trees of N nodes seen as one forest of B*N nodes (node b*N + i is node i of image b),
+    so a rule runs once over every image's (parent, child) pairs. ``image`` says whose node it is:
+    per-tree work that compares nodes (CASCADE's same-level sets) must stay within one image."""
 
-    N, V = p.shape
-    dev = p.device
-    C = tree.children.shape[1]
-    r = p.clone()
-    q = None
-    if tree.sampled and tree.q is not None:
-        q = tree.q.clone()
-    accepted_child = torch.full((N,), -1, dtype=torch.long, device=dev)
-    parents = torch.arange(N, device=dev)
-    u_all = torch.rand(C, N, device=dev, generator=gen)
+    tokens: torch.Tensor  # [B*N]
+    parents: Optional[torch.Tensor]  # [B*N] flat ids, -1 for roots
+    depth: Optional[torch.Tensor]  # [B*N]
+    children: torch.Tensor  # [B*N, C] flat ids, -1 padded
+    image: torch.Tensor  # [B*N] image of each node
+    max_depth: int
+    q: Optional[torch.Tensor] = None  # [B*N, V]
+    sampled: bool = False
+
+
+def flatten_trees(tree) -> FlatTree:
+    """A batched tree (tokens/parents/depth [B, N], children [B, N, C], paths [B, N, Dmax + 1] or an
+    int ``max_depth``, q [B, N, V] or None) -> the :class:`FlatTree` forest."""
+    B, N = tree.tokens.shape
+    dev = tree.tokens.device
+    offset = torch.arange(B, device=dev)[:, None] * N  # [B, 1]
+    shift = lambda ids: torch.where(ids >= 0, ids + offset.view(B, *([1] * (ids.dim() - 1))), ids)
+    q = getattr(tree, "q", None)
+    parents, depth = getattr(tree, "parents", None), getattr(tree, "depth", None)
+    return FlatTree(
+        tokens=tree.tokens.reshape(-1), parents=None if parents is None else shift(parents).reshape(-1),
+        depth=None if depth is None else depth.reshape(-1), children=shift(tree.children).reshape(B * N, -1),
+        image=torch.arange(B, device=dev).repeat_interleave(N), max_depth=_max_depth(tree),
+        q=None if q is None else q.reshape(B * N, -1), sampled=bool(getattr(tree, "sampled", False)))
+
+
+def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: torch.Tensor, u_sample: torch.Tensor,
+                greedy: bool, logits=None, hidden=None, engine=None) -> VerifyResult:
+    """Verify B draft trees at once (no host sync).
+
+    tree: batched fields (tokens [B, N], parents, depth, children [B, N, C], paths [B, N, Dmax + 1],
+    q [B, N, V] or None, sampled); p [B, N, V] the processed target distribution after each node;
+    u_accept [B, N] the uniform that tests node j against its parent (each node is tested at most
+    once); u_sample [B] in (0, 1], the inverse-CDF uniform of the next token; logits [B, N, V] and
+    hidden [B, N, D] (the conditional rows' target features) for rules that look at them.
+
+    The exact rule and LANTERN(++) run as one fused op (``kernels.tree_verify``: a Triton program
+    per tree on the GPU, :func:`verify_tree_torch` on the CPU); other rules (GSD, CASCADE, wrappers)
+    run the vectorised torch walk, which calls the rule once per sibling rank.
+    """
+    fused = _fused_rule_args(rule)
+    if fused is None:
+        return verify_tree_torch(tree, p, rule, u_accept, u_sample, greedy, logits, hidden, engine)
+    from .. import kernels
+
+    q = tree.q if (getattr(tree, "sampled", False) and getattr(tree, "q", None) is not None) else None
+    out = kernels.tree_verify(tree.tokens, tree.children, p, q, u_accept, u_sample, *fused, greedy, _max_depth(tree))
+    return VerifyResult(*out)
+
+
+def _fused_rule_args(rule):
+    """(neighbors, delta, ratio, reference_residual) for a rule the fused op implements, else None."""
+    if type(rule) in (AcceptanceRule, ExactRule):
+        return None, 0.0, False, False
+    if type(rule) is LanternRule and not rule.ref:
+        return rule.nb, rule.delta, rule.ratio, False
+    return None  # the published-code reproduction modes run on the rule objects (verify_tree_torch)
+
+
+def _max_depth(tree) -> int:
+    paths = getattr(tree, "paths", None)
+    return paths.shape[-1] - 1 if paths is not None else int(tree.max_depth)
+
+
+def verify_tree_torch(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: torch.Tensor, u_sample: torch.Tensor,
+                      greedy: bool, logits=None, hidden=None, engine=None) -> VerifyResult:
+    """The vectorised walk for any rule (arguments as :func:`verify_tree`): the B trees as one forest,
+    a loop over sibling ranks, then a loop over depth."""
+    B, N, V = p.shape
+    flat = flatten_trees(tree)
+    M, C = flat.children.shape
+    r = p.reshape(M, V).clone()
+    p_flat = p.reshape(M, V)
+    q = flat.q.clone() if (flat.sampled and flat.q is not None) else None
+    u_node = u_accept.reshape(M)
+    logits_flat = None if logits is None else logits.reshape(M, -1)
+    hidden_flat = None if hidden is None else hidden.reshape(1, M, -1)
+    accepted_child = torch.full((M,), -1, dtype=torch.long, device=p.device)
+    parents = torch.arange(M, device=p.device)
+    ones = torch.ones(M, dtype=r.dtype, device=p.device)
     for rank in range(C):
-        child = tree.children[:, rank]
+        child = flat.children[:, rank]
         valid = (child >= 0) & (accepted_child < 0)
-        cc = child.clamp(min=0)
-        x = tree.tokens[cc]
+        child_ids = child.clamp(min=0)
+        x = flat.tokens[child_ids]
         if q is not None:
-            qn = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
-            qx = qn.gather(1, x[:, None])[:, 0]
+            q_norm = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+            qx = q_norm.gather(1, x[:, None])[:, 0]
         else:
-            qn, qx = None, torch.ones(N, device=dev)
-        ctx = VerifyContext(tree, parents, cc, valid, p, logits, hidden, engine)
-        ok, moved = rule.accept(r, x, qx, u_all[rank], ctx)
+            q_norm, qx = None, ones
+        ctx = VerifyContext(flat, parents, child_ids, valid, p_flat, logits_flat, hidden_flat, engine)
+        ok, moved = rule.accept(r, x, qx, u_node[child_ids], ctx)
         if greedy:
             own = rule.greedy_accept(r, x, ctx)
             ok = _greedy_ok(rule, r, x, moved) if own is None else own
@@ -217,16 +290,20 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generato
         accepted_child = torch.where(acc, child, accepted_child)
         rej = valid & ~acc
         if not greedy or rule.greedy_updates_residual:
-            r = torch.where(rej[:, None], rule.residual(r, qn, x, moved), r)
+            r = torch.where(rej[:, None], rule.residual(r, q_norm, x, moved), r)
         if q is not None:
             q = torch.where(rej[:, None], q.scatter(1, x[:, None], 0.0), q)
-    path, n_acc, last = _walk(accepted_child, tree.children, tree.max_depth)
-    dist = r[last]  # [1, V]
+    from ..kernels.reference import walk_accepted
+
+    path, n_accepted, last = walk_accepted(accepted_child.view(B, N), flat.max_depth)
+    dist = r.view(B, N, V).gather(1, last[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
     if greedy:
-        nxt = dist.argmax(-1)
+        next_token = dist.argmax(-1)
     else:
-        nxt = sample(dist, gen)
-    return VerifyResult(path, n_acc, last, nxt)
+        from ..rng import sample_inverse_cdf
+
+        next_token = sample_inverse_cdf(dist, u_sample.reshape(B))
+    return VerifyResult(path, n_accepted, last, next_token)
 
 
 def _greedy_ok(rule, r, x, moved):
@@ -236,19 +313,6 @@ def _greedy_ok(rule, r, x, moved):
     relaxed = r.masked_fill(moved, 0.0)
     relaxed = relaxed.scatter(1, x[:, None], r.gather(1, x[:, None]) + (r * moved).sum(-1, keepdim=True))
     return relaxed.argmax(-1) == x
-
-
-def _walk(accepted_child: torch.Tensor, children: torch.Tensor, max_depth: int):
-    """Follow accepted children from the root (the acceptance-walk kernel: first-child / next-sibling
-    order, a loop over depth only, device ops, no host sync)."""
-    from .. import kernels
-
-    N = children.shape[0]
-    accepted = torch.zeros(N + 1, dtype=torch.bool, device=children.device)
-    has = accepted_child >= 0
-    accepted.scatter_(0, torch.where(has, accepted_child, torch.full_like(accepted_child, N)), has)
-    first_child, next_sibling = kernels.sibling_links(children)
-    return kernels.accept_walk(accepted[:N], first_child, next_sibling, max_depth)
 
 
 LANTERN_RULES = ("lantern", "lantern++")

@@ -19,6 +19,7 @@ VVS-D's similarity decision and ``post_verify=reject`` each add one synchronous 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ..acceptance.verify import default_lantern_k, make_rule, verify_tree
+from ..acceptance.verify import VerifyResult, default_lantern_k, make_rule, verify_tree
 from ..kernels import gather_rows, scatter_rows_
 from ..drafting.session import DraftSession, TreeSpec
 from ..errors import VVSError
@@ -294,6 +295,18 @@ def skip_round(L: LoopState, o: SpecOptions, gen, st: Stats) -> None:
     st.t["draft"] += time.perf_counter() - t0
 
 
+def _verify_one(tree, p, rule, gen, greedy, logits, hidden, engine):
+    """The batched verify_tree on this single-image loop's tree (B = 1 views; uniforms from ``gen``)."""
+    batched = dataclasses.replace(tree, tokens=tree.tokens[None], parents=tree.parents[None],
+                                  depth=tree.depth[None], paths=tree.paths[None], children=tree.children[None],
+                                  q=None if tree.q is None else tree.q[None])
+    u_accept = 1.0 - torch.rand(1, tree.n, device=p.device, generator=gen)  # (0, 1]
+    u_sample = 1.0 - torch.rand(1, device=p.device, generator=gen)
+    res = verify_tree(batched, p[None], rule, u_accept, u_sample, greedy, logits=logits[None], hidden=hidden,
+                      engine=engine)
+    return VerifyResult(res.path[0], res.n_accepted, res.last, res.next_token)
+
+
 def verify_round(L: LoopState, o: SpecOptions, params, rule, gen, engine, st: Stats) -> None:
     """One target forward over [pending chain | tree]; accept a path; compact; redraft."""
     t0 = time.perf_counter()
@@ -324,7 +337,7 @@ def verify_round(L: LoopState, o: SpecOptions, params, rule, gen, engine, st: St
                 st.accepted.append(torch.zeros(1, dtype=torch.long, device=L.dev))
                 st.t["accept"] += time.perf_counter() - t0
                 return
-        res = verify_tree(tree, p, rule, gen, params.greedy, logits=logits[off:], hidden=H[:, off:], engine=engine)
+        res = _verify_one(tree, p, rule, gen, params.greedy, logits[off:], H[:1, off:], engine)
         path, n_acc = res.path, res.n_accepted
         node = off + path.clamp(min=0)
         dst = L.P_t + a + L.ar(Dmax + 1)
