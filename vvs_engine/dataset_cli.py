@@ -12,7 +12,7 @@ from .errors import VVSError
 
 
 # generate's flags that generate-dataset does not take (or defines its own way).
-OWN_FLAGS = {"help", "class_labels", "prompts", "out", "no_images", "profile", "quiet"}
+OWN_FLAGS = {"help", "class_labels", "prompts", "out", "no_images", "profile", "quiet", "threads", "batch_size"}
 
 
 def add_dataset_parser(sub, generate_parser) -> None:
