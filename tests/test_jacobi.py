@@ -86,8 +86,9 @@ def test_sampled_sjd_matches_target_distribution():
     the target has non-centrality >= 1200 * 0.0576 = 69, and a non-central chi-square(15, 69) exceeds
     the alpha = 1e-3 critical value (37.7) with probability > 0.99 (before merging sparse cells). Two
     negative controls must fail: accepting every draft (no verification), and the subtle bug of
-    testing carried drafts as if their q were one-hot (on 4000 images: its statistic grows with n, about
-    24 at 1200 images, below the critical value 28, and 92 at 4000 against 30)."""
+    testing carried drafts as if their q were one-hot, on 4000 images: its statistic grows with n (53 at
+    1200 images, 128 at 4000, against a critical value of about 30; it was 24 at 1200 with another
+    random stream, so 1200 alone is not a safe margin)."""
     eng = tiny_engine(vocab=4, block=4, seed=1, peak=25.0, with_vq=False)
     V = 4
     seqs, probs = _exact_joint3(eng, 1, 2.0)

@@ -41,7 +41,7 @@ from ..acceptance import ExactRule
 from ..errors import VVSError
 from ..gsd_rule import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
                         make_grouped_rule)
-from ..rng import Streams
+from ..rng import Streams, sample_inverse_cdf
 from ..sampling import guided_logits, process_logits
 from ..target import TargetSession
 from . import register
@@ -166,6 +166,7 @@ class JacobiDecoder:
         # query i of the window sees scratch slots scratch..scratch+i (on top of its row's prefix)
         rel = s.slot_ids[None, :] - scratch
         self.window_block = (rel >= 0) & (rel <= self.lanes[:, None])  # [L, S]
+        self.n_uniforms = 3 * L if self.policy == "random" else 2 * L
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, x]) if self.params.use_cfg else x
@@ -186,7 +187,8 @@ class JacobiDecoder:
                          min_committed=torch.ones(1, dtype=torch.long, device=dev))
         st.tokens[:, 0] = first
         window = torch.where(self.lanes == 0, first[:, None], 0)
-        window, fresh = self.fill_fresh(window, torch.ones_like(first), p0, st.tokens, st.n_committed, st.iteration)
+        u_init = self.rng.uniform(0, Streams.JACOBI_INIT, L) if self.policy == "random" else None
+        window, fresh = self.fill_fresh(window, torch.ones_like(first), p0, st.tokens, st.n_committed, u_init)
         st.window.copy_(window)
         st.fresh.copy_(fresh)
         st.draft_q[:, : L - 1].scatter_(2, window[:, 1:, None], 1.0)  # fresh drafts: one-hot q
@@ -208,30 +210,33 @@ class JacobiDecoder:
         p = self.processed(h)  # [B, L, V]
         self.keep_window_kv(prefix[:, None] + lanes)
 
+        # One counter-RNG draw per iteration, split by lane: L - 1 acceptance tests, L Jacobi samples,
+        # the residual sample, and L fresh random drafts (random init only).
+        u = self.rng.uniform(st.iteration, Streams.JACOBI_UPDATE, self.n_uniforms)
+
         # --- accept the longest passing prefix of drafts --------------------------------------------
         if L > 1:
             drafts = st.window[:, 1:]  # [B, L-1]
-            u = self.rng.uniform(st.iteration, Streams.ACCEPT, L - 1)
             q = st.draft_q[:, :-1]
             qx = q.gather(2, drafts[..., None])[..., 0]
             if params.greedy:  # greedy: exactly the argmax, whatever the rule
                 ok = p[:, :-1].argmax(-1) == drafts
             else:
                 ok, _ = self.rule.accept(p[:, :-1].reshape(-1, V), drafts.reshape(-1), qx.reshape(-1),
-                                         u.reshape(-1), JacobiContext(q.reshape(-1, V), self.engine))
+                                         u[:, : L - 1].reshape(-1), JacobiContext(q.reshape(-1, V), self.engine))
                 ok = ok.view(B, L - 1)
             k = ok.long().cumprod(1).sum(1)  # [B] accepted drafts, 0..L-1
         else:
             k = torch.zeros(B, dtype=torch.long, device=self.device)
         # Fresh samples at every position: the Jacobi update (next iteration's carried drafts).
-        y = self.rng.sample(p, st.iteration, Streams.JACOBI_UPDATE)  # [B, L]
+        y = sample_inverse_cdf(p, u[:, L - 1 : 2 * L - 1])  # [B, L]
         # The token after the accepted prefix: residual at the first rejection, p itself after the
         # last draft (q = 0 there). moved = None: GSD's reference resamples SJD's residual too.
         at_k = k[:, None, None].expand(B, 1, V)
         p_k, q_k = p.gather(1, at_k)[:, 0], st.draft_q.gather(1, at_k)[:, 0]
         rejected = st.window.gather(1, (k + 1).clamp(max=L - 1)[:, None])[:, 0]
         residual = self.rule.residual(p_k, q_k, rejected, None)
-        nxt = residual.argmax(-1) if params.greedy else self.rng.sample(residual, st.iteration, Streams.SAMPLE)
+        nxt = residual.argmax(-1) if params.greedy else sample_inverse_cdf(residual, u[:, 2 * L - 1])
 
         # --- commit (drafts past k are overwritten later; finished images write past T) -------------
         values = torch.where(lanes == k[:, None], nxt[:, None], st.window.roll(-1, 1))
@@ -245,7 +250,7 @@ class JacobiDecoder:
         # --- next window: [nxt, y[k+1..L-1] (q = p), fresh drafts] ------------------------------------
         src = (k[:, None] + lanes).clamp(max=L - 1)  # new position i came from old prediction k + i
         window = torch.where(lanes == 0, nxt[:, None], y.gather(1, src))
-        window, fresh = self.fill_fresh(window, L - k, p[:, L - 1], st.tokens, n_new, st.iteration)
+        window, fresh = self.fill_fresh(window, L - k, p[:, L - 1], st.tokens, n_new, u[:, 2 * L :])
         if L > 1:
             carried_q = p.gather(1, src[:, 1:, None].expand(B, L - 1, V))
             one_hot = torch.zeros_like(carried_q).scatter_(2, window[:, 1:, None], 1.0)
@@ -264,14 +269,14 @@ class JacobiDecoder:
             index = dst[None, :, None, :, None].expand(n_layer, rows, heads, self.L, head_dim)
             buf.scatter_(3, index, buf.narrow(3, self.scratch, self.L))
 
-    def fill_fresh(self, window, n_kept, left_dist, tokens, n_committed, iteration):
+    def fill_fresh(self, window, n_kept, left_dist, tokens, n_committed, u_init):
         """Fill window positions ``i >= n_kept[b]`` with fresh drafts. ``left_dist`` [B, V] is the
-        distribution the last kept token was drawn from. Returns (window [B, L], fresh [B, L] bool)."""
+        distribution the last kept token was drawn from; ``u_init`` [B, L] uniforms for random drafts.
+        Returns (window [B, L], fresh [B, L] bool)."""
         lanes, L, V = self.lanes, self.L, self.V
         fresh = lanes >= n_kept[:, None]
         if self.policy == "random":
-            u = self.rng.uniform(iteration, Streams.JACOBI_INIT, L)  # (0, 1] -> 0..V-1
-            guess = (u * V).ceil().long().clamp(1, V) - 1
+            guess = (u_init * V).ceil().long().clamp(1, V) - 1  # (0, 1] -> 0..V-1
         elif self.policy == "argmax-left":
             # the left neighbour of the first fresh slot was drawn from left_dist; later fresh slots
             # copy their one-hot left neighbour, i.e. the same argmax
