@@ -16,7 +16,7 @@ from spec_models import tiny_engine
 from vvs_engine.methods import ar, speculative
 from vvs_engine.rng import CounterRNG
 from vvs_engine.runner import StaticCall, batch_bucket, get_runner, pad_conditions
-from vvs_engine.sampling import SamplingParams, make_generator
+from vvs_engine.sampling import SamplingParams
 
 GPU = torch.cuda.is_available()
 NO_GPU = "no CUDA device: CUDA-graph replay is exercised by benchmarks/gpu_suite.sh on a GPU machine"

@@ -102,7 +102,6 @@ def _grid_width(T: int) -> int:
     return w
 
 
-
 @register("sjd", SJDOptions)
 def run_sjd(engine, batch: DecodeBatch, params, opts: SJDOptions) -> MethodResult:
     return decode(engine, batch, params, opts, ExactRule(), _graphs_for(engine))
