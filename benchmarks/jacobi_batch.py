@@ -9,7 +9,8 @@ storage with an input (views, no-op ``to``): per AR step (the runner's static-bu
 Jacobi iteration (``JacobiDecoder.jacobi_iteration``), eager on the CPU in fp32, averaged over
 iterations 2-9 of the decode. TPF per image is image tokens / target forwards while the image was
 unfinished (prefill excluded); images/s is the wall time of ``Engine.generate`` over all images, one
-warm-up image first. The thread count is set explicitly (``--threads``).
+warm-up image first; the share of images identical to their decode at the first batch size is
+reported (fp32). The thread count is set explicitly (``--threads``).
 """
 from __future__ import annotations
 
@@ -134,9 +135,11 @@ def main(argv=None):
                          "tokens": out.tokens.tolist()})
             print(f"{method:4} B={bs:<3} {rows[-1]['images_per_s']:7.3f} img/s  TPF {st['tpf']:.3f}", flush=True)
 
-    for method in ("sjd", "gsd"):  # the batch must not change any image
-        by_bs = [r["tokens"] for r in rows if r["method"] == method]
-        assert all(t == by_bs[0] for t in by_bs), f"{method}: tokens differ across batch sizes"
+    # fp32: matmul rounding may depend on the batch shape, and one flipped draw changes the rest of an
+    # image; report the share of images identical to their batch-1 decode (fp64 is exact: tests).
+    for r in rows:
+        first = next(x for x in rows if x["method"] == r["method"])
+        r["identical_to_first_batch_size"] = sum(a == b for a, b in zip(r["tokens"], first["tokens"])) / len(labels)
     for r in rows:
         del r["tokens"]
 
@@ -167,17 +170,20 @@ def main(argv=None):
     for m in ("ar", "sjd", "gsd"):
         lines.append(f"| {m} | {ops[m]:.0f} | {ratio[m]:.3f} | {ops_big[m]:.0f} | {ops_big[m] / ops_big['ar']:.3f} |")
     lines += ["", "Throughput and TPF per image (image tokens / forwards while unfinished):", "",
-              "| method | batch | images/s | TPF | TPF per image min / median / max | batched forwards |",
-              "|---|---|---|---|---|---|"]
+              "| method | batch | images/s | TPF | TPF per image min / median / max | batched forwards | "
+              f"images identical to B={batch_sizes[0]} |",
+              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['batch_size']} | {r['images_per_s']:.3f} | {r['tpf']:.3f} | "
-                     f"{r['tpf_min']:.2f} / {r['tpf_median']:.2f} / {r['tpf_max']:.2f} | {r['batched_forwards']} |")
+                     f"{r['tpf_min']:.2f} / {r['tpf_median']:.2f} / {r['tpf_max']:.2f} | {r['batched_forwards']} | "
+                     f"{r['identical_to_first_batch_size']:.0%} |")
     speedup = {m: statistics.mean(r["images_per_s"] for r in rows if r["method"] == m and r["batch_size"] == batch_sizes[-1])
                / statistics.mean(r["images_per_s"] for r in rows if r["method"] == m and r["batch_size"] == batch_sizes[0])
                for m, _ in METHODS}
     lines += ["", "images/s at B=%d over B=%d: " % (batch_sizes[-1], batch_sizes[0]) +
               ", ".join(f"{m} {s:.2f}x" for m, s in speedup.items()),
-              "", "Tokens are identical image by image across the batch sizes (checked by the script)."]
+              "", "fp32 on the CPU: matmul rounding can depend on the batch shape, so an image may differ "
+              "between batch sizes (the last column); in fp64 tokens are identical (tests/test_jacobi_batch.py)."]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
