@@ -15,7 +15,7 @@ import torch
 from spec_models import tiny_engine
 from vvs_engine.methods import ar, speculative
 from vvs_engine.rng import CounterRNG
-from vvs_engine.runner import StaticCall, batch_bucket, get_runner, pad_conditions
+from vvs_engine.runtime.runner import StaticCall, batch_bucket, get_runner, pad_conditions
 from vvs_engine.sampling import SamplingParams
 
 GPU = torch.cuda.is_available()
@@ -89,7 +89,7 @@ def test_ar_padding_rows_do_not_change_real_rows(eng):
 def test_ar_t2i_caption_masks_through_the_cached_runner():
     """Text conditions with padded captions: the cached runner's session takes each call's key mask."""
     from vvs_engine.models.gpt import GPT, GPTConfig
-    from vvs_engine.target import TargetSession
+    from vvs_engine.runtime.target import TargetSession
 
     torch.manual_seed(0)
     g = GPT(GPTConfig(dim=32, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, model_type="t2i",
@@ -144,7 +144,7 @@ def _loop_shapes(opts):
     elif spec.kind == "chain":
         Dmax = spec.depth
     else:
-        from vvs_engine.tree import STATIC_TREES, static_layout
+        from vvs_engine.drafting.tree import STATIC_TREES, static_layout
 
         Dmax = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
     return N, Dmax + 1, Dmax
@@ -244,7 +244,7 @@ def test_runner_equals_plain_loop_at_acceptance_extremes(eng, monkeypatch, force
     """Every round rejects every draft, or accepts a whole path (the benchmark's trace-replay rule
     forces the accepted length; exact acceptance still runs underneath). The runner (graph replay
     on a GPU) must give the plain loop's tokens in both regimes."""
-    from vvs_engine.bench import register_trace_rule
+    from vvs_engine.evaluation.bench import register_trace_rule
 
     register_trace_rule()
     opts = {"accept": "trace_replay", "rule_options": {"inner": "exact", "lengths": [forced]},

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from spec_models import tiny_engine
-from vvs_engine.acceptance import ExactRule, LanternRule, lantern_mass_reference, neighbor_table, verify_tree
-from vvs_engine.drafting import DraftSession, TreeSpec
+from vvs_engine.acceptance.verify import ExactRule, LanternRule, neighbor_table, verify_tree
+from vvs_engine.kernels.reference import lantern_mass as lantern_mass_reference, tree_meta as tree_meta_reference
+from vvs_engine.drafting.session import DraftSession, TreeSpec
 from vvs_engine.methods import speculative
 from vvs_engine.sampling import SamplingParams, guided_logits, process_logits
-from vvs_engine.target import TargetSession
-from vvs_engine.tree import children_table, tree_meta_reference
+from vvs_engine.runtime.target import TargetSession
+from vvs_engine.drafting.tree import children_table
 
 LABELS = [0, 3, 4]
 

@@ -201,7 +201,7 @@ def accept_walk(accepted: torch.Tensor, first_child: torch.Tensor, next_sibling:
 
 def sibling_links(children: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``[N, C]`` children table (row i = children of node i in sibling order, -1 padded; the
-    layout of ``vvs_engine.tree.children_table``) -> ``(first_child [N], next_sibling [N])`` int64,
+    layout of ``vvs_engine.drafting.tree.children_table``) -> ``(first_child [N], next_sibling [N])`` int64,
     the linked-list form ``accept_walk`` takes. Vectorised, no host sync."""
     N, C = children.shape
     first_child = children[:, 0].clone() if C > 0 else torch.full((N,), -1, dtype=torch.long, device=children.device)

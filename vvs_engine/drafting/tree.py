@@ -6,7 +6,7 @@ step can be captured in a CUDA graph: tokens, parents, the ancestor mask (the ta
 local attention mask), depths (RoPE position offsets), every root-to-node path, and a children table
 (sibling order = drafter rank) that acceptance rules walk.
 
-Trees come from :mod:`vvs_engine.drafting`: dynamic EAGLE-2 trees (best ``total - 1`` nodes by
+Trees come from :mod:`vvs_engine.drafting.session`: dynamic EAGLE-2 trees (best ``total - 1`` nodes by
 cumulative draft log-probability), static EAGLE-1 trees from choice lists (LANTERN++), and chains.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .errors import VVSError
+from ..errors import VVSError
 
 
 @dataclass
@@ -48,34 +48,12 @@ class DraftTree:
 
 def tree_structure(parents: torch.Tensor, max_depth: int, max_children: int):
     """parents [N] -> (mask, depth, paths, is_leaf, children). Vectorised: loops over depth levels
-    and sibling ranks only, never over nodes (the CUDA kernel of the Kernels issue does the same)."""
-    from . import kernels
+    and sibling ranks only, never over nodes (the CUDA kernel does the same)."""
+    from .. import kernels
 
-    meta = getattr(kernels, "tree_meta", tree_meta_reference)
-    mask, depth, paths, is_leaf = meta(parents, max_depth)
+    mask, depth, paths, is_leaf = kernels.tree_meta(parents, max_depth)
     children = children_table(parents, max_children)
     return mask, depth, paths, is_leaf, children
-
-
-def tree_meta_reference(parents: torch.Tensor, max_depth: int):
-    """Ancestor mask, depth, root->node paths and leaf flags from parent ids (loop over depth only)."""
-    N = parents.shape[0]
-    dev = parents.device
-    ids = torch.arange(N, device=dev)
-    anc = [ids]  # anc[k][i] = k-th ancestor of i (-1 past the root)
-    for _ in range(max_depth):
-        prev = anc[-1]
-        anc.append(torch.where(prev >= 0, parents[prev.clamp(min=0)], prev))
-    A = torch.stack(anc)  # [max_depth + 1, N]
-    mask = torch.zeros(N, N, dtype=torch.bool, device=dev)
-    valid = A >= 0
-    mask[ids[None, :].expand_as(A)[valid], A[valid]] = True
-    depth = valid.long().sum(0) - 1
-    d = torch.arange(max_depth + 1, device=dev)
-    k = depth[:, None] - d[None, :]  # ancestor order for path slot d
-    paths = torch.where(k >= 0, A.gather(0, k.clamp(min=0).t()).t(), torch.full_like(k, -1))
-    is_leaf = ~(parents[None, :] == ids[:, None]).any(1)
-    return mask, depth, paths, is_leaf
 
 
 def children_table(parents: torch.Tensor, max_children: int) -> torch.Tensor:

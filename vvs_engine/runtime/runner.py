@@ -42,9 +42,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .drafting import DraftSession
 from .masks import causal_local
-from .sampling import SamplingParams, guided_logits, process_logits
+from ..sampling import SamplingParams, guided_logits, process_logits
 from .target import TargetSession
 
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
@@ -183,7 +182,7 @@ class GraphRunner:
         self.target_q = set(target_q)
         self.draft = None
         if drafter is not None:
-            self.draft = DraftSession(drafter, self.session.rows, self.session.S, params, tree_spec)
+            self.draft = drafter.new_session(self.session.rows, self.session.S, params, tree_spec)
             self._eager_extend, self._eager_build = self.draft.extend, self.draft.build
             self.extend_m = set(extend_m)
             self.draft.extend, self.draft.build = self.draft_extend, self.draft_build
@@ -208,7 +207,7 @@ class GraphRunner:
     def ar_decode(self, first: torch.Tensor, rng) -> torch.Tensor:
         """first [n] (the token sampled after prefill) -> tokens [n, T]. ``rng``: the batch's
         :class:`~vvs_engine.rng.CounterRNG`; its keys are copied into the step's static key buffer."""
-        from .rng import CounterRNG, Streams
+        from ..rng import CounterRNG, Streams
 
         s, params = self.session, self.params
         if "ar_step" not in self.calls:

@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from .errors import VVSError
+from ..errors import VVSError
+from .registry import make, register_rule
 
 
 @dataclass
@@ -62,6 +63,12 @@ class ExactRule(AcceptanceRule):
     pass
 
 
+def default_lantern_k(codebook_size: int) -> int:
+    """LANTERN's neighbourhood size when none is given: 1/16 of the codebook (the paper used 1000 of
+    16384), at least 1."""
+    return max(1, codebook_size // 16)
+
+
 def neighbor_table(codebook: torch.Tensor, k: int) -> torch.Tensor:
     """[K, c] codebook vectors -> [K, k] nearest other codes by L2 distance (LANTERN's latent
     neighbourhoods; only the first k columns of the full sort are ever used)."""
@@ -86,12 +93,9 @@ class LanternRule(AcceptanceRule):
         self.name = "lantern++" if ratio else "lantern"
 
     def credit(self, r, x):
-        from . import kernels
+        from .. import kernels
 
-        if hasattr(kernels, "lantern_mass"):
-            relaxed, m_star = kernels.lantern_mass(r, x, self.nb, self.delta, self.ratio)
-        else:
-            relaxed, m_star = lantern_mass_reference(r, x, self.nb, self.delta, self.ratio)
+        relaxed, m_star = kernels.lantern_mass(r, x, self.nb, self.delta, self.ratio)
         nbx = self.nb[x]  # [M, k]
         k = nbx.shape[1]
         n_moved = torch.full_like(m_star, k) if self.ref else m_star
@@ -104,16 +108,6 @@ class LanternRule(AcceptanceRule):
     def accept(self, r, x, qx, u, ctx):
         relaxed, moved = self.credit(r, x)
         return u * qx < relaxed, moved
-
-
-def lantern_mass_reference(p, tokens, neighbors, delta: float, ratio: bool):
-    nb = neighbors[tokens]  # [M, k]
-    c = p.gather(1, nb).cumsum(1)  # c_m for m = 1..k
-    px = p.gather(1, tokens[:, None])[:, 0]
-    bound = (delta - 1.0) * px if ratio else torch.full_like(px, delta)
-    m_star = (c <= bound[:, None]).sum(1)
-    gathered = torch.where(m_star > 0, c.gather(1, (m_star - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(px))
-    return px + gathered, m_star
 
 
 # --- tree verification ----------------------------------------------------------------------------
@@ -129,7 +123,7 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generato
                 logits=None, hidden=None, engine=None) -> VerifyResult:
     """p [N, V]: processed target distribution after each node. Returns the accepted path and the
     next token (no host sync)."""
-    from .sampling import sample
+    from ..sampling import sample
 
     N, V = p.shape
     dev = p.device
@@ -182,7 +176,7 @@ def _greedy_ok(rule, r, x, moved):
 def _walk(accepted_child: torch.Tensor, children: torch.Tensor, max_depth: int):
     """Follow accepted children from the root (the acceptance-walk kernel: first-child / next-sibling
     order, a loop over depth only, device ops, no host sync)."""
-    from . import kernels
+    from .. import kernels
 
     N = children.shape[0]
     accepted = torch.zeros(N + 1, dtype=torch.bool, device=children.device)
@@ -192,16 +186,30 @@ def _walk(accepted_child: torch.Tensor, children: torch.Tensor, max_depth: int):
     return kernels.accept_walk(accepted[:N], first_child, next_sibling, max_depth)
 
 
-def make_rule(name: str, engine=None, lantern_k: int = 1000, lantern_delta: float = 0.2,
-              lantern_lambda: float = 2.0, reference_residual: bool = False, **kw) -> AcceptanceRule:
-    if name == "exact":
-        return ExactRule()
-    if name in ("lantern", "lantern++"):
-        k = min(lantern_k, engine.vq.config.codebook_size - 1 if engine and engine.vq is not None else lantern_k)
-        nb = engine.codebook_neighbors(k)
-        if name == "lantern":
-            return LanternRule(nb, lantern_delta, ratio=False, reference_residual=reference_residual)
-        return LanternRule(nb, lantern_lambda, ratio=True, reference_residual=reference_residual)
-    from . import rules_registry
+LANTERN_RULES = ("lantern", "lantern++")
 
-    return rules_registry.make(name, engine, **kw)
+
+def make_lantern_rule(engine, name: str = "lantern", lantern_k: Optional[int] = None, lantern_delta: float = 0.2,
+                      lantern_lambda: float = 2.0, reference_residual: bool = False) -> LanternRule:
+    V = engine.vq.config.codebook_size if engine.vq is not None else engine.config.vocab_size
+    k = lantern_k or default_lantern_k(V)
+    if engine.vq is not None:
+        k = min(k, V - 1)  # a codebook of V codes has V - 1 neighbours
+    nb = engine.codebook_neighbors(k)
+    if name == "lantern":
+        return LanternRule(nb, lantern_delta, ratio=False, reference_residual=reference_residual)
+    return LanternRule(nb, lantern_lambda, ratio=True, reference_residual=reference_residual)
+
+
+register_rule("exact", lambda engine, **options: ExactRule())  # exact takes no options
+register_rule("lantern", lambda engine, **kw: make_lantern_rule(engine, "lantern", **kw))
+register_rule("lantern++", lambda engine, **kw: make_lantern_rule(engine, "lantern++", **kw))
+
+
+def make_rule(name: str, engine=None, lantern_k: Optional[int] = None, lantern_delta: float = 0.2,
+              lantern_lambda: float = 2.0, reference_residual: bool = False, **kw) -> AcceptanceRule:
+    """The rule ``name`` from the registry; the LANTERN options go to the LANTERN rules only."""
+    if name in LANTERN_RULES:
+        kw = dict(lantern_k=lantern_k, lantern_delta=lantern_delta, lantern_lambda=lantern_lambda,
+                  reference_residual=reference_residual)
+    return make(name, engine, **kw)

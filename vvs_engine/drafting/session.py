@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import local_visibility
-from .sampling import SamplingParams, guided_logits, process_logits
+from ..kernels import local_visibility
+from ..sampling import SamplingParams, guided_logits, process_logits
 from .tree import DraftTree, static_layout, tree_structure
 
 
@@ -69,7 +69,7 @@ class DraftSession:
     def _topk(self, h: torch.Tensor, k: int):
         """drafter features [rows, F, D] -> (log-probs [F, k], tokens [F, k]) of the k best drafts under
         the guided, processed drafter distribution: the fused draft-sampling kernel's job."""
-        from . import kernels
+        from .. import kernels
 
         lg = self.drafter.logits(h)
         tok, lp = kernels.draft_topk(lg.reshape(-1, lg.shape[-1]), self.dparams.cfg_scale if self.params.use_cfg
