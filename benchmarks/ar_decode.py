@@ -31,6 +31,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -99,7 +100,7 @@ def time_steps(model, rows, n_images, use_cfg, params, steps, warmup, device, se
         tok = sample(process_logits(guided_logits(s.logits(h), params), params), gen)
         pos = torch.full((1,), s.c, dtype=torch.long, device=device)
         one = causal_local(1, device)
-        for i in range(total):
+        for i in tqdm(range(total), desc="timed decode steps", file=sys.stderr, leave=False):
             sync(device)
             t0 = time.perf_counter()
             h = s.forward(tok[:, None], pos, pos, one)[:, -1]
@@ -146,11 +147,13 @@ def main(argv=None):
     if not a.no_e2e:
         eng = Engine(model)
         labels = list(range(n_images))
+        print("full-image generation: warm-up, then the timed run (--no-e2e skips both)", file=sys.stderr)
         eng.generate(class_labels=labels, method="ar", temperature=a.temperature, top_k=a.top_k,
-                     cfg_scale=params.cfg_scale, seed=a.seed, decode_images=False)  # warm-up (imports, allocator)
+                     cfg_scale=params.cfg_scale, seed=a.seed, decode_images=False,
+                     progress=True)  # warm-up (imports, allocator)
         sync(device)
         out = eng.generate(class_labels=labels, method="ar", temperature=a.temperature, top_k=a.top_k,
-                           cfg_scale=params.cfg_scale, seed=a.seed, decode_images=False)
+                           cfg_scale=params.cfg_scale, seed=a.seed, decode_images=False, progress=True)
         st = out.stats
         e2e = {"wall_time_s": st["wall_time_s"], "tokens_generated": st["tokens_generated"],
                "tokens_per_s": st["tokens_generated"] / st["wall_time_s"],

@@ -8,34 +8,14 @@ EAGLE-1 rows again with other drafters (e.g. the redundancy-weighted one of ``vv
 
     python benchmarks/cascade_zoo.py --labels 0,1,2,3 --seed 0 [--drafter weighted=zoo_work/x.safetensors]
 
-Measured on the Zoo model (zoo_work/run1: 500-step target, 200-step drafter), CPU fp32, seed 0,
-temperature 1, CFG 4, static tree naive_extend_57 unless noted. 16 images = labels 0..15 run as two
-halves of 8 (even / odd labels); TPF over both halves (and per half). NLL = mean target negative
-log-likelihood (CFG 4) of the generated tokens, nats/token: the exact methods sit at AR's level, a
-lossy rule that accepts tokens the target finds unlikely raises it. Class accuracy by the Zoo
-classifier (52 % on VQ reconstructions of real crops; ±0.12 at 16 images: indicative only). Wall
-times were taken on 2 shared, heavily loaded cores and are not comparable between rows.
+Full table (16 images, AR row, NLL and class accuracy), written by code to
+``benchmarks/results/cascade_zoo.md`` with its command (about 95 s per label on one CPU thread):
 
-| method (16 images)                               | TPF  | NLL  | class acc | TPF even / odd |
-|--------------------------------------------------|------|------|-----------|----------------|
-| AR                                               | 1.00 | 2.64 | 0.44      | 1.00 / 1.00    |
-| EAGLE-1 (static tree, exact)                     | 2.67 | 2.73 | 0.44      | 2.66 / 2.68    |
-| LANTERN++ (λ 2, k 64)                            | 2.77 | 2.69 | 0.44      | 2.87 / 2.67    |
-| CASCADE default (target-hidden, nucleus gate)    | 3.62 | 2.55 | 0.31      | 3.97 / 3.33    |
-| CASCADE target-hidden, KL gate κ 4 (LlamaGen)    | 4.30 | 3.70 | 0.50      | 4.72 / 3.95    |
-| EAGLE-1 with the redundancy-weighted drafter     | 2.63 | 2.60 | 0.44      | 2.68 / 2.59    |
+    python benchmarks/cascade_zoo.py --labels 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15 --ar --md benchmarks/results/cascade_zoo.md
 
-Ablations on the even half (8 images; TPF / NLL; EAGLE-1 2.66 / 2.92, LANTERN++ 2.87 / 2.61,
-EAGLE-2 dynamic tree 1.91 / 2.65):
-KL gate κ 4 with breadth source drafter 4.55 / 4.09, target-logits 4.67 / 4.05, target-hidden
-4.72 / 3.73; breadth only (τ_d off) drafter 3.62 / 3.90, target-hidden 3.95 / 3.10; depth only (τ_b
-off) KL gate 3.57 / 3.46, nucleus gate 3.76 / 2.54, hidden-state depth cosine (KL) 3.53 / 3.20;
-target-hidden with κ 3 3.98 / 3.58, κ 2 3.87 / 3.53, τ_b 0.95 + κ 3 3.17 / 3.41. Odd half:
-nucleus gate with the drafter source 3.47 / 2.17; the default with the weighted drafter 3.63 / 2.05
-(plain drafter 3.33 / 2.53).
-Redundancy-weighted drafter: trained with the Zoo recipe (200 steps, batch 16, lr 1e-3, seed 0)
-on hidden-state cosine > 0.9 (the spec's 0.625 on logits marks 98 % of Zoo positions, hidden 96 %:
-a no-op; hidden at 0.9 marks 47 %).
+NLL = mean target negative log-likelihood (CFG as sampled) of the generated tokens, nats/token: the
+exact methods sit at AR's level, a lossy rule that accepts tokens the target finds unlikely raises it.
+Class accuracy by the Zoo classifier (16 images: ±0.12, indicative only).
 """
 from __future__ import annotations
 
@@ -112,16 +92,55 @@ def main(argv=None):
     p.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH", help="extra drafter rows")
     p.add_argument("--ar", action="store_true", help="include the AR row")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--md", default=None, help="write the markdown table (TPF, NLL, class accuracy) here")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
     a = p.parse_args(argv)
+    import sys
+
+    import torch
+
     from vvs_engine.engine import Engine
 
+    torch.set_num_threads(a.threads)
     eng = Engine.load()
     drafters = dict(d.split("=", 1) for d in a.drafter)
-    rows = run_cascade_rows(eng, [int(x) for x in a.labels.split(",")], a.seed, cfg_scale=a.cfg_scale,
-                            drafters=drafters, include_ar=a.ar)
+    labels = [int(x) for x in a.labels.split(",")]
+    rows = run_cascade_rows(eng, labels, a.seed, cfg_scale=a.cfg_scale, drafters=drafters, include_ar=a.ar,
+                            keep_tokens=a.md is not None)
+    if a.md:
+        add_quality(eng, rows, labels, a.cfg_scale)
+        with open(a.md, "w") as f:
+            f.write(markdown_table(rows, "python benchmarks/cascade_zoo.py " + " ".join(
+                argv if argv is not None else sys.argv[1:]), a.threads))
+    for r in rows:
+        r.pop("tokens", None)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def add_quality(engine, rows, labels, cfg_scale):
+    """NLL (nats/token, CFG as sampled) of each row's tokens under the target, and class accuracy."""
+    import torch
+
+    from vvs_engine.evaluation.quality import class_accuracy
+
+    for r in rows:
+        logits = engine.score(class_labels=list(labels), tokens=r["tokens"], cfg_scale=cfg_scale)
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, r["tokens"][..., None].to(logits.device))
+        r["nll"] = float(-logp.mean())
+        r["class_accuracy"] = class_accuracy(engine.decode_images(r["tokens"]), labels)
+
+
+def markdown_table(rows, command, threads) -> str:
+    lines = ["# CASCADE and its baselines on the Zoo model", "",
+             f"{rows[0]['n_images']} images, CPU fp32, {threads} threads. Command: `{command}`", "",
+             "| method | TPF | mean accepted | NLL (nats/token) | class acc |", "|---|---|---|---|---|"]
+    for r in rows:
+        acc = r.get("mean_accepted_length")
+        lines.append(f"| {r['method']} | {r['tpf']:.2f} | {'–' if acc is None else f'{acc:.2f}'} | "
+                     f"{r['nll']:.3f} | {r['class_accuracy']:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

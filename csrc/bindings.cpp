@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <optional>
 #include <tuple>
 
 #include "vvs_kernels.h"
@@ -19,6 +20,13 @@ void check_cuda_int64(const at::Tensor& t, const char* name) {
 
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
+}
+
+// The device bounds flag (int32 [1], vvs_engine/kernels/bounds.py), or null when not given.
+int* flag_ptr(const std::optional<at::Tensor>& flag) {
+  if (!flag.has_value()) return nullptr;
+  TORCH_CHECK(flag->is_cuda() && flag->scalar_type() == at::kInt && flag->numel() == 1, "error_flag must be a CUDA int32 [1]");
+  return flag->data_ptr<int>();
 }
 
 VvsKvStrides kv_strides(const at::Tensor& t) {
@@ -43,7 +51,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_meta(const at::T
   return {mask, depth, paths, is_leaf};
 }
 
-void kv_compact(at::Tensor k, at::Tensor v, const at::Tensor& src, const at::Tensor& dst) {
+void kv_compact(at::Tensor k, at::Tensor v, const at::Tensor& src, const at::Tensor& dst,
+                const std::optional<at::Tensor>& error_flag) {
   TORCH_CHECK(k.is_cuda() && v.is_cuda(), "k and v must be CUDA tensors");
   TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes(), "k and v must both be [L, B, H, S, D]");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
@@ -54,23 +63,26 @@ void kv_compact(at::Tensor k, at::Tensor v, const at::Tensor& src, const at::Ten
   const c10::cuda::CUDAGuard guard(k.device());
   check_launch(vvs_kv_compact(k.data_ptr(), v.data_ptr(), kv_strides(k), kv_strides(v), k.size(0), k.size(1),
                               k.size(2), k.size(4), k.element_size(), src.data_ptr<int64_t>(),
-                              dst.data_ptr<int64_t>(), src.size(0), c10::cuda::getCurrentCUDAStream().stream()),
+                              dst.data_ptr<int64_t>(), src.size(0), k.size(3), flag_ptr(error_flag),
+                              c10::cuda::getCurrentCUDAStream().stream()),
                "kv_compact");
 }
 
-at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& idx) {
+at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& idx, const std::optional<at::Tensor>& error_flag) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1, "x must be a CUDA [B, S, D] tensor with contiguous D");
   check_cuda_int64(idx, "idx");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({x.size(0), idx.size(0), x.size(2)}, x.options());
   check_launch(vvs_copy_rows(x.data_ptr(), x.stride(0), x.stride(1), idx.data_ptr<int64_t>(), out.data_ptr(),
                              out.stride(0), out.stride(1), nullptr, x.size(0), idx.size(0), x.size(2),
-                             x.element_size(), c10::cuda::getCurrentCUDAStream().stream()),
+                             x.element_size(), x.size(1), idx.size(0), flag_ptr(error_flag),
+                             c10::cuda::getCurrentCUDAStream().stream()),
                "gather_rows");
   return out;
 }
 
-void scatter_rows_(at::Tensor x, const at::Tensor& idx, const at::Tensor& src) {
+void scatter_rows_(at::Tensor x, const at::Tensor& idx, const at::Tensor& src,
+                   const std::optional<at::Tensor>& error_flag) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1, "x must be a CUDA [B, S, D] tensor with contiguous D");
   check_cuda_int64(idx, "idx");
   TORCH_CHECK(src.dim() == 3 && src.size(0) == x.size(0) && src.size(1) == idx.size(0) && src.size(2) == x.size(2),
@@ -79,7 +91,7 @@ void scatter_rows_(at::Tensor x, const at::Tensor& idx, const at::Tensor& src) {
   at::Tensor s = src.to(x.scalar_type()).contiguous();
   check_launch(vvs_copy_rows(s.data_ptr(), s.stride(0), s.stride(1), nullptr, x.data_ptr(), x.stride(0), x.stride(1),
                              idx.data_ptr<int64_t>(), x.size(0), idx.size(0), x.size(2), x.element_size(),
-                             c10::cuda::getCurrentCUDAStream().stream()),
+                             idx.size(0), x.size(1), flag_ptr(error_flag), c10::cuda::getCurrentCUDAStream().stream()),
                "scatter_rows_");
 }
 
@@ -106,8 +118,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> accept_walk(const at::Tensor& acc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vvs_engine CUDA kernels (tree metadata, KV compaction, row gather/scatter, acceptance walk)";
   m.def("tree_meta", &tree_meta, "tree metadata from parent indices");
-  m.def("kv_compact", &kv_compact, "in-place overlap-safe KV compaction of every layer");
-  m.def("gather_rows", &gather_rows, "x[:, idx] for x [B, S, D]");
-  m.def("scatter_rows_", &scatter_rows_, "x[:, idx] = src in place");
+  m.def("kv_compact", &kv_compact, "in-place overlap-safe KV compaction of every layer", py::arg("k"), py::arg("v"),
+        py::arg("src"), py::arg("dst"), py::arg("error_flag") = py::none());
+  m.def("gather_rows", &gather_rows, "x[:, idx] for x [B, S, D]", py::arg("x"), py::arg("idx"),
+        py::arg("error_flag") = py::none());
+  m.def("scatter_rows_", &scatter_rows_, "x[:, idx] = src in place", py::arg("x"), py::arg("idx"), py::arg("src"),
+        py::arg("error_flag") = py::none());
   m.def("accept_walk", &accept_walk, "tree acceptance walk");
 }

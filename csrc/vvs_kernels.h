@@ -27,18 +27,21 @@ cudaError_t vvs_tree_meta(const int64_t* parents, int64_t n, int64_t max_depth, 
 // In place on K and V [L, B, H, S, D] (elem_size bytes per element, same shape for both): slot dst[j]
 // takes what slot src[j] held before the call, in every layer, row and head. One launch for both
 // buffers; each block stages its sources in shared memory before any store, so overlapping src/dst
-// ranges are safe. n <= 2048.
+// ranges are safe. n <= 2048. A pair with src or dst outside [0, n_slots) is skipped and sets
+// *error_flag = 1 (error_flag may be null).
 cudaError_t vvs_kv_compact(void* k, void* v, VvsKvStrides k_strides, VvsKvStrides v_strides,
                            int64_t n_layers, int64_t batch, int64_t heads, int64_t head_dim,
                            int64_t elem_size, const int64_t* src, const int64_t* dst, int64_t n,
-                           cudaStream_t stream);
+                           int64_t n_slots, int* error_flag, cudaStream_t stream);
 
 // Row copy between [B, *, D] tensors (D contiguous, strides in elements):
 // out[b, out_row(j)] = in[b, in_row(j)] for j < n, where in_row(j) = in_index ? in_index[j] : j and
-// out_row likewise. gather_rows passes in_index; scatter_rows_ passes out_index.
+// out_row likewise. gather_rows passes in_index; scatter_rows_ passes out_index. A row with
+// in_row outside [0, in_rows) or out_row outside [0, out_rows) is skipped and sets *error_flag = 1.
 cudaError_t vvs_copy_rows(const void* in, int64_t in_stride_b, int64_t in_stride_s, const int64_t* in_index,
                           void* out, int64_t out_stride_b, int64_t out_stride_s, const int64_t* out_index,
-                          int64_t batch, int64_t n, int64_t dim, int64_t elem_size, cudaStream_t stream);
+                          int64_t batch, int64_t n, int64_t dim, int64_t elem_size, int64_t in_rows,
+                          int64_t out_rows, int* error_flag, cudaStream_t stream);
 
 // Acceptance walk over a verified tree: from root 0, move to the first child (first_child /
 // next_sibling order) with accepted set, until none. path [max_depth + 1] (-1 padded),

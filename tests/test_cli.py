@@ -263,7 +263,7 @@ def test_unknown_vq_model(ckpts, tmp_path, capsys):
     ({"--top-p": "nan"}, "top-p"),
     ({"--cfg-scale": "nan"}, "cfg-scale"),
     ({"--method": "warp-speed"}, "unknown method 'warp-speed'"),
-    ({"--method": "ar", "--lantern-delta": "0.2"}, "lantern_delta"),
+    ({"--method": "ar", "--lantern-delta": "0.2"}, "--lantern-delta"),
     ({"--dtype": "fp8"}, "unknown dtype"),
     ({"--prompts": "/nonexistent/prompts.txt", "--class-labels": False}, "prompts"),
     ({"--prompts": "x.txt"}, "not both"),
@@ -330,7 +330,7 @@ def test_subcommand_dispatch(monkeypatch, tmp_path, capsys):
     fake_drafter = types.ModuleType("vvs_engine.training.drafter")
     fake_drafter.cli_train = lambda args: calls.setdefault("drafter", args) and 0
     fake_eval = types.ModuleType("vvs_engine.evaluation.report")
-    fake_eval.evaluate_dir = lambda d, o: calls.setdefault("eval", (d, o)) and {"class_accuracy": 1.0}
+    fake_eval.evaluate_dir = lambda d, o, inc: calls.setdefault("eval", (d, o, inc)) and {"class_accuracy": 1.0}
     monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.bench", fake_bench)
     monkeypatch.setitem(sys.modules, "vvs_engine.training.drafter", fake_drafter)
     monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.report", fake_eval)
@@ -339,7 +339,7 @@ def test_subcommand_dispatch(monkeypatch, tmp_path, capsys):
     assert main(["train-drafter", "--epochs", "1"]) == 0
     assert calls["drafter"] == ["--epochs", "1"]
     assert main(["eval", "--images", str(tmp_path), "--out", str(tmp_path / "m.json")]) == 0
-    assert calls["eval"] == (str(tmp_path), str(tmp_path / "m.json"))
+    assert calls["eval"] == (str(tmp_path), str(tmp_path / "m.json"), True)
     assert "class_accuracy" in capsys.readouterr().out
 
 

@@ -12,7 +12,7 @@ PKG_DIR = os.path.dirname(vvs_engine.__file__)
 # Lower rank = lower layer. A module may import its own layer and lower ranks only.
 RANK = {
     "errors": 0,
-    "sampling": 1, "rng": 1, "checkpoint": 1, "zoo": 1,
+    "sampling": 1, "rng": 1, "checkpoint": 1, "zoo": 1, "stats": 1,
     "kernels": 2, "triton_kernels": 2,
     "models": 3,
     "runtime": 4,
@@ -20,9 +20,11 @@ RANK = {
     "methods": 6,
     "engine": 7,
     "": 8,  # vvs_engine/__init__.py: the public API
-    "evaluation": 9,
-    "training": 10,
-    "cli": 11, "__main__": 12,
+    "dataset": 9,  # dataset-scale generation (one process or Ray); evaluation reads its folders
+    "evaluation": 10,
+    "training": 11,
+    "dataset_cli": 12,  # generate-dataset's flags, built into the CLI's parser
+    "cli": 13, "__main__": 14,
 }
 
 

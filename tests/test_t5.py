@@ -145,3 +145,33 @@ def test_caption_width_mismatch_is_an_error(t2i_ckpt, tmp_path, capsys):
                "--out", str(tmp_path / "o"), "--quiet"])
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err and "channels" in err
+
+
+def test_captions_are_cleaned_by_default(encoder, t2i_ckpt, t5_dir, tmp_path, capsys):
+    """The tokenizer is case-sensitive (as flan-t5's is): "A Red CAR" only maps to the same features as
+    "a red car" after LlamaGen's cleaning, which is on by default and off with clean=False."""
+    raw, clean = "A Red CAR!  <b>https://example.com</b>", "a red car!"
+    e_raw, m_raw = encoder.encode([raw])
+    e_clean, m_clean = encoder.encode([clean])
+    assert torch.equal(e_raw, e_clean) and torch.equal(m_raw, m_clean)
+    e_off, _ = encoder.encode([raw], clean=False)
+    assert not torch.equal(e_off, e_clean)
+
+    eng = Engine.load(gpt_ckpt=t2i_ckpt, t5_path=t5_dir, device="cpu")
+    a = eng.generate(prompts=["A RED Car"], temperature=0).tokens
+    b = eng.generate(prompts=["a red car"], temperature=0).tokens
+    c = eng.generate(prompts=["A RED Car"], temperature=0, clean_captions=False).tokens
+    assert torch.equal(a, b)
+    e_upper, _ = encoder.encode(["A RED Car"], clean=False)
+    assert not torch.equal(e_upper, encoder.encode(["a red car"])[0])  # the uncleaned features differ
+    assert c.shape == a.shape
+
+    from vvs_engine.cli import main
+
+    p = tmp_path / "p.txt"
+    p.write_text("A RED Car\n")
+    for flag, expect in (([], a), (["--no-clean-captions"], c)):
+        out = tmp_path / ("o" + str(len(flag)))
+        assert main(["generate", "--gpt-ckpt", t2i_ckpt, "--t5-path", t5_dir, "--prompts", str(p), "--temperature",
+                     "0", "--device", "cpu", "--out", str(out), "--quiet", "--threads", "1"] + flag) == 0
+        assert np.array_equal(np.load(out / "tokens.npz")["tokens"], expect.numpy())

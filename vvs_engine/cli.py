@@ -4,6 +4,7 @@ Subcommands:
 
 * ``generate``       generate images with any decoding method (the contract other tools rely on, see
                      README "Command line"): writes ``tokens.npz``, ``stats.json`` and one PNG per image.
+* ``generate-dataset`` many images as resumable shards, in one process or on Ray (``vvs_engine.dataset``).
 * ``zoo list|train`` list the shipped models / retrain them (``vvs_engine.zoo``).
 * ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.evaluation.report``).
 * ``bench``          speed benchmarks (``vvs_engine.evaluation.bench``).
@@ -20,11 +21,39 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 from typing import List, Optional, Sequence
 
 from .errors import VVSError
 from .methods.options import method_flags
+
+
+def default_threads() -> int:
+    """CPU threads when --threads is not given: ``OMP_NUM_THREADS`` if set, else half the cores, at
+    most 4. The Zoo model's matrices are too small to gain from more, and on a shared machine a thread
+    per core oversubscribes it (one AR Zoo image, 2 busy cores: 150 s with 2 threads, 12 s with 1)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+def add_threads_flag(parser) -> None:
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help=f"CPU threads for torch (default: $OMP_NUM_THREADS, else half the cores, at most 4; "
+                             f"here {default_threads()})")
+
+
+def apply_threads(n: Optional[int]) -> int:
+    import torch
+
+    n = default_threads() if n is None else n
+    if n < 1:
+        raise VVSError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+    return n
+
 
 # --- argument parsing ---------------------------------------------------------------------------
 class UsageError(Exception):
@@ -60,6 +89,11 @@ def build_parser() -> Parser:
     m.add_argument("--image-size", type=int, default=None, metavar="PX",
                    help="image size in pixels (default: from the config file, else 256)")
     m.add_argument("--t5-path", default=None, metavar="DIR", help="local flan-t5 directory (text-conditional models)")
+    m.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="local Hugging Face folder of another target family (Janus-Pro, Lumina-mGPT, Emu3); "
+                        "replaces --gpt-ckpt/--vq-ckpt")
+    m.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help="with --model-dir: prompts are left-padded to N tokens (default 128)")
     m.add_argument("--drafter", default=None, metavar="PATH", help="drafter checkpoint (speculative methods)")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available; default)")
     m.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
@@ -70,8 +104,9 @@ def build_parser() -> Parser:
     c.add_argument("--prompts", default=None, metavar="FILE", help="text file, one prompt per line (t2i models)")
 
     s = g.add_argument_group("sampling")
-    s.add_argument("--method", default="ar", help="decoding method (default ar); e.g. ar, eagle, lantern, vvs, "
-                                                   "sjd, gsd, cascade")
+    from .methods import method_names
+
+    s.add_argument("--method", default="ar", help=f"decoding method (default ar): {', '.join(method_names())}")
     s.add_argument("--cfg-scale", type=float, default=4.0, help="classifier-free guidance scale (default 4.0; 1 = off)")
     s.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0; 0 = greedy)")
     s.add_argument("--top-k", type=int, default=0, help="top-k filter (default 0 = off)")
@@ -85,11 +120,20 @@ def build_parser() -> Parser:
         mo.add_argument(fl.flag, type=fl.type, default=None, help=fl.help.replace("%", "%%"))
 
     o = g.add_argument_group("output")
-    o.add_argument("--out", default="out", metavar="DIR", help="output folder (default ./out)")
+    o.add_argument("--out", default="out", metavar="DIR",
+                   help="output folder (default ./out), created if missing; an earlier run's tokens.npz, "
+                        "stats.json and NNNNNN.png there are replaced, other files are left alone")
     o.add_argument("--no-images", action="store_true", help="do not decode PNGs even with a tokenizer")
+    o.add_argument("--no-clean-captions", action="store_true",
+                   help="pass prompts to the T5 tokenizer unchanged (default: cleaned as LlamaGen does)")
     o.add_argument("--profile", default=None, metavar="PATH", help="write a torch.profiler (Chrome) trace here")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_threads_flag(o)
     g.set_defaults(func=cmd_generate)
+
+    from .dataset_cli import add_dataset_parser
+
+    add_dataset_parser(sub, generate_parser=g)
 
     z = sub.add_parser("zoo", help="the shipped model family")
     zsub = z.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
@@ -97,14 +141,19 @@ def build_parser() -> Parser:
     zl = zsub.add_parser("list", help="list the shipped models")
     zl.set_defaults(func=cmd_zoo_list)
     zt = zsub.add_parser("train", help="retrain every Zoo model from scratch (fixed seeds)")
-    zt.add_argument("--out", default=None, metavar="DIR", help="where to write the checkpoints "
-                                                                "(default: the package's zoo/checkpoints)")
+    zt.add_argument("--out", default="zoo-retrained", metavar="DIR",
+                    help="where to write the checkpoints (default ./zoo-retrained; the shipped ones are never "
+                         "overwritten unless you name their folder)")
     zt.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    add_threads_flag(zt)
     zt.set_defaults(func=cmd_zoo_train)
 
     e = sub.add_parser("eval", help="quality metrics of a generate output folder")
     e.add_argument("--images", required=True, metavar="DIR", help="a `generate` output folder")
     e.add_argument("--out", default=None, metavar="JSON", help="metrics file (default DIR/metrics.json)")
+    e.add_argument("--no-inception", action="store_true",
+                   help="skip FID and precision/recall (the Inception network: slow on a CPU)")
+    add_threads_flag(e)
     e.set_defaults(func=cmd_eval)
 
     # These parse their own flags: main() hands everything after the subcommand over as a list
@@ -154,8 +203,38 @@ def method_options(args) -> dict:
     return {fl.name: getattr(args, fl.name) for fl in method_flags()}
 
 
+def flag_names(message: str) -> str:
+    """An option error in CLI terms: ``lantern_delta`` -> ``--lantern-delta``."""
+    for fl in method_flags():
+        if "_" not in fl.name:  # one-word options (tree, accept, select) are ordinary words in messages
+            continue
+        names = "|".join(re.escape(n) for n in {fl.name, fl.flag[2:]})
+        message = re.sub(rf"(?<![\w-])(?:{names})(?![\w-])", fl.flag, message)
+    return message
+
+
+def prepare_out_dir(path: str) -> str:
+    """Create the output folder (or accept an existing one) and check that it is writable, before any
+    model is loaded."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise VVSError(f"--out {path} is a file, not a folder")
+    head = os.path.abspath(path)
+    while not os.path.exists(head):
+        head = os.path.dirname(head)
+    if not os.path.isdir(head):
+        raise VVSError(f"--out {path}: {head} is a file, not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise VVSError(f"cannot create the output folder {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise VVSError(f"the output folder {path} is not writable")
+    return path
+
+
 def cmd_generate(args) -> int:
-    from .engine import Engine, resolve_device, resolve_dtype
+    from .engine import Engine, check_seed, resolve_device, resolve_dtype
+    from .methods import get_method_options
     from .sampling import SamplingParams
 
     # Everything that can be checked without the model is checked first, so bad flags fail in
@@ -164,29 +243,49 @@ def cmd_generate(args) -> int:
         raise VVSError("give either --class-labels or --prompts, not both")
     if args.class_labels is None and args.prompts is None:
         raise VVSError("give --class-labels (class-conditional) or --prompts FILE (text-conditional)")
+    if args.gpt_model is not None and args.gpt_ckpt is None:
+        raise VVSError("--gpt-model names the architecture of a --gpt-ckpt file; give the checkpoint too "
+                       "(the default Zoo model has its own config)")
     labels = parse_class_labels(args.class_labels) if args.class_labels is not None else None
     prompts = read_prompts(args.prompts) if args.prompts is not None else None
     SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
+    try:
+        check_seed(args.seed)
+    except VVSError as e:
+        raise VVSError(str(e).replace("seed", "--seed", 1)) from None
     device = str(resolve_device(pick_device(args.device)))
     resolve_dtype(args.dtype)
     from .methods import method_names
 
     if args.method not in method_names():
         raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
+    if args.model_dir is not None and (args.gpt_ckpt or args.vq_ckpt):
+        raise VVSError("--model-dir replaces --gpt-ckpt/--vq-ckpt: give one or the other")
+    try:
+        get_method_options(args.method, method_options(args))
+    except VVSError as e:
+        raise VVSError(flag_names(str(e))) from None
+    prepare_out_dir(args.out)
+    apply_threads(args.threads)
 
     engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
-                         device=device, dtype=args.dtype, t5_path=args.t5_path)
+                         device=device, dtype=args.dtype, t5_path=args.t5_path, model_dir=args.model_dir,
+                         max_prompt_tokens=args.max_prompt_tokens)
     if prompts is not None:
         enc = engine.caption_encoder
         if engine.config.model_type == "t2i" and enc is not None and enc.dim != engine.config.caption_dim:
             raise VVSError(f"T5 features have {enc.dim} channels but the model expects {engine.config.caption_dim}")
 
     def run():
-        return engine.generate(class_labels=labels, prompts=prompts, method=args.method,
-                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                               cfg_scale=args.cfg_scale, seed=args.seed, decode_images=not args.no_images,
-                               progress=not args.quiet, **method_options(args))
+        try:
+            return engine.generate(class_labels=labels, prompts=prompts, method=args.method,
+                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                   cfg_scale=args.cfg_scale, seed=args.seed, decode_images=not args.no_images,
+                                   progress=not args.quiet, clean_captions=not args.no_clean_captions,
+                                   **method_options(args))
+        except VVSError as e:
+            raise VVSError(flag_names(str(e))) from None
 
     from .runtime.profiling import torch_trace
 
@@ -225,29 +324,48 @@ def json_ready(x):
     return str(x)
 
 
+OWNED_FILE = re.compile(r"^(tokens\.npz|stats\.json|\d{6}\.png)$")
+
+
 def write_outputs(out_dir: str, out) -> None:
     """tokens.npz (tokens int64 [n, T], labels int64 [n] (-1 for prompts), prompts for t2i),
-    stats.json, and 000000.png, 000001.png, ... in row order."""
+    stats.json, and 000000.png, 000001.png, ... in row order.
+
+    The run is written to a temporary folder first; then the files an earlier run left here
+    (``OWNED_FILE`` names only) are removed and the new ones moved in, so the PNGs always match
+    tokens.npz and a failed write leaves the earlier run untouched."""
+    import shutil
+    import tempfile
+
     import numpy as np
 
     os.makedirs(out_dir, exist_ok=True)
-    tokens = out.tokens.cpu().numpy().astype(np.int64)
-    n = tokens.shape[0]
-    arrays = {"tokens": tokens}
-    if out.labels is not None:
-        arrays["labels"] = np.asarray(out.labels, dtype=np.int64)
-    else:
-        arrays["labels"] = np.full(n, -1, dtype=np.int64)
-        arrays["prompts"] = np.asarray(out.prompts, dtype=np.str_)
-    np.savez(os.path.join(out_dir, "tokens.npz"), **arrays)
-    stats = dict(out.stats)
-    if out.labels is not None:
-        stats["labels"] = list(out.labels)
-    with open(os.path.join(out_dir, "stats.json"), "w") as f:
-        json.dump(json_ready(stats), f, indent=2)
-    # Zero-padded names: sorting the file names gives the row order of tokens.npz.
-    for i, img in enumerate(out.images):
-        img.save(os.path.join(out_dir, f"{i:06d}.png"))
+    tmp = tempfile.mkdtemp(prefix=".vvs-run-", dir=out_dir)
+    try:
+        tokens = out.tokens.cpu().numpy().astype(np.int64)
+        n = tokens.shape[0]
+        arrays = {"tokens": tokens}
+        if out.labels is not None:
+            arrays["labels"] = np.asarray(out.labels, dtype=np.int64)
+        else:
+            arrays["labels"] = np.full(n, -1, dtype=np.int64)
+            arrays["prompts"] = np.asarray(out.prompts, dtype=np.str_)
+        np.savez(os.path.join(tmp, "tokens.npz"), **arrays)
+        stats = dict(out.stats)
+        if out.labels is not None:
+            stats["labels"] = list(out.labels)
+        with open(os.path.join(tmp, "stats.json"), "w") as f:
+            json.dump(json_ready(stats), f, indent=2)
+        # Zero-padded names: sorting the file names gives the row order of tokens.npz.
+        for i, img in enumerate(out.images):
+            img.save(os.path.join(tmp, f"{i:06d}.png"))
+        for name in os.listdir(out_dir):
+            if OWNED_FILE.match(name) and os.path.isfile(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
+        for name in sorted(os.listdir(tmp)):
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def print_stats(stats: dict, out_dir: str, n_png: int) -> None:
@@ -296,15 +414,18 @@ def cmd_zoo_list(args) -> int:
 
 
 def cmd_zoo_train(args) -> int:
-    out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "checkpoints")
-    return _exit_code(call("vvs_engine.training.zoo", "train_all", out_dir, args.seed))
+    prepare_out_dir(args.out)
+    threads = apply_threads(args.threads)
+    return _exit_code(call("vvs_engine.training.zoo", "train_all", args.out, args.seed, None, None, False, print,
+                           threads))
 
 
 def cmd_eval(args) -> int:
     if not os.path.isdir(args.images):
         raise VVSError(f"not a folder: {args.images}")
     out_json = args.out or os.path.join(args.images, "metrics.json")
-    metrics = call("vvs_engine.evaluation.report", "evaluate_dir", args.images, out_json)
+    apply_threads(args.threads)
+    metrics = call("vvs_engine.evaluation.report", "evaluate_dir", args.images, out_json, not args.no_inception)
     if isinstance(metrics, dict):
         print(json.dumps(json_ready(metrics), indent=2))
         return 0

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
@@ -25,10 +26,23 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 
 def resolve_device(device) -> torch.device:
-    d = torch.device(device) if not isinstance(device, torch.device) else device
+    try:
+        d = torch.device(device) if not isinstance(device, torch.device) else device
+    except (RuntimeError, TypeError):
+        raise VVSError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
     if d.type == "cuda" and not torch.cuda.is_available():
-        raise VVSError("CUDA was requested but no CUDA device is available (use --device cpu)")
+        raise VVSError("CUDA was requested but no CUDA device is available (use the device 'cpu')")
+    if d.type not in ("cpu", "cuda"):
+        raise VVSError(f"unsupported device {device!r}; use cpu, cuda or cuda:N")
     return d
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise VVSError(f"seed must be an integer, got {seed!r}")
+    if not -2 ** 63 <= seed < 2 ** 63:
+        raise VVSError(f"seed must fit in 64 bits (|seed| < 2**63), got {seed}")
+    return seed
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -65,11 +79,30 @@ class Engine:
     @classmethod
     def load(cls, gpt_ckpt: Optional[str] = None, gpt_model: Optional[str] = None, vq_ckpt: Optional[str] = None,
              vq_model: str = "VQ-16", image_size: Optional[int] = None, drafter: Optional[str] = None,
-             device="cpu", dtype="fp32", t5_path: Optional[str] = None) -> "Engine":
+             device="cpu", dtype="fp32", t5_path: Optional[str] = None, model_dir: Optional[str] = None,
+             max_prompt_tokens: Optional[int] = None) -> "Engine":
         """Load a target (official LlamaGen file or the project's safetensors), optionally a VQ tokenizer
-        and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used."""
+        and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used.
+        ``model_dir``: a local Hugging Face folder of another family (Janus-Pro, Lumina-mGPT, Emu3);
+        its prompts are left-padded to ``max_prompt_tokens`` (default 128); ``image_size`` (pixels)
+        sets the Lumina-mGPT/Emu3 image."""
         device, dtype = resolve_device(device), resolve_dtype(dtype)
         info = {}
+        if model_dir is not None:
+            from .models.hf_loader import DEFAULT_MAX_PROMPT_TOKENS, load_hf_folder
+
+            target, image_decoder, info = load_hf_folder(model_dir, max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS,
+                                                         image_size)
+            dr = None
+            if drafter:
+                from .drafting.drafter import load_drafter
+
+                dr = load_drafter(drafter, target)
+            info["drafter"] = drafter
+            return cls(target, image_decoder, dr, None, info).to(device, dtype)
+        if gpt_ckpt is None and gpt_model is not None:
+            raise VVSError("gpt_model names the architecture of a gpt_ckpt file; give the checkpoint too "
+                           "(the default Zoo model has its own config)")
         if gpt_ckpt is None:
             from . import zoo
 
@@ -122,6 +155,8 @@ class Engine:
 
     def check_labels(self, labels) -> List[int]:
         check(self.config.model_type == "c2i", "this model is text-conditional: pass prompts, not class labels")
+        if isinstance(labels, (int, str)) or not hasattr(labels, "__iter__"):
+            raise VVSError(f"class_labels must be a list of integers (one image each), e.g. [3], got {labels!r}")
         out = []
         for x in labels:
             if isinstance(x, bool) or not isinstance(x, int):
@@ -137,7 +172,7 @@ class Engine:
         check(len(out) > 0, "no class labels given")
         return out
 
-    def condition_rows(self, labels=None, prompts=None, use_cfg=True):
+    def condition_rows(self, labels=None, prompts=None, use_cfg=True, clean_captions=True):
         """-> (cond rows [rows, ...], key mask [rows, cls] or None): cond rows then uncond rows."""
         if labels is not None:
             lab = torch.tensor(labels, dtype=torch.long, device=self.device)
@@ -146,8 +181,10 @@ class Engine:
             return lab, None
         check(prompts is not None and len(prompts) > 0, "give class labels or prompts")
         check(self.config.model_type == "t2i", "this model is class-conditional: pass class labels, not prompts")
+        if hasattr(self.gpt, "condition_rows"):  # a Hugging Face family: prompt token ids + its own CFG row
+            return self.gpt.condition_rows(list(prompts), use_cfg, self.device)
         check(self.caption_encoder is not None, "text-conditional generation needs a T5 encoder (--t5-path)")
-        emb, mask = self.caption_encoder.encode(list(prompts))
+        emb, mask = self.caption_encoder.encode(list(prompts), clean=clean_captions)
         emb = emb.to(self.device, self.dtype)
         mask = mask.to(self.device)
         if use_cfg:
@@ -160,18 +197,31 @@ class Engine:
     def generate(self, class_labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
                  method: str = "ar", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
-                 cuda_graphs: Optional[bool] = None, batch_size: int = 16, **method_opts) -> GenerationOutput:
+                 cuda_graphs: Optional[bool] = None, clean_captions: bool = True,
+                 image_indices: Optional[Sequence[int]] = None, batch_size: int = 16,
+                 **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt). Returns tokens, PIL images (when a tokenizer is
-        loaded) and stats. ``method_opts`` are the method's options (see ``vvs_engine.methods``)."""
+        loaded) and stats. ``method_opts`` are the method's options (see ``vvs_engine.methods``).
+        ``clean_captions``: clean prompts as LlamaGen does before T5 (``models.t5.clean_caption``).
+        With ``image_indices`` (global image numbers), image i depends only on (seed, i, its condition),
+        not on the batch it is generated in."""
         from .methods import get_method
+
+        if image_indices is not None:
+            return generate_by_index(self, class_labels, prompts, seed, image_indices, method=method,
+                                     temperature=temperature, top_k=top_k, top_p=top_p, cfg_scale=cfg_scale,
+                                     decode_images=decode_images, cuda_graphs=cuda_graphs, clean_captions=clean_captions,
+                                     **method_opts)
 
         params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
         run, opts = get_method(method, self, method_opts)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise VVSError(f"seed must be an integer, got {seed!r}")
+        check_seed(seed)
         labels = self.check_labels(class_labels) if class_labels is not None else None
         if labels is None and prompts is None:
             raise VVSError("give class labels or prompts")
+        if prompts is not None and (isinstance(prompts, str) or not all(isinstance(x, str) for x in prompts)):
+            raise VVSError("prompts must be a list of strings (one image each), e.g. [\"a cat\"]")
+
         n = len(labels) if labels is not None else len(prompts)
         gen = make_generator(seed, self.device)
         from .runtime.runner import graphs_default
@@ -181,11 +231,15 @@ class Engine:
         t0 = time.perf_counter()
         with torch.inference_mode():
             if getattr(run, "batched", False):  # runners taking a DecodeBatch
-                res = self._run_batched(run, labels, prompts, n, params, opts, seed, batch_size, progress)
+                res = self._run_batched(run, labels, prompts, n, params, opts, seed, batch_size, progress,
+                                        clean_captions)
             else:
-                cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg)
+                cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg, clean_captions)
                 res = run(self, cond, key_mask, n, params, gen, opts, progress)
             tokens = res.tokens.cpu()  # the one host sync of the whole generation
+        from .kernels.bounds import raise_if_set
+
+        raise_if_set(self.device, f"{method} generation")  # bad indices met by a compiled kernel
         wall = time.perf_counter() - t0
         stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image}
         stats.update(res.stats)
@@ -197,15 +251,19 @@ class Engine:
         stats["seed"] = seed
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
         stats["cuda_graphs"] = self.cuda_graphs
+        from .kernels.flash import describe
+
+        stats["attention_backend"] = describe(self.device, self.dtype, self.gpt.config.head_dim, key_mask is not None)
         images = []
-        if decode_images and self.vq is not None:
+        if decode_images and self.vq is not None and getattr(self.vq, "can_decode", True):
             from .runtime.profiling import nvtx_range
 
             with nvtx_range("vq_decode"):
                 images = self.decode_images(tokens)
         return GenerationOutput(tokens, labels, list(prompts) if prompts is not None else None, images, stats)
 
-    def _run_batched(self, run, labels, prompts, n, params, opts, seed, batch_size, show_progress):
+    def _run_batched(self, run, labels, prompts, n, params, opts, seed, batch_size, show_progress,
+                     clean_captions=True):
         """Batches of ``batch_size`` images; the last is padded to the next power of two (padding
         repeats its last image and is dropped). Random draws are keyed by the global image index."""
         from .methods.common import DecodeBatch, MethodResult, progress
@@ -220,7 +278,7 @@ class Engine:
             index += index[-1:] * (min(batch_size, 1 << (n_real - 1).bit_length()) - n_real)
             cond, key_mask = self.condition_rows([labels[i] for i in index] if labels is not None else None,
                                                  [prompts[i] for i in index] if prompts is not None else None,
-                                                 params.use_cfg)
+                                                 params.use_cfg, clean_captions)
             rng = CounterRNG(seed, torch.tensor(index, dtype=torch.long, device=self.device))
             res = run(self, DecodeBatch(cond, key_mask, rng, n_real), params, opts)
             tokens.append(res.tokens[:n_real])
@@ -292,6 +350,41 @@ class Engine:
 
             self._codebook_cache[k] = neighbor_table(self.codebook_vectors(), k)
         return self._codebook_cache[k]
+
+
+# --- batch-invariant generation ----------------------------------------------------------------
+def image_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for image ``index`` of a run with ``seed`` (splitmix64 of the pair)."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(index) + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def generate_by_index(engine: "Engine", class_labels, prompts, seed, image_indices, **kw) -> GenerationOutput:
+    """Image by image, each with its own seed from (seed, index): tokens do not depend on batching.
+    Slower than one batch; a batched counter-based version replaces it."""
+    from .stats import merge_stats
+
+    n = len(class_labels) if class_labels is not None else len(prompts or [])
+    check(n > 0, "give class labels or prompts")
+    check(len(image_indices) == n, f"{len(image_indices)} image indices for {n} images")
+    check(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be an integer, got {seed!r}")
+    outs = []
+    for j, idx in enumerate(image_indices):
+        check(isinstance(idx, numbers.Integral) and not isinstance(idx, bool) and idx >= 0,
+              f"image indices must be non-negative integers, got {idx!r}")
+        outs.append(engine.generate(class_labels=None if class_labels is None else [class_labels[j]],
+                                    prompts=None if prompts is None else [prompts[j]],
+                                    seed=image_seed(seed, idx), **kw))
+    stats = merge_stats([o.stats for o in outs])
+    stats["seed"] = seed
+    stats["per_image"] = {"target_forward_passes": [o.stats["target_forward_passes"] for o in outs],
+                          "wall_time_s": [o.stats["wall_time_s"] for o in outs]}
+    labels = None if class_labels is None else [x for o in outs for x in o.labels]
+    texts = None if prompts is None else [x for o in outs for x in o.prompts]
+    return GenerationOutput(torch.cat([o.tokens for o in outs]), labels, texts, [x for o in outs for x in o.images],
+                            stats)
 
 
 # --- model loading --------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """Fused draft sampling (CFG -> temperature -> top-k -> top-p -> top-k candidates by the exponential
-race): Triton kernel vs the torch reference (sort-based, as ``sampling.process_logits``), torch's
+race): Triton kernel (chunked from V >= 8192, and the one-program kernel for comparison) vs the torch reference (sort-based, as ``sampling.process_logits``), torch's
 sort-based top-k/top-p + multinomial, and FlashInfer's sorting-free sampler where installed.
 
     python benchmarks/kernels/bench_draft_topk.py [--quick]
 """
 import torch
 
-from common import MODELS, Results, device, flashinfer, median_ms, parse_args, triton_launchers
+from common import EMU3_8B, MODELS, Results, device, flashinfer, median_ms, parse_args, triton_launchers
 
 from vvs_engine.kernels import reference as R
 
@@ -23,7 +23,9 @@ def main():
     tk, fi = triton_launchers(), flashinfer()
     res = Results("draft_topk")
     settings = [(4.0, 1.0, 1000, 0.95, 10)] if args.quick else [(4.0, 1.0, 1000, 0.95, 10), (4.0, 1.0, 0, 1.0, 10), (1.0, 1.0, 0, 0.9, 4)]
-    for model in MODELS:
+    # One row per distinct vocabulary (16384 one-program-sized rows now take the chunked path).
+    models = list({m.vocab: m for m in (*MODELS, EMU3_8B)}.values())
+    for model in models:
         # CFG batch 2: the cond and uncond logits rows of one image (one row without CFG).
         B, V = model.cfg_batch // 2, model.vocab
         for cfg, temp, top_k, top_p, k in settings:
@@ -44,6 +46,9 @@ def main():
                     print(f"flashinfer skipped: {err}")
             if tk is not None:
                 times["triton fused"] = median_ms(lambda: tk.draft_topk(logits, cfg, temp, top_k, top_p, k, noise), args.quick)
+                if V >= 8192 and V <= 65536:  # the one-program kernel (whole row in registers) for comparison
+                    times["triton one-program"] = median_ms(
+                        lambda: tk.draft_topk(logits, cfg, temp, top_k, top_p, k, noise, chunk=0), args.quick)
                 seed_offset = torch.tensor([0, 0], device=dev)
                 times["triton fused, philox"] = median_ms(
                     lambda: tk.draft_topk(logits, cfg, temp, top_k, top_p, k, seed_offset=seed_offset), args.quick)

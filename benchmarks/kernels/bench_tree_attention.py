@@ -1,5 +1,7 @@
 """Tree attention: Triton kernel vs the torch reference (SDPA with a dense mask built per call), SDPA
-with a prebuilt mask, and FlashInfer's custom-mask prefill where installed.
+with a prebuilt mask, FlashInfer's custom-mask prefill where installed, and flash-attn's
+``flash_attn_with_kvcache`` for AR decode (Q = 1) where installed. Q = 1 rows are the AR step's
+attention (one-query split-KV kernel); Q = 60 / 70 are verification trees.
 
     python benchmarks/kernels/bench_tree_attention.py [--quick]
 """
@@ -7,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from common import MODELS, PREFIXES, TREE_SIZES, Results, device, flashinfer, half_dtype, median_ms, parse_args, triton_launchers
+
+from vvs_engine.kernels import flash
 
 from vvs_engine.kernels import reference as R
 
@@ -23,8 +27,8 @@ def main():
     tk, fi = triton_launchers(), flashinfer()
     res = Results("tree_attention")
     for model in MODELS:
-        trees = TREE_SIZES[-1:] if args.quick else TREE_SIZES
-        prefixes = PREFIXES[:1] if args.quick else PREFIXES
+        trees = TREE_SIZES[:2] if args.quick else TREE_SIZES
+        prefixes = PREFIXES[2:3] if args.quick else PREFIXES
         for Q in trees:
             for P in prefixes:
                 B, H, D = model.cfg_batch, model.heads, model.head_dim
@@ -50,6 +54,8 @@ def main():
                             qs[b], ks[b], vs[b], custom_mask=mask) for b in range(B)], args.quick)
                     except Exception as err:  # API differences between FlashInfer versions
                         print(f"flashinfer skipped: {err}")
+                if Q == 1 and flash.kvcache_fn() is not None and dev.type == "cuda":
+                    times["flash_attn kvcache"] = median_ms(lambda: flash.attend(q, k, v, prefix_len + 1, causal=False), args.quick)
                 if tk is not None:
                     times["triton"] = median_ms(lambda: tk.tree_attention(q, k, v, prefix_len, local), args.quick)
                 best_baseline = min(t for name, t in times.items() if name != "triton")

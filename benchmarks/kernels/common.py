@@ -40,11 +40,16 @@ class ModelShape:
 
 
 LLAMAGEN_XL = ModelShape("LlamaGen-XL", dim=1280, heads=20, layers=36, vocab=16384, image_vocab=16384)
-# A 7B Chameleon-class model: 65536-token vocabulary of which 8192 are image tokens.
-CHAMELEON_7B = ModelShape("Chameleon-7B", dim=4096, heads=32, layers=32, vocab=65536, image_vocab=8192)
-MODELS = (LLAMAGEN_XL, CHAMELEON_7B)
-TREE_SIZES = (59, 64)
-PREFIXES = (121, 632, 1144)
+# Janus-Pro: a separate 16384-code image head on DeepSeek-LLM 1.5B / 7B bodies.
+JANUS_PRO_1B = ModelShape("Janus-Pro-1B", dim=2048, heads=16, layers=24, vocab=16384, image_vocab=16384)
+JANUS_PRO_7B = ModelShape("Janus-Pro-7B", dim=4096, heads=32, layers=30, vocab=16384, image_vocab=16384)
+# Lumina-mGPT 7B (Chameleon body): 65536-token vocabulary of which 8192 are image codes.
+LUMINA_MGPT_7B = ModelShape("Lumina-mGPT-7B", dim=4096, heads=32, layers=32, vocab=65536, image_vocab=8192)
+# Emu3: only its vocabulary (184622 rows, 32768 image codes) matters here (draft sampling).
+EMU3_8B = ModelShape("Emu3-8B", dim=4096, heads=32, layers=32, vocab=184622, image_vocab=32768)
+MODELS = (LLAMAGEN_XL, JANUS_PRO_1B, JANUS_PRO_7B, LUMINA_MGPT_7B)
+TREE_SIZES = (1, 60, 70)  # AR decode, then EAGLE-2-sized trees (60) and a 70-node one (two 64-row tiles)
+PREFIXES = (121, 632, 1144, 4096)  # c2i/t2i condition + image prefixes; Lumina-mGPT 1024^2 reaches ~4096
 
 
 def parse_args(description: str):
@@ -135,6 +140,10 @@ class Results:
         path = out / f"{self.op}.csv"
         keys = sorted({k for r in self.rows for k in r}, key=lambda k: list(self.rows[0]).index(k) if k in self.rows[0] else 99)
         with open(path, "w", newline="") as f:
+            # Provenance line (read the CSV with comment="#"): the command that wrote it, when and where.
+            command = " ".join(["python", str(Path(sys.argv[0]).resolve().relative_to(ROOT))] + sys.argv[1:])
+            f.write(f"# {command}  |  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  |  {self.env}"
+                    f"  |  threads {torch.get_num_threads()}\n")
             writer = csv.DictWriter(f, fieldnames=keys)
             writer.writeheader()
             writer.writerows(self.rows)

@@ -71,3 +71,50 @@ def test_draft_topk_fuzz(triton_kernels, B, V, cfg, temp, top_k, top_p, k, noisy
     logits = (2 * torch.randn(2 * B if cfg != 1.0 else B, V, generator=gen)).to(device)
     noise = torch.empty(B, V).exponential_(generator=gen).to(device) if noisy else None
     run(triton_kernels, logits, cfg, temp, top_k, top_p, k, noise)
+
+
+@pytest.mark.parametrize("V,rows,cfg,temp,top_k,top_p,k,noisy,chunk", [
+    (1024, 4, 4.0, 1.0, 0, 1.0, 5, False, 256),  # chunked kernels forced on a small vocabulary
+    (1000, 4, 2.0, 1.0, 40, 0.8, 6, True, 128),  # ragged last chunk, both cuts
+    (1024, 1, 1.0, 1.0, 1, 1.0, 6, True, 256),  # top-k 1: the other picks have p = 0 (lowest index first)
+    (16384, 4, 4.0, 1.0, 1000, 0.95, 10, True, None),  # Janus-Pro / LlamaGen image vocabulary
+    (65536, 2, 3.0, 0.9, 0, 0.7, 6, False, None),  # Lumina-mGPT / Chameleon vocabulary
+    (184622, 1, 1.0, 1.0, 2000, 0.9, 8, True, None),  # Emu3 vocabulary
+])
+def test_draft_topk_chunked_matches_reference(triton_kernels, device, V, rows, cfg, temp, top_k, top_p, k, noisy, chunk):
+    gen = torch.Generator().manual_seed(V + top_k)
+    B = rows // 2 if cfg != 1.0 else rows
+    logits = (3 * torch.randn(rows, V, generator=gen)).to(device)
+    noise = torch.empty(B, V).exponential_(generator=gen).to(device) if noisy else None
+    out = (torch.full((B, k), O.POISON_I, dtype=torch.int64, device=device),
+           torch.full((B, k), O.POISON_F, dtype=torch.float32, device=device))
+    tokens, logp = triton_kernels.draft_topk(logits, cfg, temp, top_k, top_p, k, noise, out=out, chunk=chunk)
+    want_t, want_l = R.draft_topk(logits, cfg, temp, top_k, top_p, k, noise)
+    assert torch.equal(tokens, want_t), (tokens, want_t)
+    torch.testing.assert_close(logp, want_l, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_topk_chunked_philox_equals_one_program(triton_kernels, device):
+    # Same seed and offset -> the same noise per token, so both paths draw the same candidates.
+    logits = 2 * torch.randn(4, 700, generator=torch.Generator().manual_seed(1)).to(device)
+    draws = []
+    for chunk in (None, 128):
+        seed_offset = torch.tensor([77, 5], device=device)
+        draws.append(triton_kernels.draft_topk(logits, 2.0, 1.0, 50, 0.9, 4, seed_offset=seed_offset, chunk=chunk))
+        assert seed_offset.tolist() == [77, 5 + 2 * 700]
+    assert torch.equal(draws[0][0], draws[1][0])
+    torch.testing.assert_close(draws[0][1], draws[1][1], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=4, deadline=None)
+@given(V=st.integers(40, 600), top_k=st.integers(0, 60), top_p=st.sampled_from([1.0, 0.9, 0.5]),
+       k=st.integers(1, 5), noisy=st.booleans(), seed=st.integers(0, 2**31))
+def test_draft_topk_chunked_fuzz(triton_kernels, V, top_k, top_p, k, noisy, seed):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    logits = (2 * torch.randn(2, V, generator=gen)).to(device)
+    noise = torch.empty(2, V).exponential_(generator=gen).to(device) if noisy else None
+    tokens, logp = triton_kernels.draft_topk(logits, 1.0, 1.0, top_k, top_p, k, noise, chunk=64)
+    want_t, want_l = R.draft_topk(logits, 1.0, 1.0, top_k, top_p, k, noise)
+    assert torch.equal(tokens, want_t)
+    torch.testing.assert_close(logp, want_l, rtol=1e-5, atol=1e-5)

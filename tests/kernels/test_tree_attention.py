@@ -97,3 +97,42 @@ def test_tree_attention_fuzz(triton_kernels, B, H, Q, D, P, extra, key_valid, se
 def test_tree_attention_more_queries_than_one_block(triton_kernels, device):
     # Q > 128 spreads the queries over several programs per (b, h); each streams the prefix itself.
     check(triton_kernels, make_case(1, 1, 133, 160, 16, 20, torch.float32, device, seed=5), torch.float32, block_n=64)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Q,P,splits", [
+    (1, 4096, None),  # AR decode: the one-query kernel, split over the prefix as an H200 would
+    (1, 37, 3),  # one query, splits with an empty share
+    (60, 4096, None),  # a tree of 60 nodes over a long prefix (split-KV + merge)
+    (70, 700, 3),  # 70 queries (block of 128), ragged splits
+    (60, 0, 4),  # no prefix: every split but the last is empty
+])
+def test_tree_attention_split_kv_and_one_query(triton_kernels, device, D, Q, P, splits):
+    case = make_case(1, 1, Q, P + Q + 5, D, P, torch.float32, device, seed=D + Q + P)
+    check(triton_kernels, case, torch.float32, block_n=None)
+    if splits is not None:
+        q, k, v, prefix_len, local, valid = case
+        out = torch.full(q.shape, float("nan"), device=device)
+        got = triton_kernels.tree_attention(q, k, v, prefix_len, local, valid, num_splits=splits, out=out)
+        torch.testing.assert_close(got, R.tree_attention(q, k, v, prefix_len, local, valid), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_attention_split_kv_half_precision_with_key_valid(triton_kernels, device, dtype):
+    q, k, v, P, local, valid = make_case(2, 2, 1, 700, 64, 690, dtype, device, seed=9, key_valid=True)
+    valid[:, 0] = True
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+    got = triton_kernels.tree_attention(q, k, v, P, local, valid, num_splits=3, out=out)
+    want = R.tree_attention(q.float(), k.float(), v.float(), P, local, valid)
+    torch.testing.assert_close(got.float(), want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+def test_tree_attention_split_choice():
+    from vvs_engine.triton_kernels.tree_attention import launch_config, pick_splits
+
+    cpu = torch.device("cpu")
+    # LlamaGen-XL AR decode with CFG: 2 x 20 programs on 132 SMs -> split the 4096-slot prefix.
+    assert pick_splits(40, 4104, cpu) == 7
+    assert pick_splits(40, 200, cpu) == 1  # too short to be worth a split
+    assert pick_splits(400, 4104, cpu) == 1  # enough programs already
+    assert launch_config(1, 64)[0] == 1 and launch_config(60, 128)[0] == 64 and launch_config(70, 64)[0] == 128

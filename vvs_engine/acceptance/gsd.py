@@ -12,8 +12,11 @@ The dynamic cluster (the paper's method, docs/methods.md §2):
 
 1. rank the vocabulary by the target distribution (one argsort per call, for all positions at once);
 2. take the ``group`` tokens ranked around x: ``group // 2`` less likely than x, x, and the rest more
-   likely (the released code's ``sorted[r-7 : r+7]`` for ``group = 14``). Ranks outside the vocabulary
-   are dropped rather than reproducing the published code's empty-slice quirk;
+   likely (the released code's ``sorted[r-7 : r+7]`` over an ascending sort, for ``group = 14``).
+   ``window_edge``: ``shorten`` (default) drops ranks outside the vocabulary, so the window is the
+   tokens that exist around x; ``sjd`` reproduces the released code, whose slice is empty when fewer
+   than ``group // 2`` tokens rank below x (its exception handler then uses the plain SJD ratio
+   p(x)/q(x): C(x) = {x}). Only drafts among the least likely tokens differ;
 3. keep a candidate j only if ``|p(j) - p(x)| < prob_threshold`` and its codebook distance to x is
    below ``dist_threshold``. x itself is always a member, so ``group = 1`` is exactly SJD's rule.
 
@@ -49,6 +52,12 @@ from .registry import register_rule
 DEFAULT_GROUP = 14
 DEFAULT_PROB_THRESHOLD = 0.15
 DEFAULT_DIST_THRESHOLD = 1.0
+WINDOW_EDGES = ("shorten", "sjd")
+
+
+def check_window_edge(value) -> None:
+    if value not in WINDOW_EDGES:
+        raise VVSError(f"gsd-window-edge must be shorten or sjd (the released code's fallback), got {value!r}")
 
 
 def check_gsd_values(group, prob_threshold, dist_threshold, static_clusters) -> None:
@@ -87,7 +96,9 @@ class GroupedRule(AcceptanceRule):
 
     def __init__(self, group: int = DEFAULT_GROUP, prob_threshold: float = DEFAULT_PROB_THRESHOLD,
                  dist_threshold: float = DEFAULT_DIST_THRESHOLD, codebook: torch.Tensor | None = None,
-                 static_neighbors: torch.Tensor | None = None):
+                 static_neighbors: torch.Tensor | None = None, window_edge: str = "shorten"):
+        check_window_edge(window_edge)
+        self.window_edge = window_edge
         self.group = int(group)
         self.prob_threshold = float(prob_threshold)
         self.dist_threshold = float(dist_threshold)
@@ -108,6 +119,8 @@ class GroupedRule(AcceptanceRule):
         else:
             cand, keep = self._rank_window(p, x)
             centre = self.group - 1 - self.group // 2
+            if self.window_edge == "sjd":  # the released empty slice: the least likely candidate (last
+                keep = keep & keep[:, -1:]  # column) does not exist -> only x is left (set below)
             px = p.gather(1, x[:, None])
             keep &= (p.gather(1, cand) - px).abs() < self.prob_threshold
         if self.codebook is not None and self.dist_threshold != math.inf:
@@ -168,7 +181,7 @@ def _draft_distribution(r, x, qx, ctx):
 
 def make_grouped_rule(engine, gsd_group: int = DEFAULT_GROUP, gsd_prob_threshold: float = DEFAULT_PROB_THRESHOLD,
                       gsd_dist_threshold: float = DEFAULT_DIST_THRESHOLD, gsd_static_clusters: bool = False,
-                      **unknown) -> GroupedRule:
+                      gsd_window_edge: str = "shorten", **unknown) -> GroupedRule:
     """Factory registered as ``gsd`` (``--accept gsd``); options use the GSD method's names."""
     if unknown:
         raise VVSError(f"unknown option(s) for the gsd rule: {', '.join(sorted(unknown))}")
@@ -182,7 +195,7 @@ def make_grouped_rule(engine, gsd_group: int = DEFAULT_GROUP, gsd_prob_threshold
     neighbors = None
     if gsd_static_clusters:
         neighbors = _static_neighbors(codebook, gsd_group - 1)
-    return GroupedRule(gsd_group, gsd_prob_threshold, gsd_dist_threshold, codebook, neighbors)
+    return GroupedRule(gsd_group, gsd_prob_threshold, gsd_dist_threshold, codebook, neighbors, gsd_window_edge)
 
 
 def _static_neighbors(codebook: torch.Tensor, k: int, chunk: int = 2048) -> torch.Tensor:

@@ -126,15 +126,22 @@ class Drafter(nn.Module):
     def forward(self, feats, tokens, positions, kv=None, slots=None, mask=None):
         """feats [rows, T, D] (target or stale or own features at positions t), tokens [rows, T]
         (x_{t+1}), positions [T] -> predicted features [rows, T, D]."""
-        emb = self.target.tok_embeddings(tokens).to(feats.dtype)
+        emb = self.target.embed_tokens(tokens).to(feats.dtype)
         x = self.fc(torch.cat([emb, feats], dim=-1))
         rope = self.rope_rows(positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, None if kv is None else (kv.k[i], kv.v[i]), slots, mask)
         return x
 
-    def logits(self, h):
-        return self.target.logits(h)
+    def logits(self, h, position=None):
+        """Features -> target-head logits; with the drafter ``position`` [1] of the rows, tokens the
+        target family's layout forbids there (forced end-of-line tokens) get -1e9."""
+        lg = self.target.logits(h)
+        forbid = getattr(self.target, "layout_forbidden", None)
+        if forbid is None or position is None:
+            return lg
+        # Drafter position t predicts the token the target predicts at position t + 1.
+        return lg.masked_fill(forbid[(position + 1).clamp(max=forbid.shape[0] - 1)], -1e9)
 
     def new_cache(self, rows: int, n_slots: int) -> StaticKVCache:
         p = self.fc.weight

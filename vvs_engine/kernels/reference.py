@@ -6,6 +6,8 @@ tensors so nothing here needs a host sync.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -211,3 +213,108 @@ def sibling_links(children: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     next_sibling = torch.full((N + 1,), -1, dtype=torch.long, device=children.device)
     next_sibling.scatter_(0, slot.reshape(-1), following.reshape(-1).long())
     return first_child.long(), next_sibling[:N]
+
+
+
+def tree_verify(tokens: torch.Tensor, children: torch.Tensor, p: torch.Tensor, q: Optional[torch.Tensor],
+                u_accept: torch.Tensor, u_sample: torch.Tensor, neighbors: Optional[torch.Tensor], delta: float,
+                ratio: bool, reference_residual: bool, greedy: bool, max_depth: int):
+    """Verify B draft trees with the exact rule (``neighbors`` None) or LANTERN(++) (neighbour table
+    [V, K], budget ``delta``, ``ratio`` for LANTERN++; ``reference_residual``: drop all K neighbours
+    from the residual as the published code does): tokens [B, N], children [B, N, C] in rank order,
+    p [B, N, V], q [B, N, V] (sampled drafts) or None, u_accept [B, N], u_sample [B] in (0, 1] ->
+    (path [B, max_depth + 1] -1 padded, n_accepted [B], last [B], next_token [B]) int64.
+
+    The B trees are one forest of B*N nodes; a loop over sibling ranks tests every node's rank-th
+    child at once against the node's residual r (accept iff u * q(x) < r(x) + credit; greedy: x is
+    the argmax of the credited r), rejections update r to norm(max(0, r' - q)) with r' = r minus the
+    credited mass; then a loop over depth follows the accepted children, and the next token is drawn
+    from the last node's r by inverse CDF."""
+    B, N, V = p.shape
+    M, C = B * N, children.shape[2]
+    dev = p.device
+    offset = (torch.arange(B, device=dev) * N).view(B, 1, 1)
+    kids = torch.where(children >= 0, children + offset, children).reshape(M, C)
+    node_tokens = tokens.reshape(M)
+    r = p.reshape(M, V).clone()
+    q = None if q is None else q.reshape(M, V).clone()
+    u_node = u_accept.reshape(M)
+    ones = torch.ones(M, dtype=r.dtype, device=dev)
+    accepted_child = torch.full((M,), -1, dtype=torch.long, device=dev)
+    for rank in range(C):
+        child = kids[:, rank]
+        valid = (child >= 0) & (accepted_child < 0)
+        child_ids = child.clamp(min=0)
+        x = node_tokens[child_ids]
+        q_norm = None if q is None else q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+        q_x = ones if q is None else q_norm.gather(1, x[:, None])[:, 0]
+        moved = None
+        if neighbors is None:
+            score = r.gather(1, x[:, None])[:, 0]
+        else:
+            score, m_star = lantern_mass(r, x, neighbors, delta, ratio)
+            nb = neighbors[x]
+            n_moved = torch.full_like(m_star, nb.shape[1]) if reference_residual else m_star
+            cols = torch.arange(nb.shape[1], device=dev)[None] < n_moved[:, None]
+            if reference_residual:
+                cols = cols & (m_star[:, None] > 0)
+            moved = torch.zeros_like(r, dtype=torch.bool).scatter_(1, nb, cols)
+        if greedy:
+            ok = credited_argmax(r, x, moved) == x
+        else:
+            ok = u_node[child_ids] * q_x < score
+        accept = valid & ok
+        reject = valid & ~accept
+        accepted_child = torch.where(accept, child, accepted_child)
+        r = torch.where(reject[:, None], residual_distribution(r, q_norm, x, moved), r)
+        if q is not None:
+            q = torch.where(reject[:, None], q.scatter(1, x[:, None], 0.0), q)
+    path, n_accepted, last = walk_accepted(accepted_child.view(B, N), max_depth)
+    dist = r.view(B, N, V).gather(1, last.view(B, 1, 1).expand(B, 1, V))[:, 0]
+    if greedy:
+        next_token = dist.argmax(-1)
+    else:
+        from ..rng import sample_inverse_cdf
+
+        next_token = sample_inverse_cdf(dist, u_sample.reshape(B))
+    return path, n_accepted, last, next_token
+
+
+def credited_argmax(r: torch.Tensor, x: torch.Tensor, moved: Optional[torch.Tensor]) -> torch.Tensor:
+    """Argmax of r [M, V] after the ``moved`` mass is credited to x (greedy relaxed acceptance)."""
+    if moved is None:
+        return r.argmax(-1)
+    relaxed = r.masked_fill(moved, 0.0)
+    relaxed = relaxed.scatter(1, x[:, None], r.gather(1, x[:, None]) + (r * moved).sum(-1, keepdim=True))
+    return relaxed.argmax(-1)
+
+
+def residual_distribution(r: torch.Tensor, q: Optional[torch.Tensor], x: torch.Tensor,
+                          moved: Optional[torch.Tensor]) -> torch.Tensor:
+    """norm(max(0, r' - q)) with r' = r without the ``moved`` mass; q None = one-hot(x) (deterministic
+    drafts). If nothing is left, r' renormalised (never NaN)."""
+    if moved is not None:
+        r = r.masked_fill(moved, 0.0)
+    res = r.scatter(1, x[:, None], 0.0) if q is None else (r - q).clamp(min=0)
+    total = res.sum(-1, keepdim=True)
+    fallback = r / r.sum(-1, keepdim=True).clamp(min=1e-30)
+    return torch.where(total > 1e-12, res / total.clamp(min=1e-30), fallback)
+
+
+def walk_accepted(accepted_child: torch.Tensor, max_depth: int):
+    """accepted_child [B, N] of flat ids (node b*N + i) of each node's accepted child, -1 if none ->
+    (path [B, max_depth + 1] local ids, -1 padded; n_accepted [B]; last [B]). A loop over depth."""
+    B, N = accepted_child.shape
+    dev = accepted_child.device
+    table = torch.cat([accepted_child.reshape(-1), accepted_child.new_full((1,), -1)])  # spill slot: walk ended
+    cur = torch.arange(B, device=dev) * N  # the roots
+    steps = [cur]
+    for _ in range(max_depth):
+        cur = table[torch.where(cur >= 0, cur, B * N)]
+        steps.append(cur)
+    flat_path = torch.stack(steps, 1)
+    offset = (torch.arange(B, device=dev) * N)[:, None]
+    path = torch.where(flat_path >= 0, flat_path - offset, flat_path)
+    n_accepted = (path[:, 1:] >= 0).sum(1)
+    last = path.gather(1, n_accepted[:, None])[:, 0]
+    return path, n_accepted, last

@@ -44,6 +44,14 @@ def parse_options(options_cls, opts: dict, method: str):
     return o.validate() if hasattr(o, "validate") else o
 
 
+def get_method_options(name: str, opts: dict):
+    """Parse and validate a method's options without an engine (the CLI checks flags before loading)."""
+    _load_all()
+    if name not in _REGISTRY:
+        raise VVSError(f"unknown method '{name}'; known: {', '.join(sorted(_REGISTRY))}")
+    return parse_options(_REGISTRY[name][1], dict(opts), name)
+
+
 def get_method(name: str, engine, opts: dict):
     _load_all()
     if name not in _REGISTRY:
@@ -53,3 +61,14 @@ def get_method(name: str, engine, opts: dict):
     if hasattr(o, "check_engine"):
         o.check_engine(engine)
     return fn, o
+
+
+def resolve_options(name: str, opts: dict) -> dict:
+    """The method's effective options (defaults filled in) as a plain dict, without an engine."""
+    from dataclasses import asdict, is_dataclass
+
+    _load_all()
+    if name not in _REGISTRY:
+        raise VVSError(f"unknown method '{name}'; known: {', '.join(sorted(_REGISTRY))}")
+    o = parse_options(_REGISTRY[name][1], dict(opts), name)
+    return asdict(o) if is_dataclass(o) else {}

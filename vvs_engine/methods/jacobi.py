@@ -39,7 +39,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..acceptance.gsd import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
-                              make_grouped_rule)
+                              check_window_edge, make_grouped_rule)
 from ..acceptance.verify import ExactRule
 from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
@@ -84,10 +84,13 @@ class GSDOptions(SJDOptions):
     gsd_dist_threshold: float = option(DEFAULT_DIST_THRESHOLD, "GSD: ... and its squared distance to x on "
                                                                "the unit codebook < this")
     gsd_static_clusters: bool = False  # the paper's ablation: x's nearest codes instead of its p-rank window
+    gsd_window_edge: str = option("shorten", "GSD: shorten, or sjd (the released code's plain SJD ratio when "
+                                             "the window falls off the lowest ranks)")
 
     def validate(self):
         super().validate()
         check_gsd_values(self.gsd_group, self.gsd_prob_threshold, self.gsd_dist_threshold, self.gsd_static_clusters)
+        check_window_edge(self.gsd_window_edge)
         return self
 
     def check_engine(self, engine):
@@ -97,7 +100,7 @@ class GSDOptions(SJDOptions):
     def rule(self, engine):
         return make_grouped_rule(engine, gsd_group=self.gsd_group, gsd_prob_threshold=self.gsd_prob_threshold,
                                  gsd_dist_threshold=self.gsd_dist_threshold,
-                                 gsd_static_clusters=self.gsd_static_clusters)
+                                 gsd_static_clusters=self.gsd_static_clusters, gsd_window_edge=self.gsd_window_edge)
 
 
 def _grid_width(T: int) -> int:

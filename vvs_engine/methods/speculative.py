@@ -19,6 +19,7 @@ VVS-D's similarity decision and ``post_verify=reject`` each add one synchronous 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ..acceptance.verify import default_lantern_k, make_rule, verify_tree
+from ..acceptance.verify import VerifyResult, default_lantern_k, make_rule, verify_tree
 from ..kernels import gather_rows, scatter_rows_
 from ..drafting.session import DraftSession, TreeSpec
 from ..errors import VVSError
@@ -45,7 +46,8 @@ class SpecOptions:
     lantern_k: Optional[int] = option(None, "LANTERN: codebook neighbours k; default codebook size // 16")
     lantern_delta: float = option(0.2, "LANTERN: total-variation budget delta per step")
     lantern_lambda: float = option(2.0, "LANTERN++: cap lambda on the relaxed mass (<= lambda * p(x))")
-    lantern_reference_residual: bool = False  # the published code's residual (drops x's k nearest codes)
+    lantern_reference_residual: str = option("off", "LANTERN: off, or llamagen / lumina-mgpt to reproduce that "
+                                                    "family's released residual and greedy test")
     tree: Optional[str] = option(None, "draft tree: dynamic (EAGLE-2), static (naive_extend_57) or chain")
     tree_total: int = option(59, "dynamic tree: nodes including the root")
     tree_depth: int = option(4, "dynamic tree: expansion steps (levels = depth + 1); chain length")
@@ -65,6 +67,8 @@ class SpecOptions:
     gsd_prob_threshold: Optional[float] = option(None, "GSD: keep a group member j only if |p(j) - p(x)| < this")
     gsd_dist_threshold: Optional[float] = option(None, "GSD: ... and its squared distance to x on the unit "
                                                        "codebook < this")
+    gsd_window_edge: Optional[str] = option(None, "GSD: shorten, or sjd (the released code's plain SJD ratio "
+                                                  "when the window falls off the lowest ranks)")
 
     def validate(self):
         if self.tree not in (None, "dynamic", "static", "chain"):
@@ -86,6 +90,9 @@ class SpecOptions:
         if self.lantern_k is not None and (isinstance(self.lantern_k, bool) or not isinstance(self.lantern_k, int)
                                            or self.lantern_k < 1):
             raise VVSError(f"lantern-k must be an integer >= 1, got {self.lantern_k}")
+        from ..acceptance.verify import check_lantern_reference
+
+        self.lantern_reference_residual = check_lantern_reference(self.lantern_reference_residual)
         if self.skip_policy not in ("never", "uniform", "dynamic"):
             raise VVSError(f"skip-policy must be uniform or dynamic, got '{self.skip_policy}'")
         i = self.skip_interval
@@ -111,11 +118,11 @@ class SpecOptions:
 
 
 def run(engine, cond, key_mask, n, params, gen, opts: SpecOptions, show_progress=False) -> MethodResult:
+    gsd_keys = ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold", "gsd_window_edge")
     if opts.accept == "gsd":
-        gsd = {k: getattr(opts, k) for k in ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold")
-               if getattr(opts, k) is not None}
+        gsd = {k: getattr(opts, k) for k in gsd_keys if getattr(opts, k) is not None}
         opts.rule_options = {**gsd, **opts.rule_options}
-    elif any(getattr(opts, k) is not None for k in ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold")):
+    elif any(getattr(opts, k) is not None for k in gsd_keys):
         raise VVSError("--gsd-* options need --accept gsd (or --method gsd)")
     rule = make_rule(opts.accept or "exact", engine,
                      lantern_k=opts.lantern_k or default_lantern_k(_codebook(engine)),
@@ -288,6 +295,18 @@ def skip_round(L: LoopState, o: SpecOptions, gen, st: Stats) -> None:
     st.t["draft"] += time.perf_counter() - t0
 
 
+def _verify_one(tree, p, rule, gen, greedy, logits, hidden, engine):
+    """The batched verify_tree on this single-image loop's tree (B = 1 views; uniforms from ``gen``)."""
+    batched = dataclasses.replace(tree, tokens=tree.tokens[None], parents=tree.parents[None],
+                                  depth=tree.depth[None], paths=tree.paths[None], children=tree.children[None],
+                                  q=None if tree.q is None else tree.q[None])
+    u_accept = 1.0 - torch.rand(1, tree.n, device=p.device, generator=gen)  # (0, 1]
+    u_sample = 1.0 - torch.rand(1, device=p.device, generator=gen)
+    res = verify_tree(batched, p[None], rule, u_accept, u_sample, greedy, logits=logits[None], hidden=hidden,
+                      engine=engine)
+    return VerifyResult(res.path[0], res.n_accepted, res.last, res.next_token)
+
+
 def verify_round(L: LoopState, o: SpecOptions, params, rule, gen, engine, st: Stats) -> None:
     """One target forward over [pending chain | tree]; accept a path; compact; redraft."""
     t0 = time.perf_counter()
@@ -318,7 +337,7 @@ def verify_round(L: LoopState, o: SpecOptions, params, rule, gen, engine, st: St
                 st.accepted.append(torch.zeros(1, dtype=torch.long, device=L.dev))
                 st.t["accept"] += time.perf_counter() - t0
                 return
-        res = verify_tree(tree, p, rule, gen, params.greedy, logits=logits[off:], hidden=H[:, off:], engine=engine)
+        res = _verify_one(tree, p, rule, gen, params.greedy, logits[off:], H[:1, off:], engine)
         path, n_acc = res.path, res.n_accepted
         node = off + path.clamp(min=0)
         dst = L.P_t + a + L.ar(Dmax + 1)

@@ -169,9 +169,13 @@ class Attention(nn.Module):
         elif isinstance(mask, torch.Tensor):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:  # a LocalMask: committed prefix + a small local block (tree, chain, Jacobi window)
-            from ..kernels import tree_attention
+            from ..kernels import flash, tree_attention
 
-            y = tree_attention(q, k, v, mask.prefix_len, mask.local, mask.key_valid)
+            if (T == 1 or mask.causal) and mask.key_valid is None and flash.usable(q.device, q.dtype, self.head_dim):
+                # AR decode / causal prefill: plain attention over [0, P + T), flash-attn's case.
+                y = flash.attend(q, k, v, mask.prefix_len + T, causal=mask.causal)
+            else:
+                y = tree_attention(q, k, v, mask.prefix_len, mask.local, mask.key_valid)
         return self.drop(self.wo(y.transpose(1, 2).reshape(B, T, self.dim)))
 
 

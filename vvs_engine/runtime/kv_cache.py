@@ -25,7 +25,8 @@ class StaticKVCache:
     def for_model(cls, model, batch: int, n_slots: int, dtype=None, device=None):
         cfg = model.config
         p = next(model.parameters())
-        return cls(cfg.n_layer, batch, cfg.n_head, n_slots, cfg.head_dim, dtype or p.dtype, device or p.device)
+        heads = getattr(cfg, "n_kv_head", cfg.n_head)  # grouped-query attention caches K/V heads only
+        return cls(cfg.n_layer, batch, heads, n_slots, cfg.head_dim, dtype or p.dtype, device or p.device)
 
     def layer(self, i: int):
         return self.k[i], self.v[i]

@@ -17,6 +17,7 @@ class LocalMask:
     prefix_len: torch.Tensor  # [1] int64, on the device
     local: torch.Tensor  # [Q, Q] bool
     key_valid: Optional[torch.Tensor] = None  # [rows, S] bool
+    causal: bool = False  # ``local`` is lower-triangular (lets prefill use flash-attn's causal mode)
 
 
 def causal_local(q: int, device) -> torch.Tensor:

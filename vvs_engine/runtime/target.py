@@ -4,14 +4,23 @@ Every method (plain AR, tree verification, VVS post-verification, Jacobi windows
 through :meth:`TargetSession.forward`, which takes token ids, their RoPE positions, the cache slots
 their K/V go to, and a boolean visibility mask over the cache. Row layout for CFG is
 ``[cond_0..cond_{n-1}; uncond_0..uncond_{n-1}]``; both halves always see the same token ids.
+
+The target model interface (LlamaGen's GPT and the Hugging Face families in ``vvs_engine.models``):
+``config`` (cls_token_num = condition length, block_size = image tokens, vocab_size = image vocabulary,
+dim, n_layer, n_head, head_dim, optional n_kv_head, model_type), ``embed_condition(cond)``,
+``embed_tokens(tokens)``, ``forward_hidden(x, positions, kv, slots, mask)``, ``logits(h)``, the fp32
+``rope`` table indexed by position, and optionally ``layout_forbidden`` [positions, V] bool: tokens a
+family's layout rules out at each predicting position (forced end-of-line tokens), applied by
+:meth:`TargetSession.logits` to the features of the last forward.
 """
 from __future__ import annotations
 
 import torch
 
-from .kv_cache import StaticKVCache
-from .masks import LocalMask
+from ..kernels import flash
 from ..models.gpt import GPT
+from .kv_cache import StaticKVCache
+from .masks import LocalMask, causal_local
 
 
 class TargetSession:
@@ -35,6 +44,8 @@ class TargetSession:
             self.key_valid[:, : self.c] = cond_key_mask.to(self.device, torch.bool)
         self.slot_ids = torch.arange(S, device=self.device)
         self.cond_rows = cond_rows
+        self.layout_forbidden = getattr(model, "layout_forbidden", None)
+        self.last_positions = None  # positions of the last forward: which layout rules its logits obey
 
     # --- primitives ---------------------------------------------------------------------------
     def rows_of(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -51,6 +62,7 @@ class TargetSession:
         slots = prefix_len + torch.arange(Q, device=self.device)
         x = self.model.embed_tokens(self.rows_of(tokens))
         mask = LocalMask(prefix_len, local, self.key_valid if self.has_key_mask else None)
+        self.last_positions = positions
         return self.model.forward_hidden(x, positions, self.kv, slots, mask)
 
     # --- prefill ------------------------------------------------------------------------------
@@ -59,11 +71,23 @@ class TargetSession:
         last one's logits predict image token 0)."""
         c = self.c
         pos = torch.arange(c, device=self.device)
+        x = self.model.embed_condition(self.cond_rows)
+        self.last_positions = pos
+        if not self.has_key_mask and flash.usable(self.device, self.dtype, self.model.config.head_dim):
+            mask = LocalMask(torch.zeros(1, dtype=torch.long, device=self.device), causal_local(c, self.device), causal=True)
+            return self.model.forward_hidden(x, pos, self.kv, pos, mask)
         vis = (self.slot_ids[None, :] <= pos[:, None])[None] & self.key_valid[:, None, :]
         vis = vis | (self.slot_ids[None, None, :] == pos[None, :, None])  # a padded query sees itself
-        x = self.model.embed_condition(self.cond_rows)
         h = self.model.forward_hidden(x, pos, self.kv, pos, vis.unsqueeze(1))
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(h)
+        """Logits of features ``h`` from the last forward or prefill: all of its positions ([rows, Q, D])
+        or its last one ([rows, D]). Tokens the family's layout forbids there get -1e9 in both CFG
+        rows, so guidance keeps them out and a forced token has probability one."""
+        lg = self.model.logits(h)
+        if self.layout_forbidden is None:
+            return lg
+        pos = self.last_positions if h.dim() == 3 else self.last_positions[-1:]
+        forbid = self.layout_forbidden[pos]  # [Q, V]
+        return lg.masked_fill(forbid if h.dim() == 3 else forbid[0], -1e9)

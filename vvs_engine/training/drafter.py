@@ -1,7 +1,9 @@
-"""EAGLE drafter training: teacher-forced features of a frozen c2i target, and ``vvs-engine train-drafter``."""
+"""EAGLE drafter training: teacher-forced features of a frozen target (class labels or the prompts of a
+Hugging Face family), and ``vvs-engine train-drafter``."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -10,13 +12,33 @@ from ..drafting.drafter import Drafter, DrafterConfig
 from ..errors import VVSError
 
 
-def train_drafter(target, tokens: torch.Tensor, labels: torch.Tensor, steps: int = 600, batch_size: int = 16,
+@dataclass
+class PromptConditions:
+    """Text conditions of a Hugging Face family for drafter training: one row per token sequence."""
+
+    cond: torch.Tensor  # [N, c] prompt ids (left-padded)
+    uncond: torch.Tensor  # [N, c] the family's unconditional rows (used for CFG dropout)
+    key_mask: torch.Tensor  # [N, c] bool, False on padding
+
+
+def _condition_batch(target, labels, idx, drop):
+    """-> (condition embeddings [B, c, D], causal mask [B, 1, L, L] or None) for rows ``idx``."""
+    if isinstance(labels, PromptConditions):
+        ids = torch.where(drop[:, None], labels.uncond[idx], labels.cond[idx])
+        return target.embed_condition(ids), labels.key_mask[idx]
+    lab = labels[idx].clone()
+    lab[drop] = target.config.num_classes  # the null class
+    return target.embed_condition(lab), None
+
+
+def train_drafter(target, tokens: torch.Tensor, labels, steps: int = 600, batch_size: int = 16,
                   lr: float = 1e-3, seed: int = 0, log=print, n_layer: int = 1, loss_weights=None,
                   cfg_dropout: float = 0.1, noise: float = 0.2, progress: bool = True) -> Drafter:
-    """Teacher-forced EAGLE training on a c2i target: features come from the frozen target run on real
-    token sequences (10% of rows with the null class, like CFG dropout); loss
+    """Teacher-forced EAGLE training: features come from the frozen target run on real token
+    sequences (10% of rows with the null condition, like CFG dropout); loss
     ``SmoothL1(f̂, f) + 0.1 * CE(target head on f, on f̂)``, uniform feature noise, AdamW.
 
+    ``labels``: class labels [N] (c2i) or :class:`PromptConditions` (text families).
     ``loss_weights``: optional callable ``(feats [B,T,D], logits [B,T,V]) -> [B,T]`` weights for the
     classification term (CASCADE's redundancy re-weighting plugs in here)."""
     g = torch.Generator().manual_seed(seed)
@@ -38,13 +60,19 @@ def train_drafter(target, tokens: torch.Tensor, labels: torch.Tensor, steps: int
         it = tqdm(it, desc="train drafter", dynamic_ncols=True)
     for step in it:
         idx = torch.randint(0, n, (batch_size,), generator=g)
-        tok, lab = tokens[idx], labels[idx].clone()
+        tok = tokens[idx]
         drop = torch.rand(batch_size, generator=g) < cfg_dropout
-        lab[drop] = tc.num_classes
         with torch.no_grad():
             c = tc.cls_token_num
-            x = torch.cat([target.embed_condition(lab), target.embed_tokens(tok[:, :-1])], 1)
-            f = target.forward_hidden(x, torch.arange(x.shape[1]))[:, c - 1:]  # f_t at positions c-1.. (T rows)
+            cond, key_mask = _condition_batch(target, labels, idx, drop)
+            x = torch.cat([cond, target.embed_tokens(tok[:, :-1])], 1)
+            mask = None
+            if key_mask is not None:  # causal, minus padded prompt slots (a padded query sees itself)
+                L = x.shape[1]
+                mask = torch.ones(L, L, dtype=torch.bool).tril()[None].repeat(batch_size, 1, 1)
+                mask[:, :, :c] &= key_mask[:, None, :]
+                mask = (mask | torch.eye(L, dtype=torch.bool)[None]).unsqueeze(1)
+            f = target.forward_hidden(x, torch.arange(x.shape[1]), mask=mask)[:, c - 1:]  # f_t, t >= c-1
             tgt_logits = target.logits(f[:, 1:])
         # Inputs: (f_t, x_{t+1}) for t = c-1 .. c+T-2 ; target: f_{t+1}.
         fin = f[:, :-1]
@@ -78,13 +106,12 @@ def train_drafter(target, tokens: torch.Tensor, labels: torch.Tensor, steps: int
 
 # --- command line -------------------------------------------------------------------------------
 def cli_train(argv) -> int:
-    """``vvs-engine train-drafter``: train an EAGLE drafter on a c2i target's teacher-forced features.
+    """``vvs-engine train-drafter``: train an EAGLE drafter on a target's teacher-forced features.
 
-    Token data: ``--tokens FILE`` (.npz or .pt with ``tokens`` [N, T] and ``labels`` [N]) or, by default,
-    crops of the Zoo photos (or ``--data-root`` image folder) encoded with the tokenizer."""
+    c2i token data: ``--tokens FILE`` (.npz or .pt with ``tokens`` [N, T] and ``labels`` [N]) or, by
+    default, crops of the Zoo photos (or ``--data-root`` image folder) encoded with the tokenizer.
+    ``--model-dir``: prompts plus the user's token rows or images the target samples for them."""
     import argparse
-
-    import numpy as np
 
     from ..checkpoint import save_safetensors
     from ..engine import Engine
@@ -103,15 +130,73 @@ def cli_train(argv) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cascade-weighting", action="store_true",
                     help="CASCADE: 2x classification weight on tokens redundant with a later token")
+    ap.add_argument("--model-dir", default=None, metavar="DIR",
+                    help="a Hugging Face folder of another family (Janus-Pro); needs --prompts")
+    ap.add_argument("--prompts", default=None, metavar="FILE",
+                    help="with --model-dir: one prompt per line; token rows come from --tokens (.npz 'tokens', one "
+                         "row per prompt) or are sampled from the target")
+    ap.add_argument("--samples-per-prompt", type=int, default=1, help="sampled images per prompt (default 1)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt padding length (default 128)")
     ap.add_argument("--out", required=True, help="output .safetensors path (a .json config is written beside)")
     a = ap.parse_args(argv)
     if a.steps < 1 or a.batch_size < 1 or not a.lr > 0:
         raise VVSError("steps and batch-size must be >= 1 and lr > 0")
     if not a.out.endswith(".safetensors"):
         raise VVSError("--out must end with .safetensors")
-    eng = Engine.load(gpt_ckpt=a.gpt_ckpt, gpt_model=a.gpt_model, vq_ckpt=a.vq_ckpt)
-    if eng.config.model_type != "c2i":
-        raise VVSError("train-drafter supports class-conditional targets")
+    if a.model_dir is not None:
+        eng = Engine.load(model_dir=a.model_dir, max_prompt_tokens=a.max_prompt_tokens)
+        tokens, labels = family_training_data(eng, a)
+    else:
+        eng = Engine.load(gpt_ckpt=a.gpt_ckpt, gpt_model=a.gpt_model, vq_ckpt=a.vq_ckpt)
+        if eng.config.model_type != "c2i":
+            raise VVSError("train-drafter supports class-conditional targets, or --model-dir with --prompts")
+        tokens, labels = c2i_training_data(eng, a)
+    weights = None
+    if a.cascade_weighting:  # CASCADE: 2x CE weight where the target's logits repeat a later token's
+        from .cascade import cascade_loss_weights
+
+        weights = cascade_loss_weights("logits", 0.625, 2.0)
+    d = train_drafter(eng.gpt.float().train(False), tokens, labels, steps=a.steps, batch_size=a.batch_size,
+                      lr=a.lr, seed=a.seed, n_layer=a.layers, loss_weights=weights)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    save_safetensors(d, a.out, d.config.to_dict(), kind="drafter",
+                     extra={"steps": a.steps, "seed": a.seed, "cascade_weighting": a.cascade_weighting})
+    print(f"wrote {a.out}")
+    return 0
+
+
+def family_training_data(eng, a):
+    """Prompt conditions and token rows for a Hugging Face family: the user's tokens, or images the
+    target samples itself for the prompts (temperature 1, CFG 4, seeded)."""
+    import numpy as np
+
+    if not a.prompts:
+        raise VVSError("--model-dir needs --prompts FILE (one prompt per line)")
+    if a.samples_per_prompt < 1:
+        raise VVSError("--samples-per-prompt must be >= 1")
+    prompts = read_prompt_file(a.prompts)
+    if a.tokens:
+        with np.load(a.tokens, allow_pickle=False) as z:
+            tokens = torch.as_tensor(z["tokens"]).long()
+        if tokens.shape[0] != len(prompts):
+            raise VVSError(f"--tokens has {tokens.shape[0]} rows but --prompts has {len(prompts)} prompts")
+    else:
+        prompts = [p for p in prompts for _ in range(a.samples_per_prompt)]
+        tokens = torch.cat([eng.generate(prompts=prompts[i:i + 8], seed=a.seed + i, cfg_scale=4.0,
+                                         decode_images=False).tokens for i in range(0, len(prompts), 8)]).clone()
+    if tokens.dim() != 2 or tokens.shape[1] != eng.tokens_per_image:
+        raise VVSError(f"tokens must be [N, {eng.tokens_per_image}]")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= eng.config.vocab_size:
+        raise VVSError(f"token ids must lie in [0, {eng.config.vocab_size})")
+    ids, mask = eng.gpt.condition_rows(prompts, True, "cpu")
+    n = len(prompts)
+    return tokens, PromptConditions(cond=ids[:n], uncond=ids[n:], key_mask=mask[:n])
+
+
+def c2i_training_data(eng, a):
+    """Class-conditional tokens and labels: ``--tokens`` or encoded crops of the Zoo photos."""
+    import numpy as np
+
     if a.tokens:
         if a.tokens.endswith(".npz"):
             with np.load(a.tokens, allow_pickle=False) as z:
@@ -132,15 +217,16 @@ def cli_train(argv) -> int:
     tokens, labels = tokens.long(), labels.long()
     if tokens.dim() != 2 or tokens.shape[1] != eng.tokens_per_image or len(labels) != len(tokens):
         raise VVSError(f"tokens must be [N, {eng.tokens_per_image}] with one label per row")
-    weights = None
-    if a.cascade_weighting:  # CASCADE: 2x CE weight where the target's logits repeat a later token's
-        from .cascade import cascade_loss_weights
+    return tokens, labels
 
-        weights = cascade_loss_weights("logits", 0.625, 2.0)
-    d = train_drafter(eng.gpt.float().train(False), tokens, labels, steps=a.steps, batch_size=a.batch_size,
-                      lr=a.lr, seed=a.seed, n_layer=a.layers, loss_weights=weights)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    save_safetensors(d, a.out, d.config.to_dict(), kind="drafter",
-                     extra={"steps": a.steps, "seed": a.seed, "cascade_weighting": a.cascade_weighting})
-    print(f"wrote {a.out}")
-    return 0
+
+def read_prompt_file(path: str):
+    """One prompt per non-empty line (the format of ``vvs-engine generate --prompts``)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise VVSError(f"cannot read prompts file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not prompts:
+        raise VVSError(f"prompts file {path} holds no prompts")
+    return prompts

@@ -1,0 +1,391 @@
+"""Hugging Face target families against transformers (the oracle): logits, greedy CFG images, the
+VQ decoder, loading errors, and every decoding method on each family."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from vvs_engine.models.hf_tiny import PROMPTS, make_chameleon_folder, make_emu3_folder, make_janus_folder
+from vvs_engine.drafting.drafter import Drafter, DrafterConfig
+from vvs_engine.engine import Engine
+from vvs_engine.errors import VVSError
+
+LOSSLESS = [("eagle", {}), ("eagle", {"tree": "static"}), ("lantern", {"lantern_delta": 0.0}),
+            ("vvs", {"skip_interval": 1}), ("sjd", {}), ("gsd", {})]
+ALL_METHODS = ["ar", "eagle", "lantern", "lantern++", "vvs", "sjd", "gsd", "cascade"]
+
+
+@pytest.fixture(scope="module")
+def janus(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("janus"))
+    hf = make_janus_folder(path)
+    return path, hf, Engine.load(model_dir=path, max_prompt_tokens=24)
+
+
+def hf_janus_logits(hf, ids, codes):
+    """transformers' Janus: prompt ids [1, L], codes [1, T] -> generation-head logits [T, V]."""
+    x = torch.cat([hf.get_input_embeddings()(ids), hf.prepare_embeddings_for_image_generation(codes[:, :-1])], 1)
+    h = hf.model.language_model(inputs_embeds=x).last_hidden_state
+    return hf.model.generation_head(h[:, ids.shape[1] - 1:])[0]
+
+
+def test_janus_logits_match_transformers(janus):
+    path, hf, eng = janus
+    codes = torch.randint(0, eng.config.vocab_size, (len(PROMPTS), eng.tokens_per_image),
+                          generator=torch.Generator().manual_seed(0))
+    ours = eng.score(prompts=PROMPTS, tokens=codes)  # left-padded prompts of different lengths
+    for i, p in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = hf_janus_logits(hf, torch.tensor([eng.gpt.prompt_ids(p)]), codes[i:i + 1])
+        assert ref.abs().max() > 1.0  # not a vacuous comparison
+        torch.testing.assert_close(ours[i], ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("cfg_scale", [1.5, 5.0])
+def test_janus_greedy_cfg_equals_transformers_generate(janus, cfg_scale):
+    path, hf, eng = janus
+    for p in PROMPTS:
+        ours = eng.generate(prompts=[p], temperature=0, cfg_scale=cfg_scale, decode_images=False).tokens
+        ids = torch.tensor([eng.gpt.prompt_ids(p)])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_mode="image", do_sample=False,
+                          guidance_scale=cfg_scale)
+        assert len(set(ref[0].tolist())) > 3  # a non-degenerate image
+        assert torch.equal(ours, ref)
+
+
+def test_janus_unconditional_row_is_janus_style(janus):
+    _, _, eng = janus
+    cfg = eng.config
+    ids, mask = eng.gpt.condition_rows(PROMPTS, True, "cpu")
+    cond, unc = ids.chunk(2)
+    assert torch.equal(mask[:2], mask[2:]) and not mask[0].all()
+    kept = (cond == cfg.bos_token_id) | (cond == cfg.boi_token_id)
+    assert torch.equal(unc[kept], cond[kept])
+    assert (unc[~kept] == cfg.pad_token_id).all()
+    assert cond[:, -1].eq(cfg.boi_token_id).all()
+
+
+def test_janus_vq_decoder_matches_transformers(janus):
+    _, hf, eng = janus
+    codes = torch.randint(0, eng.config.vocab_size, (2, eng.tokens_per_image), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf.decode_image_tokens(codes).permute(0, 3, 1, 2)
+    torch.testing.assert_close(eng.vq.decode(codes), ref, atol=1e-4, rtol=0)
+    out = eng.generate(prompts=PROMPTS[:1], temperature=0, cfg_scale=2.0)
+    assert out.images[0].size == (8, 8)
+
+
+@pytest.fixture(scope="module")
+def janus64(janus):
+    """The Janus engine in float64 with a random drafter (greedy ties cannot flip)."""
+    path, _, _ = janus
+    eng = Engine.load(model_dir=path, max_prompt_tokens=24)
+    c = eng.config
+    eng.drafter = Drafter(DrafterConfig(dim=c.dim, n_head=c.n_head)).attach(eng.gpt).eval()
+    eng.gpt.to(torch.float64)
+    eng.drafter.to(torch.float64)
+    eng.dtype = torch.float64
+    ar = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+    return eng, ar
+
+
+@pytest.mark.parametrize("method,opts", LOSSLESS)
+def test_janus_lossless_methods_greedy_equal_ar(janus64, method, opts):
+    eng, ar = janus64
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, method=method, decode_images=False, **opts)
+    assert torch.equal(out.tokens, ar)
+    assert out.stats["tpf"] >= 1.0
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_janus_every_method_samples(janus64, method):
+    eng, _ = janus64
+    out = eng.generate(prompts=PROMPTS, temperature=1.0, top_k=20, cfg_scale=3.0, method=method, seed=3,
+                       decode_images=False)
+    assert out.tokens.shape == (2, eng.tokens_per_image)
+    assert 0 <= int(out.tokens.min()) and int(out.tokens.max()) < eng.config.vocab_size
+    assert out.stats["target_forward_passes"] > 0 and out.stats["tpf"] > 0
+
+
+# --- Lumina-mGPT (Chameleon) ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lumina(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("chameleon"))
+    hf = make_chameleon_folder(path)
+    return path, hf, Engine.load(model_dir=path, max_prompt_tokens=32, image_size=64)
+
+
+def with_row_ends(eng, tokens):
+    """Put the EOL index at the end of every row of method tokens [n, h*(w+1)]."""
+    c = eng.config
+    tokens.view(tokens.shape[0], c.grid_h, c.grid_w + 1)[:, :, -1] = c.n_codes
+    return tokens
+
+
+def assert_lumina_layout(eng, tokens):
+    c = eng.config
+    rows = tokens.view(tokens.shape[0], c.grid_h, c.grid_w + 1)
+    assert (rows[:, :, -1] == c.n_codes).all()  # EOL closes every row
+    assert (rows[:, :, :-1] < c.n_codes).all()  # and appears nowhere else
+
+
+def test_lumina_logits_match_transformers(lumina):
+    path, hf, eng = lumina
+    m, T = eng.gpt, eng.tokens_per_image
+    tokens = with_row_ends(eng, torch.randint(0, eng.config.n_codes, (2, T), generator=torch.Generator().manual_seed(0)))
+    ours = eng.score(prompts=PROMPTS, tokens=tokens)
+    for i, p in enumerate(PROMPTS):
+        ids = torch.tensor([m.prompt_ids(p) + m.vocab_ids[tokens[i, :-1]].tolist()])
+        with torch.no_grad():
+            ref = hf.lm_head(hf.model(input_ids=ids).last_hidden_state)[0, -T:][:, m.vocab_ids]
+        assert ref.abs().max() > 1.0
+        torch.testing.assert_close(ours[i], ref, atol=1e-4, rtol=0)
+
+
+def hf_lumina_greedy(hf, m, prompt, cfg_scale):
+    """Greedy CFG decoding with transformers' Chameleon forward (no cache) and Lumina-mGPT's layout
+    rules written out: codes only, EOL forced after each row, unconditional row = the image prefix."""
+    c = m.config
+    cond, uncond, out = m.prompt_ids(prompt), m.image_prefix(), []
+    with torch.no_grad():
+        for t in range(c.block_size):
+            if t % (c.grid_w + 1) == c.grid_w:
+                tok = c.n_codes
+            else:
+                lc, lu = (hf.lm_head(hf.model(input_ids=torch.tensor([s])).last_hidden_state[0, -1])[m.vocab_ids[:-1]]
+                          for s in (cond, uncond))
+                tok = int((lu + cfg_scale * (lc - lu)).argmax())
+            out.append(tok)
+            cond, uncond = cond + [int(m.vocab_ids[tok])], uncond + [int(m.vocab_ids[tok])]
+    return torch.tensor([out])
+
+
+def test_lumina_greedy_cfg_equals_transformers_with_layout_rules(lumina):
+    _, hf, eng = lumina
+    for p in PROMPTS:
+        ours = eng.generate(prompts=[p], temperature=0, cfg_scale=3.0).tokens
+        ref = hf_lumina_greedy(hf, eng.gpt, p, 3.0)
+        assert len(set(ref[0].tolist())) > 3
+        assert torch.equal(ours, ref)
+        assert_lumina_layout(eng, ours)
+    assert eng.gpt.codes_of(ours).shape == (1, eng.config.grid_h * eng.config.grid_w)
+
+
+@pytest.fixture(scope="module")
+def lumina64(lumina):
+    path, _, _ = lumina
+    eng = Engine.load(model_dir=path, max_prompt_tokens=32, image_size=64)
+    c = eng.config
+    eng.drafter = Drafter(DrafterConfig(dim=c.dim, n_head=c.n_head)).attach(eng.gpt).eval()
+    eng.gpt.to(torch.float64)
+    eng.drafter.to(torch.float64)
+    eng.dtype = torch.float64
+    ar = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+    return eng, ar
+
+
+@pytest.mark.parametrize("method,opts", LOSSLESS)
+def test_lumina_lossless_methods_greedy_equal_ar(lumina64, method, opts):
+    eng, ar = lumina64
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, method=method, decode_images=False, **opts)
+    assert torch.equal(out.tokens, ar)
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_lumina_every_method_samples_within_layout(lumina64, method):
+    eng, _ = lumina64
+    out = eng.generate(prompts=PROMPTS, temperature=1.0, cfg_scale=3.0, method=method, seed=3, decode_images=False)
+    assert out.tokens.shape == (2, eng.tokens_per_image)
+    assert_lumina_layout(eng, out.tokens)
+    assert out.stats["target_forward_passes"] > 0
+
+
+# --- Emu3 ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def emu3(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("emu3"))
+    hf = make_emu3_folder(path)
+    return path, hf, Engine.load(model_dir=path, max_prompt_tokens=24, image_size=32)
+
+
+def test_emu3_logits_match_transformers(emu3):
+    _, hf, eng = emu3
+    m, T = eng.gpt, eng.tokens_per_image
+    tokens = with_row_ends(eng, torch.randint(0, eng.config.n_codes, (2, T), generator=torch.Generator().manual_seed(0)))
+    ours = eng.score(prompts=PROMPTS, tokens=tokens)
+    for i, p in enumerate(PROMPTS):
+        ids = torch.tensor([m.prompt_ids(p) + m.vocab_ids[tokens[i, :-1]].tolist()])
+        with torch.no_grad():
+            ref = hf.lm_head(hf.model.text_model(input_ids=ids).last_hidden_state)[0, -T:][:, m.vocab_ids]
+        assert ref.abs().max() > 1.0
+        torch.testing.assert_close(ours[i], ref, atol=1e-4, rtol=0)
+
+
+def test_emu3_greedy_cfg_equals_transformers_generate_with_layout_constraints(emu3):
+    """transformers' Emu3 generate with the layout as ``prefix_allowed_tokens_fn`` (visual tokens,
+    EOL after every row) and our unconditional row as its negative prompt."""
+    _, hf, eng = emu3
+    m, c = eng.gpt, eng.config
+    visual = m.vocab_ids[:-1].tolist()
+
+    def allowed(batch_id, input_ids):
+        start = torch.nonzero(input_ids == c.image_wrapper_token_id, as_tuple=True)[0][0]
+        return [c.eol_token_id] if (input_ids.shape[0] - start) % (c.grid_w + 1) == 0 else visual
+
+    index_of = {int(v): i for i, v in enumerate(m.vocab_ids)}
+    for p in PROMPTS:
+        ours = eng.generate(prompts=[p], temperature=0, cfg_scale=3.0).tokens
+        ids, neg = torch.tensor([m.prompt_ids(p)]), torch.tensor([m.uncond_ids()])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), prefix_allowed_tokens_fn=allowed,
+                          negative_prompt_ids=neg, negative_prompt_attention_mask=torch.ones_like(neg),
+                          guidance_scale=3.0, do_sample=False, max_new_tokens=c.block_size)
+        ref = torch.tensor([[index_of[int(t)] for t in ref[0, ids.shape[1]:]]])
+        assert len(set(ref[0].tolist())) > 3
+        assert torch.equal(ours, ref)
+        assert_lumina_layout(eng, ours)
+
+
+@pytest.fixture(scope="module")
+def emu3_64(emu3):
+    path, _, _ = emu3
+    eng = Engine.load(model_dir=path, max_prompt_tokens=24, image_size=32)
+    c = eng.config
+    eng.drafter = Drafter(DrafterConfig(dim=c.dim, n_head=c.n_head)).attach(eng.gpt).eval()
+    eng.gpt.to(torch.float64)
+    eng.drafter.to(torch.float64)
+    eng.dtype = torch.float64
+    ar = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+    return eng, ar
+
+
+@pytest.mark.parametrize("method,opts", LOSSLESS)
+def test_emu3_lossless_methods_greedy_equal_ar(emu3_64, method, opts):
+    eng, ar = emu3_64
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, method=method, decode_images=False, **opts)
+    assert torch.equal(out.tokens, ar)
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_emu3_every_method_samples_within_layout(emu3_64, method):
+    eng, _ = emu3_64
+    out = eng.generate(prompts=PROMPTS, temperature=1.0, cfg_scale=3.0, method=method, seed=3, decode_images=False)
+    assert out.tokens.shape == (2, eng.tokens_per_image)
+    assert_lumina_layout(eng, out.tokens)
+    assert out.stats["target_forward_passes"] > 0
+
+
+# --- loading errors -----------------------------------------------------------------------------
+def test_missing_folder_and_config(tmp_path):
+    with pytest.raises(VVSError, match="model folder not found"):
+        Engine.load(model_dir=str(tmp_path / "nope"))
+    with pytest.raises(VVSError, match="config.json not found"):
+        Engine.load(model_dir=str(tmp_path))
+
+
+def test_wrong_family(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(VVSError, match="'bert' is not a supported"):
+        Engine.load(model_dir=str(tmp_path))
+
+
+def test_missing_shard_and_misshaped_tensor(janus, tmp_path):
+    path, _, _ = janus
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    names = sorted(sd)
+    shard_dir = tmp_path / "sharded"
+    shard_dir.mkdir()
+    for f in ("config.json", "generation_config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(path, f), shard_dir / f)
+    half = len(names) // 2
+    save_file({k: sd[k] for k in names[:half]}, str(shard_dir / "model-00001-of-00002.safetensors"))
+    save_file({k: sd[k] for k in names[half:]}, str(shard_dir / "model-00002-of-00002.safetensors"))
+    wm = {k: ("model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors")
+          for i, k in enumerate(names)}
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    eng = Engine.load(model_dir=str(shard_dir), max_prompt_tokens=24, dtype="bf16")  # sharded loads
+    assert eng.dtype == torch.bfloat16
+    os.remove(shard_dir / "model-00002-of-00002.safetensors")
+    with pytest.raises(VVSError, match="missing weight shard"):
+        Engine.load(model_dir=str(shard_dir))
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    key = "model.generation_head.vision_head.weight"
+    sd[key] = sd[key][:, :-1].contiguous()
+    save_file(sd, str(bad / "model.safetensors"))
+    with pytest.raises(VVSError, match="shape mismatch.*vision_head"):
+        Engine.load(model_dir=str(bad))
+
+
+def test_prompt_too_long(janus):
+    _, _, eng = janus
+    with pytest.raises(VVSError, match="limit is 24"):
+        eng.generate(prompts=["a " * 40], temperature=0, decode_images=False)
+
+
+# --- command line and drafter training ------------------------------------------------------------
+def test_cli_generate_and_train_drafter_with_model_dir(janus, tmp_path, capsys):
+    import numpy as np
+
+    from vvs_engine.cli import main
+
+    path, _, eng = janus
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    out = tmp_path / "out"
+    assert main(["generate", "--model-dir", path, "--max-prompt-tokens", "24", "--prompts", str(prompts),
+                 "--temperature", "0", "--cfg-scale", "3", "--device", "cpu", "--out", str(out), "--quiet"]) == 0
+    tokens = np.load(out / "tokens.npz")["tokens"]
+    api = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+    np.testing.assert_array_equal(tokens, api.numpy())
+    assert sorted(p.name for p in out.glob("*.png")) == ["000000.png", "000001.png"]
+
+    drafter = tmp_path / "janus-drafter.safetensors"
+    assert main(["train-drafter", "--model-dir", path, "--max-prompt-tokens", "24", "--prompts", str(prompts),
+                 "--samples-per-prompt", "3", "--steps", "30", "--batch-size", "4", "--lr", "3e-3",
+                 "--out", str(drafter)]) == 0
+    trained = Engine.load(model_dir=path, max_prompt_tokens=24, drafter=str(drafter))
+    ar = trained.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False)
+    sp = trained.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, method="eagle", decode_images=False)
+    assert torch.equal(sp.tokens, ar.tokens)
+    capsys.readouterr()
+    assert main(["generate", "--model-dir", str(tmp_path / "missing"), "--prompts", str(prompts),
+                 "--device", "cpu", "--out", str(out)]) == 1
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and "model folder not found" in err[0]
+
+
+def test_trained_drafter_beats_random_on_acceptance(janus, tmp_path):
+    """Teacher-forced training on prompt conditions learns the target: more tokens per forward."""
+    from vvs_engine.training.drafter import PromptConditions, train_drafter
+
+    path, _, _ = janus
+    eng = Engine.load(model_dir=path, max_prompt_tokens=24)
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    tokens = eng.generate(prompts=prompts, seed=0, cfg_scale=3.0, decode_images=False).tokens.clone()
+    ids, mask = eng.gpt.condition_rows(prompts, True, "cpu")
+    n = len(prompts)
+    cond = PromptConditions(cond=ids[:n], uncond=ids[n:], key_mask=mask[:n])
+    kw = dict(prompts=PROMPTS, temperature=1.0, cfg_scale=3.0, method="eagle", seed=5, decode_images=False)
+    c = eng.config
+    eng.drafter = Drafter(DrafterConfig(dim=c.dim, n_head=c.n_head)).attach(eng.gpt).eval()
+    random_tpf = eng.generate(**kw).stats["tpf"]
+    eng.drafter = train_drafter(eng.gpt, tokens, cond, steps=80, batch_size=8, lr=3e-3, log=None, progress=False)
+    assert eng.generate(**kw).stats["tpf"] > random_tpf
+
+
+def test_bench_model_dir(emu3, tmp_path):
+    from vvs_engine.evaluation import bench
+
+    path, _, _ = emu3
+    assert bench.main(["--model-dir", path, "--settings", "ar;sjd", "--repeats", "1", "--out", str(tmp_path),
+                       "--no-plot", "--threads", "1", "--device", "cpu", "--tag", "fam"]) == 0
+    rep = json.loads((tmp_path / "e2e_fam.json").read_text())
+    rows = rep["blocks"][0]["rows"]
+    assert [r["method"] for r in rows] == ["ar", "sjd"] and rows[1]["tpf"] >= 1.0
+    assert rep["meta"]["model"].startswith("emu3")

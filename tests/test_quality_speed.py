@@ -1,0 +1,97 @@
+"""benchmarks/quality_speed.py: interval and parity arithmetic on synthetic data, and a tiny run
+(two settings, a random engine) that exercises generation, caching, metrics and the report."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import quality_speed as qs  # noqa: E402
+
+
+def test_estimate_and_paired_difference_by_hand():
+    idx = qs.bootstrap_indices(6, 400, seed=1)
+    assert idx.shape == (400, 6) and idx.min() >= 0 and idx.max() <= 5
+    ar_correct = np.array([1, 0, 1, 0, 1, 0], float)
+    same = qs.estimate(lambda i: ar_correct[i].mean(), idx)
+    m, boot = same
+    assert m["value"] == 0.5 and m["ci"][0] <= 0.5 <= m["ci"][1]
+    # the interval is the 2.5 / 97.5 percentiles of the per-draw means
+    want = np.percentile([ar_correct[i].mean() for i in idx], [2.5, 97.5])
+    assert np.allclose(m["ci"], want)
+    # a setting that is AR plus one correct image: difference 1/6 on every draw that keeps ...
+    better = np.array([1, 1, 1, 0, 1, 0], float)
+    d, _ = qs.estimate(lambda i: better[i].mean(), idx, ar=(m["value"], boot))
+    assert d["diff"] == pytest.approx(1 / 6)
+    per_draw = np.array([better[i].mean() - ar_correct[i].mean() for i in idx])  # = share of index 1 in the draw
+    assert np.allclose(d["diff_ci"], np.percentile(per_draw, [2.5, 97.5]))
+    assert d["diff_ci"][0] >= 0  # paired: the setting is never worse on the same draw
+    # identical to AR: zero difference with a zero-width interval
+    z, _ = qs.estimate(lambda i: ar_correct[i].mean(), idx, ar=(m["value"], boot))
+    assert z["diff"] == 0 and z["diff_ci"] == (0.0, 0.0)
+
+
+def _row(name, method, acc_diff_ci, fd_diff_ci, tpf):
+    return {"name": name, "method": method, "tpf": {"value": tpf, "ci": (tpf, tpf)},
+            "class_accuracy": {"value": 0.5, "ci": (0.46, 0.54), "diff": 0.0, "diff_ci": acc_diff_ci},
+            "fd_classifier": {"value": 10.0, "ci": (9.0, 11.0), "diff": 0.0, "diff_ci": fd_diff_ci}}
+
+
+def test_parity_and_fastest_at_parity():
+    ar = _row("AR", "ar", None, None, 1.0)
+    for k in ("class_accuracy", "fd_classifier"):
+        del ar[k]["diff"], ar[k]["diff_ci"]
+    rows = [ar,
+            _row("fast but worse", "x", (-0.10, -0.02), (-1.0, 1.0), 3.0),  # accuracy surely lower
+            _row("slow at parity", "x", (-0.05, 0.04), (-1.0, 1.0), 1.5),
+            _row("faster at parity", "x", (-0.04, 0.00), (0.0, 2.0), 2.0),  # both reach 0
+            _row("fd too high", "x", (-0.03, 0.03), (0.1, 2.0), 2.5),  # FD surely higher
+            _row("better", "x", (0.01, 0.05), (-2.0, -0.5), 1.2)]
+    assert qs.parity_verdicts(rows) == "faster at parity"
+    assert [r["parity"] for r in rows] == [True, False, True, True, False, True]
+    md = qs.to_markdown({"command": "python benchmarks/quality_speed.py --x", "n_images": 6, "labels": "l",
+                         "seed": 0, "sampling": {}, "checkpoints": "c", "torch": "t", "threads": 1, "device": "cpu",
+                         "bootstrap": 10, "inception_bootstrap": 5}, rows, "faster at parity")
+    lines = md.splitlines()
+    assert lines[2] == "Command: `python benchmarks/quality_speed.py --x`"
+    assert "**Fastest setting at parity: faster at parity**" in md
+    table = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| setting")]
+    assert len(table) == len(rows) and all(ln.count("|") == 12 for ln in table)
+    assert "0.500 [0.460, 0.540]" in table[0] and table[1].endswith("| no |")
+    assert "-0.100, -0.020" in table[1]
+
+
+def test_tiny_run_metrics_cache_and_report(tmp_path, monkeypatch):
+    from spec_models import tiny_engine
+
+    eng = tiny_engine(vocab=64, block=16, peak=4.0, dtype=__import__("torch").float32)
+    settings = [qs.SETTING_BY_NAME["AR"], qs.SETTING_BY_NAME["EAGLE-2"]]
+    labels = [0, 0, 1, 1, 2, 2]
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 3.0}
+    kw = dict(inception=False, reps=30, cache_dir=str(tmp_path / "tok"), ckpt_key="tiny", show=False)
+    rows, fastest = qs.evaluate(eng, settings, labels, 0, sampling, **kw)
+    ar, eagle = rows
+    assert ar["tpf"]["value"] == pytest.approx(1.0, abs=0.1) and eagle["tpf"]["value"] > ar["tpf"]["value"]
+    for r in rows:
+        for k in ("class_accuracy", "tpf"):
+            assert r[k]["ci"][0] <= r[k]["value"] <= r[k]["ci"][1]
+        # FD of a resample with repeated images is biased upwards: its interval need not hold the value
+        assert 0 <= r["fd_classifier"]["ci"][0] <= r["fd_classifier"]["ci"][1]
+        assert r["ops_per_token"] > 0
+    assert "diff" in eagle["class_accuracy"] and "diff" not in ar["class_accuracy"]
+    assert fastest in (None, "EAGLE-2") and (fastest == "EAGLE-2") == eagle["parity"]
+    # cached tokens: a second run generates nothing and reproduces every figure
+    monkeypatch.setattr(eng, "generate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("regenerated")))
+    rows2, _ = qs.evaluate(eng, settings, labels, 0, sampling, ops=False, **kw)
+    assert rows2[1]["class_accuracy"] == eagle["class_accuracy"] and rows2[1]["tpf"] == eagle["tpf"]
+    qs.plot(rows, str(tmp_path / "p.png"), fastest)
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_cli_rejects_unknown_settings(capsys):
+    assert qs.main(["--settings", "AR,NOPE", "--out", "/nonexistent/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown setting(s) NOPE") and len(err.strip().splitlines()) == 1

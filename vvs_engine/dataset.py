@@ -1,0 +1,543 @@
+"""Dataset-scale generation: many images, written as shards, in one process or on a Ray cluster.
+
+    from vvs_engine import dataset
+    dataset.generate("out/c2i", class_labels=dataset.parse_label_ranges("0-15"), per_condition=4, method="vvs")
+
+Shard k holds images [k*S, (k+1)*S) of the job (S = ``shard_size``), whoever generates it; image i's
+tokens depend only on (seed, i, its condition), so any number of workers gives the same files. The
+output folder holds ``manifest.json``, ``shard-NNNNN.npz`` (tokens, index, labels, prompt ids, per-image
+stats) and one PNG per image named by its global index. A shard is written to temporary files and
+renamed into place, so the folder only ever holds complete shards; a re-run skips them.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+import sys
+import time
+from collections import deque
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from .errors import VVSError, check
+from .stats import merge_stats, plain
+
+MANIFEST = "manifest.json"
+FORMAT = "vvs-engine dataset v1"
+SHARD_RE = re.compile(r"^shard-(\d{5,})\.npz$")
+DEFAULT_SHARD_SIZE = 64
+DEFAULT_BATCH_SIZE = 16
+DEFAULT_MAX_RETRIES = 2
+LOCAL_OBJECT_STORE_BYTES = 256 * 1024 ** 2  # the started local cluster only moves tokens and PNG bytes
+
+
+# --- conditions ---------------------------------------------------------------------------------
+def parse_label_ranges(text: str) -> List[int]:
+    """"0-3,7,9-10" -> [0, 1, 2, 3, 7, 9, 10] (ranges inclusive; range checks happen against the model)."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", part)
+        if m:
+            a, b = int(m.group(1)), int(m.group(2))
+            check(a <= b, f"empty class range {part!r}")
+            out += range(a, b + 1)
+        elif re.fullmatch(r"-?\d+", part):
+            out.append(int(part))
+        else:
+            raise VVSError(f"class labels must be integers or ranges like 0-999, got {part!r}")
+    return out
+
+
+def read_labels_file(path: str) -> List[int]:
+    """A text file of class labels: integers or ranges, separated by commas, spaces or new lines."""
+    text = _read_text(path, "labels")
+    parts = [p for p in re.split(r"[\s,]+", text) if p]
+    check(bool(parts), f"labels file {path} holds no labels")
+    return parse_label_ranges(",".join(parts))
+
+
+def read_prompt_file(path: str) -> tuple:
+    """-> (prompt ids, prompts). COCO captions JSON (a list of captions, or ``{"annotations": [{"id",
+    "caption"}]}``), a TSV with a ``Prompt`` column (PartiPrompts), or a text file of one prompt per line.
+    Ids are the COCO annotation ids where given, else the 0-based position in the file."""
+    text = _read_text(path, "prompts")
+    low = path.lower()
+    if low.endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise VVSError(f"prompts file {path} is not valid JSON: {e.msg} (line {e.lineno})") from None
+        if isinstance(data, dict) and isinstance(data.get("annotations"), list):
+            ann = data["annotations"]
+            check(all(isinstance(a, dict) and isinstance(a.get("caption"), str) for a in ann),
+                  f"prompts file {path}: every annotation needs a 'caption' string")
+            ids = [int(a["id"]) if isinstance(a.get("id"), int) else i for i, a in enumerate(ann)]
+            prompts = [a["caption"].strip() for a in ann]
+        elif isinstance(data, list) and all(isinstance(x, str) for x in data):
+            ids, prompts = list(range(len(data))), [x.strip() for x in data]
+        else:
+            raise VVSError(f"prompts file {path}: expected a JSON list of captions or COCO 'annotations'")
+    elif low.endswith(".tsv"):
+        rows = list(csv.reader(io.StringIO(text), delimiter="\t"))
+        check(bool(rows) and "Prompt" in rows[0], f"prompts file {path}: a TSV needs a 'Prompt' header column")
+        col = rows[0].index("Prompt")
+        body = [r for r in rows[1:] if len(r) > col]
+        ids, prompts = list(range(len(body))), [r[col].strip() for r in body]
+    else:
+        lines = [line.strip() for line in text.splitlines()]
+        ids = [i for i, line in enumerate(lines) if line]
+        prompts = [lines[i] for i in ids]
+    check(len(prompts) > 0 and all(prompts), f"prompts file {path} holds no prompts (or an empty one)")
+    return ids, prompts
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise VVSError(f"cannot read {what} file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise VVSError(f"{what} file {path} is not UTF-8 text") from None
+
+
+# --- workers ------------------------------------------------------------------------------------
+def load_engine(model: dict):
+    """The engine of one worker. ``model`` holds ``Engine.load`` arguments; device ``auto`` picks the
+    worker's GPU (Ray sets CUDA_VISIBLE_DEVICES) when there is one."""
+    import torch
+
+    from .engine import Engine
+
+    spec = dict(model)
+    if spec.get("device", "auto") == "auto":
+        spec["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    return Engine.load(**spec)
+
+
+class ShardWorker:
+    """One engine; generates whole shards. Used in-process, or as a Ray actor (one per GPU / CPU slot)."""
+
+    def __init__(self, model: dict, threads: Optional[int] = None, engine_factory: Optional[Callable] = None):
+        import torch
+
+        if threads:
+            torch.set_num_threads(int(threads))
+        self.engine = (engine_factory or load_engine)(model)
+
+    def device(self) -> str:
+        return str(self.engine.device)
+
+    def run_shard(self, indices: Sequence[int], labels, prompts, job: dict, on_batch=None) -> dict:
+        """-> tokens [n, T], the PNGs as bytes, the stats of each batch."""
+        tokens, pngs, stats = [], [], []
+        bs = job["batch_size"]
+        for b in range(0, len(indices), bs):
+            out = self.engine.generate(class_labels=None if labels is None else list(labels[b:b + bs]),
+                                       prompts=None if prompts is None else list(prompts[b:b + bs]),
+                                       method=job["method"], seed=job["seed"], image_indices=list(indices[b:b + bs]),
+                                       decode_images=job["decode_images"], progress=False, **job["sampling"],
+                                       **job["options"])
+            tokens.append(out.tokens.numpy().astype(np.int64))
+            for img in out.images:
+                buf = io.BytesIO()
+                img.save(buf, format="PNG")
+                pngs.append(buf.getvalue())
+            stats.append(out.stats)
+            if on_batch is not None:
+                on_batch(len(out.tokens))
+        return {"tokens": np.concatenate(tokens), "pngs": pngs, "stats": stats, "device": self.device()}
+
+
+# --- the output folder --------------------------------------------------------------------------
+def shard_path(out_dir: str, k: int) -> str:
+    return os.path.join(out_dir, f"shard-{k:05d}.npz")
+
+
+def png_name(i: int, n_images: int) -> str:
+    return f"{i:0{max(6, len(str(n_images - 1)))}d}.png"
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_checksums(model: dict) -> dict:
+    """sha256 of every checkpoint file the job loads (the Zoo files when no target is given)."""
+    files = {"gpt": model.get("gpt_ckpt"), "vq": model.get("vq_ckpt"), "drafter": model.get("drafter")}
+    if files["gpt"] is None:
+        from . import zoo
+
+        paths = zoo.default_paths()
+        files = {"gpt": paths["gpt"], "vq": files["vq"] or paths["vq"], "drafter": files["drafter"] or paths.get("drafter")}
+    out = {}
+    for kind, path in files.items():
+        if path:
+            check(os.path.isfile(path), f"checkpoint not found: {path}")
+            out[kind] = file_sha256(path)
+    return out
+
+
+def shard_complete(out_dir: str, k: int, indices: range) -> bool:
+    try:
+        with np.load(shard_path(out_dir, k), allow_pickle=False) as z:
+            return np.array_equal(z["index"], np.arange(indices.start, indices.stop))
+    except (OSError, ValueError, KeyError, EOFError):
+        return False
+
+
+def write_shard(out_dir: str, k: int, indices: range, labels, prompt_ids, prompts, result: dict, n_images: int):
+    """PNGs first, the shard file last, each via a temporary file and a rename: a shard file exists only
+    when its images do. On any interruption this shard's files are removed again."""
+    written, tmp = [], None
+    try:
+        for i, data in zip(indices, result["pngs"]):
+            path = os.path.join(out_dir, png_name(i, n_images))
+            tmp = path + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            written.append(path)
+        per_image = {}
+        for s in result["stats"]:
+            for key, vals in (s.get("per_image") or {}).items():
+                per_image.setdefault(key, []).extend(vals)
+        arrays = {"tokens": result["tokens"], "index": np.arange(indices.start, indices.stop, dtype=np.int64),
+                  "labels": np.asarray(labels if labels is not None else [-1] * len(indices), dtype=np.int64),
+                  "stats": np.asarray(json.dumps(plain(_merge([_without(s, "per_image") for s in result["stats"]])))),
+                  "device": np.asarray(result.get("device", ""))}
+        if prompts is not None:
+            arrays["prompt_ids"] = np.asarray(prompt_ids, dtype=np.int64)
+            arrays["prompts"] = np.asarray(prompts, dtype=np.str_)
+        for key, vals in per_image.items():
+            if len(vals) == len(indices):
+                arrays[key] = np.asarray(vals)
+        path = shard_path(out_dir, k)
+        tmp = os.path.join(out_dir, f".shard-{k:05d}.npz.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        for p in written + ([tmp] if tmp else []):
+            if os.path.exists(p):
+                os.remove(p)
+        raise
+
+
+def clean_tmp(out_dir: str) -> None:
+    """Remove temporary files (left by a run that was killed while writing)."""
+    for name in os.listdir(out_dir):
+        if name.endswith(".tmp"):
+            os.remove(os.path.join(out_dir, name))
+
+
+def _stray_pngs(out_dir: str, shard_size: int, done: set) -> List[str]:
+    return [n for n in os.listdir(out_dir) if re.fullmatch(r"\d+\.png", n) and int(n[:-4]) // shard_size not in done]
+
+
+def read_manifest(out_dir: str) -> Optional[dict]:
+    path = os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        raise VVSError(f"{path} is not a readable dataset manifest") from None
+    check(isinstance(m, dict) and m.get("format") == FORMAT, f"{path} is not a vvs-engine dataset manifest")
+    return m
+
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(plain(obj), f, indent=2)
+    os.replace(tmp, path)
+
+
+def is_dataset_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def read_dataset(path: str, require_complete: bool = True) -> dict:
+    """The complete shards of a dataset folder, concatenated in image order: tokens, index, labels,
+    prompt_ids (t2i), the PNG paths and the manifest."""
+    m = read_manifest(path)
+    check(m is not None, f"{path} has no {MANIFEST}")
+    n, size = m["n_images"], m["shard_size"]
+    parts = {}
+    for k in range((n + size - 1) // size):
+        p = shard_path(path, k)
+        if os.path.exists(p):
+            with np.load(p, allow_pickle=False) as z:
+                parts[k] = {key: z[key] for key in ("tokens", "index", "labels", "prompt_ids") if key in z.files}
+    missing = (n + size - 1) // size - len(parts)
+    check(not (require_complete and missing), f"{path}: {missing} shard(s) missing; re-run the same command to finish")
+    check(bool(parts), f"{path} holds no complete shard")
+    out = {key: np.concatenate([parts[k][key] for k in sorted(parts)]) for key in parts[min(parts)]}
+    out["pngs"] = [os.path.join(path, png_name(int(i), n)) for i in out["index"]]
+    out["manifest"] = m
+    return out
+
+
+# --- the job ------------------------------------------------------------------------------------
+def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
+             prompt_ids: Optional[Sequence[int]] = None, per_condition: int = 1, method: str = "ar",
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, cfg_scale: float = 4.0, seed: int = 0,
+             shard_size: int = DEFAULT_SHARD_SIZE, batch_size: int = DEFAULT_BATCH_SIZE, decode_images: bool = True,
+             model: Optional[dict] = None, ray: Optional[str] = None, workers: Optional[int] = None,
+             threads: Optional[int] = None, gpus_per_worker: Optional[float] = None,
+             max_retries: int = DEFAULT_MAX_RETRIES, progress: bool = True, command: Optional[List[str]] = None,
+             engine_factory: Optional[Callable] = None, **method_opts) -> dict:
+    """Generate ``per_condition`` images for each label (or prompt) into ``out_dir`` as shards; returns
+    the job's merged stats. ``model``: ``Engine.load`` arguments (default: the Zoo). ``ray``: None (this
+    process), ``"local"`` (start a local Ray cluster of ``workers`` workers), ``"auto"`` or an address
+    (connect; one worker per GPU, else per ``threads`` CPUs). Finished shards in ``out_dir`` are kept."""
+    from . import __version__
+    from .methods import resolve_options
+    from .sampling import SamplingParams
+
+    t_start = time.perf_counter()
+    check((class_labels is None) != (prompts is None), "give either class labels or prompts")
+    for name, v, lo in (("per-class", per_condition, 1), ("shard size", shard_size, 1), ("batch size", batch_size, 1),
+                        ("max retries", max_retries, 0)):
+        check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
+    check(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be an integer, got {seed!r}")
+    check(workers is None or (isinstance(workers, int) and workers >= 1), f"workers must be >= 1, got {workers!r}")
+    check(threads is None or (isinstance(threads, int) and threads >= 1), f"threads must be >= 1, got {threads!r}")
+    params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
+    options = resolve_options(method, method_opts)
+    model = dict(model or {})
+    model.setdefault("device", "auto")
+    model.setdefault("dtype", "fp32")
+    _check_conditions(model, class_labels, prompts)
+
+    conds = list(class_labels if class_labels is not None else prompts)
+    if prompts is not None:
+        prompt_ids = list(prompt_ids) if prompt_ids is not None else list(range(len(prompts)))
+        check(len(prompt_ids) == len(prompts), "one prompt id per prompt")
+    # Image i has condition conds[i // per_condition]: all images of a condition are neighbours.
+    n = len(conds) * per_condition
+    check(n > 0, "no class labels or prompts given")
+
+    def cond_of(rng):
+        c = [conds[i // per_condition] for i in rng]
+        ids = None if prompts is None else [prompt_ids[i // per_condition] for i in rng]
+        return (c, None, None) if prompts is None else (None, c, ids)
+
+    identity = {"engine_version": __version__, "method": method, "method_options": options,
+                "sampling": params.to_dict(), "seed": seed, "n_images": n, "shard_size": shard_size,
+                "per_condition": per_condition, "conditions_sha256": _sha256_json([conds, prompt_ids]),
+                "kind": "labels" if prompts is None else "prompts", "dtype": model["dtype"],
+                "decode_images": bool(decode_images), "model_checksums": model_checksums(model)}
+    os.makedirs(out_dir, exist_ok=True)
+    manifest = read_manifest(out_dir)
+    if manifest is not None:
+        diff = [k for k in identity if plain(manifest["identity"].get(k)) != plain(identity[k])]
+        check(not diff, f"{out_dir} holds a dataset made with different settings ({', '.join(diff)}); "
+                        f"use another folder or the same options")
+    else:
+        manifest = {"format": FORMAT, "identity": identity, "n_images": n, "shard_size": shard_size,
+                    "n_shards": (n + shard_size - 1) // shard_size, "model": model, "runs": []}
+    run_info = {"command": list(command) if command is not None else sys.argv, "started": time.time(),
+                "ray": ray, "batch_size": batch_size}
+    manifest["runs"].append(run_info)
+    manifest["command"] = manifest["runs"][0]["command"]
+    write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+
+    n_shards = manifest["n_shards"]
+    shards = {k: range(k * shard_size, min((k + 1) * shard_size, n)) for k in range(n_shards)}
+    done = {k for k, rng in shards.items() if shard_complete(out_dir, k, rng)}
+    clean_tmp(out_dir)
+    for name in _stray_pngs(out_dir, shard_size, done):
+        os.remove(os.path.join(out_dir, name))
+    todo = [k for k in range(n_shards) if k not in done]
+    job = {"method": method, "seed": seed, "sampling": params.to_dict(), "options": {k: v for k, v in method_opts.items()
+           if v is not None}, "batch_size": batch_size, "decode_images": bool(decode_images)}
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=n, initial=sum(len(shards[k]) for k in done), unit="img", desc="generate-dataset",
+               disable=not progress, dynamic_ncols=True)
+    timing = {"shard_wall_s": [], "shard_decode_s": []}
+    try:
+        def commit(k, result):
+            c, p, ids = cond_of(shards[k])
+            write_shard(out_dir, k, shards[k], c, ids, p, result, n)
+
+        if ray is None:
+            _run_local(model, threads, engine_factory, shards, todo, cond_of, job, commit, bar, timing)
+        else:
+            _run_ray(ray, workers, threads, gpus_per_worker, model, engine_factory, shards, todo, cond_of, job,
+                     commit, bar, timing, max_retries)
+    finally:
+        bar.close()
+        clean_tmp(out_dir)
+
+    wall = time.perf_counter() - t_start
+    summary = merged_dataset_stats(out_dir, n_shards)
+    made = sum(len(shards[k]) for k in todo)
+    summary.update(images_this_run=made, shards_this_run=len(todo), shards_skipped=len(done),
+                   job_wall_s=wall, images_per_s=made / wall if wall else None, startup_s=timing.get("startup_s"),
+                   workers=timing.get("workers"), retries=timing.get("retries", 0),
+                   mean_shard_s=float(np.mean(timing["shard_wall_s"])) if todo else None,
+                   # per shard, time outside the decode loop: VQ decoding, PNG encoding, hand-off, writing
+                   mean_shard_outside_decode_s=float(np.mean(np.subtract(timing["shard_wall_s"],
+                                                                         timing["shard_decode_s"]))) if todo else None)
+    run_info.update(finished=time.time(), images=made, wall_s=wall)
+    manifest["stats"] = summary
+    write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+    return summary
+
+
+def merged_dataset_stats(out_dir: str, n_shards: int) -> dict:
+    """The engine stats of every complete shard, merged (TPF, forward passes, method counters)."""
+    stats = []
+    for k in range(n_shards):
+        p = shard_path(out_dir, k)
+        if os.path.exists(p):
+            with np.load(p, allow_pickle=False) as z:
+                stats.append(json.loads(str(z["stats"])))
+    out = _merge(stats)
+    out.pop("per_image", None)
+    return out
+
+
+def _run_local(model, threads, engine_factory, shards, todo, cond_of, job, commit, bar, timing):
+    t0 = time.perf_counter()
+    worker = ShardWorker(model, threads, engine_factory)
+    timing.update(startup_s=time.perf_counter() - t0, workers=1)
+    for k in todo:
+        t = time.perf_counter()
+        labels, prompts, _ = cond_of(shards[k])
+        result = worker.run_shard(list(shards[k]), labels, prompts, job, on_batch=bar.update)
+        commit(k, result)
+        _record_shard(timing, t, result)
+
+
+def _run_ray(address, workers, threads, gpus_per_worker, model, engine_factory, shards, todo, cond_of, job, commit,
+             bar, timing, max_retries):
+    try:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+    except ImportError:
+        raise VVSError("--ray needs Ray: pip install 'vvs-engine[ray]' (from a checkout: pip install -e \".[ray]\")") \
+            from None
+    t0 = time.perf_counter()
+    threads = threads or 1
+    started_here = False
+    if not ray.is_initialized():
+        if address in (None, "local"):
+            ray.init(num_cpus=(workers or os.cpu_count() or 1) * threads, include_dashboard=False,
+                     object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        started_here = True
+    actors, running = [], {}
+    try:
+        res = ray.cluster_resources()
+        gpus = gpus_per_worker if gpus_per_worker is not None else (1 if res.get("GPU", 0) >= 1 else 0)
+        if workers is None:
+            workers = int(res.get("GPU", 0) // gpus) if gpus else max(1, int(res.get("CPU", 1) // threads))
+        workers = max(1, min(workers, len(todo))) if todo else 0
+        remote_cls = ray.remote(ShardWorker).options(num_cpus=threads, num_gpus=gpus, max_restarts=0)
+
+        def new_actor():
+            return remote_cls.remote(model, threads, engine_factory)
+
+        actors = [new_actor() for _ in range(workers)]
+        if actors:
+            ray.get([a.device.remote() for a in actors])  # engines loaded: start-up ends here
+        timing.update(startup_s=time.perf_counter() - t0, workers=workers, retries=0)
+        pending, idle, tries = deque(todo), list(actors), {k: 0 for k in todo}
+        while pending or running:
+            while idle and pending:
+                a, k = idle.pop(), pending.popleft()
+                labels, prompts, _ = cond_of(shards[k])
+                running[a.run_shard.remote(list(shards[k]), labels, prompts, job)] = (a, k, time.perf_counter())
+            (ref,), _ = ray.wait(list(running), num_returns=1)
+            a, k, t = running.pop(ref)
+            try:
+                result = ray.get(ref)
+            except (RayActorError, RayTaskError) as e:
+                cause = getattr(e, "cause", None)
+                if isinstance(e, RayTaskError) and isinstance(cause, VVSError):
+                    raise VVSError(str(cause)) from None
+                tries[k] += 1
+                timing["retries"] += 1
+                if tries[k] > max_retries:
+                    raise VVSError(f"shard {k} failed {tries[k]} times; last error: {_first_line(e)}") from None
+                pending.appendleft(k)
+                if isinstance(e, RayActorError):  # the worker died: replace it
+                    ray.kill(a)
+                    actors.remove(a)
+                    a = new_actor()
+                    actors.append(a)
+                idle.append(a)
+                continue
+            commit(k, result)
+            _record_shard(timing, t, result)
+            bar.update(len(shards[k]))
+            idle.append(a)
+    finally:
+        for a in actors:  # killing a worker also ends its running shard
+            ray.kill(a)
+        if started_here:
+            ray.shutdown()
+
+
+def _record_shard(timing: dict, t_start: float, result: dict) -> None:
+    """Shard wall time (hand-out to files written) and the engine's decode-loop time within it."""
+    timing["shard_wall_s"].append(time.perf_counter() - t_start)
+    timing["shard_decode_s"].append(sum(s.get("wall_time_s", 0.0) for s in result["stats"]))
+
+
+def _check_conditions(model: dict, labels, prompts) -> None:
+    """Fail before any worker starts when the conditions cannot fit the model (read from its config)."""
+    from .checkpoint import read_config
+
+    path = model.get("gpt_ckpt")
+    if path is None:
+        from . import zoo
+
+        path = zoo.default_paths()["gpt"]
+    check(os.path.isfile(path), f"checkpoint not found: {path}")
+    meta = read_config(path)
+    cfg = (meta or {}).get("config") or {}
+    kind = cfg.get("model_type")
+    if prompts is not None and kind == "c2i":
+        raise VVSError("this model is class-conditional: pass class labels, not a prompts file")
+    if labels is not None and kind == "t2i":
+        raise VVSError("this model is text-conditional: pass a prompts file, not class labels")
+    if labels is not None and "num_classes" in cfg:
+        bad = [x for x in labels if not 0 <= x < cfg["num_classes"]]
+        check(not bad, f"class label {bad[0] if bad else ''} out of range [0, {cfg['num_classes']})")
+
+
+def _merge(stats: List[dict]) -> dict:
+    return merge_stats(stats)
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+def _sha256_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(e).__name__

@@ -1,0 +1,242 @@
+"""Lumina-mGPT (``ChameleonForConditionalGeneration`` weights) as a target.
+
+Chameleon is a Llama with a per-head q/k LayerNorm (:mod:`.hf_decoder`); image codes are ordinary
+entries of its vocabulary (the ``IMGIMG…`` names of ``vocabulary_map``). Lumina-mGPT's image layout:
+
+    prompt … <racm3:break> <h-grid> <w-grid> | row 0 codes, EOL | row 1 codes, EOL | … | EOI
+
+The condition ends with the image-start token and the two resolution tokens (forced: they are part of
+the condition, never sampled). The decoding methods see the image part as ``h * (w + 1)`` tokens over a
+vocabulary of the ``n`` codes (in VQ-index order) plus the end-of-line token at index ``n``; the
+layout forces EOL after each row and forbids it elsewhere (``layout_forbidden``, applied by
+:class:`~vvs_engine.runtime.target.TargetSession`). The unconditional CFG row is the image-start and
+resolution tokens alone, as Lumina-mGPT's guidance processor feeds them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import List, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import VVSError
+from .hf_decoder import Decoder, DecoderConfig, rope_table_1d
+
+LUMINA_PROMPT_TEMPLATE = "Generate an image of {width}x{height} according to the following prompt:\n{prompt}"
+LUMINA_BOI, LUMINA_EOI, LUMINA_EOL, LUMINA_RESOLUTION_BASE = 8197, 8196, 8803, 8804
+ROPE_MARGIN = 64
+
+
+@dataclass
+class ChameleonFamilyConfig:
+    family: str
+    dim: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    vocab_size: int  # image codes + the end-of-line token (the methods' vocabulary)
+    cls_token_num: int
+    block_size: int  # grid_h * (grid_w + 1): codes and one EOL per row
+    text_vocab_size: int
+    grid_h: int
+    grid_w: int
+    patch_px: int
+    bos_token_id: int
+    pad_token_id: int
+    boi_token_id: int = LUMINA_BOI
+    eol_token_id: int = LUMINA_EOL
+    resolution_base: int = LUMINA_RESOLUTION_BASE
+    model_type: str = "t2i"
+    num_classes: int = 0
+    prompt_template: str = LUMINA_PROMPT_TEMPLATE
+    image_wrapper_token_id: int = -1  # Emu3: "<|image token|>" after the size text
+    negative_prompt: str = ""  # Emu3: the unconditional row's prompt
+
+    @property
+    def n_codes(self) -> int:
+        return self.vocab_size - 1
+
+    @property
+    def grid_size(self) -> int:
+        return int(round(math.sqrt(self.grid_h * self.grid_w)))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ChameleonTarget(nn.Module):
+    def __init__(self, cfg: ChameleonFamilyConfig, dcfg: DecoderConfig, code_ids: torch.Tensor):
+        super().__init__()
+        self.config, self.decoder_config = cfg, dcfg
+        self.embed_tokens_text = nn.Embedding(cfg.text_vocab_size, cfg.dim)
+        self.decoder = Decoder(dcfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.text_vocab_size, bias=False)
+        # Vocabulary ids of the methods' tokens: codes in VQ-index order, then EOL.
+        self.register_buffer("vocab_ids", torch.cat([code_ids.long(), torch.tensor([cfg.eol_token_id])]),
+                             persistent=False)
+        self.tokenizer = None
+        n_pos = cfg.cls_token_num + cfg.block_size + ROPE_MARGIN
+        self.rope = rope_table_1d(n_pos, dcfg.head_dim, dcfg.rope_base)
+        self.layout_forbidden = layout_forbidden(cfg, n_pos)
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        dev = fn(torch.zeros(0)).device
+        self.rope, self.layout_forbidden = self.rope.to(dev), self.layout_forbidden.to(dev)
+        return out
+
+    # --- the target interface -----------------------------------------------------------------
+    def embed_condition(self, cond: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens_text(cond)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Method tokens (code index or the EOL index) -> their vocabulary embeddings."""
+        return self.embed_tokens_text(self.vocab_ids[tokens])
+
+    def forward_hidden(self, x, positions, kv=None, slots=None, mask=None) -> torch.Tensor:
+        return self.decoder(x, self.rope[positions], kv, slots, mask)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Features -> logits over the codes and EOL only (rows of the text head, fp32)."""
+        w = self.lm_head.weight.index_select(0, self.vocab_ids)
+        return F.linear(h, w).float()
+
+    # --- prompts and layout -------------------------------------------------------------------
+    def image_prefix(self) -> List[int]:
+        c = self.config
+        return [c.boi_token_id, c.resolution_base + c.grid_h, c.resolution_base + c.grid_w]
+
+    def prompt_ids(self, prompt: str) -> List[int]:
+        """BOS + Lumina-mGPT's instruction with the prompt + image start + resolution tokens."""
+        if self.tokenizer is None:
+            raise VVSError("this Chameleon folder has no tokenizer.json: text prompts cannot be encoded")
+        c = self.config
+        text = c.prompt_template.format(width=c.grid_w * c.patch_px, height=c.grid_h * c.patch_px, prompt=prompt)
+        return [c.bos_token_id] + self.tokenizer.encode(text, add_special_tokens=False).ids + self.image_prefix()
+
+    def uncond_ids(self) -> List[int]:
+        """Lumina-mGPT's unconditional row: the image-start and resolution tokens alone."""
+        return self.image_prefix()
+
+    def condition_rows(self, prompts: Sequence[str], use_cfg: bool, device):
+        c, cfg = self.config.cls_token_num, self.config
+        rows = [self.prompt_ids(str(p)) for p in prompts]
+        if use_cfg:
+            rows += [self.uncond_ids()] * len(prompts)
+        ids = torch.full((len(rows), c), cfg.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), c, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            if len(row) > c:
+                raise VVSError(f"prompt {i} is {len(row)} tokens with its template; the limit is {c} "
+                               f"(raise max_prompt_tokens)")
+            ids[i, c - len(row):] = torch.tensor(row)
+            mask[i, c - len(row):] = True
+        return ids.to(device), mask.to(device)
+
+    def codes_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[n, h*(w+1)] method tokens -> [n, h*w] VQ codes (the EOL column of each row dropped)."""
+        c = self.config
+        return tokens.view(tokens.shape[0], c.grid_h, c.grid_w + 1)[:, :, : c.grid_w].reshape(tokens.shape[0], -1)
+
+
+def layout_forbidden(cfg: ChameleonFamilyConfig, n_positions: int) -> torch.Tensor:
+    """[n_positions, V] bool: at sequence position p (predicting image token t = p + 1 - c), EOL is
+    the only token allowed when t closes a row, and forbidden otherwise."""
+    t = torch.arange(n_positions) + 1 - cfg.cls_token_num
+    row_end = (t >= 0) & (t % (cfg.grid_w + 1) == cfg.grid_w)
+    forbid = torch.zeros(n_positions, cfg.vocab_size, dtype=torch.bool)
+    forbid[:, -1] = ~row_end
+    forbid[row_end, :-1] = True
+    return forbid
+
+
+def code_ids_from_vocabulary_map(vocab_map: dict, what: str) -> torch.Tensor:
+    """Chameleon's ``IMGIMG<letters>Z`` vocabulary names -> ids ordered by VQ code (A..J = digits)."""
+    digits = {chr(ord("A") + i): str(i) for i in range(10)}
+    by_code = {}
+    for name, idx in vocab_map.items():
+        if name.startswith("IMGIMG"):
+            try:
+                by_code[int("".join(digits[ch] for ch in name[len("IMGIMG"):-1]))] = int(idx)
+            except (KeyError, ValueError):
+                raise VVSError(f"{what}: malformed image token name '{name}' in vocabulary_map") from None
+    if not by_code or sorted(by_code) != list(range(len(by_code))):
+        raise VVSError(f"{what}: vocabulary_map does not name image codes 0..n-1")
+    return torch.tensor([by_code[i] for i in range(len(by_code))])
+
+
+def state_dict_from_hf(sd: dict, lm: str = "model.", head: str = "lm_head.") -> dict:
+    """transformers' names -> ours; ``lm``/``head``: the language model's and text head's prefixes
+    (Emu3 folders: ``text_model.model.`` and ``text_model.lm_head.``)."""
+    out = {}
+    for k, v in sd.items():
+        if k.startswith(lm + "embed_tokens."):
+            out["embed_tokens_text." + k[len(lm + "embed_tokens."):]] = v
+        elif k.startswith((lm + "layers.", lm + "norm.")):
+            out["decoder." + k[len(lm):]] = v
+        elif k.startswith(head):
+            out["lm_head." + k[len(head):]] = v
+    return out
+
+
+class Emu3Target(ChameleonTarget):
+    """Emu3: a Llama (no q/k norm) with visual tokens in its text vocabulary. Condition:
+    ``BOS prompt <|image start|> {h}*{w} <|image token|>`` (sizes in tokens, as transformers' Emu3
+    processor writes them); rows of w visual tokens each closed by ``<|extra_200|>`` (EOL, forced);
+    the unconditional row is the negative prompt with the same image prefix."""
+
+    def image_prefix(self) -> List[int]:
+        c = self.config
+        if self.tokenizer is None:
+            raise VVSError("this Emu3 folder has no tokenizer.json: the image prefix cannot be encoded")
+        size = self.tokenizer.encode(f"{c.grid_h}*{c.grid_w}", add_special_tokens=False).ids
+        return [c.boi_token_id] + size + [c.image_wrapper_token_id]
+
+    def prompt_ids(self, prompt: str) -> List[int]:
+        c = self.config
+        if self.tokenizer is None:
+            raise VVSError("this Emu3 folder has no tokenizer.json: text prompts cannot be encoded")
+        return [c.bos_token_id] + self.tokenizer.encode(prompt, add_special_tokens=False).ids + self.image_prefix()
+
+    def uncond_ids(self) -> List[int]:
+        return self.prompt_ids(self.config.negative_prompt)
+
+
+def emu3_code_ids(vocab_map: dict, what: str) -> torch.Tensor:
+    """``<|visual token NNNNNN|>`` vocabulary names -> ids ordered by VQ code."""
+    by_code = {}
+    for name, idx in vocab_map.items():
+        if name.startswith("<|visual token"):
+            try:
+                by_code[int(name[-8:-2])] = int(idx)
+            except ValueError:
+                raise VVSError(f"{what}: malformed visual token name '{name}' in vocabulary_map") from None
+    if not by_code or sorted(by_code) != list(range(len(by_code))):
+        raise VVSError(f"{what}: vocabulary_map does not name visual tokens 0..n-1")
+    return torch.tensor([by_code[i] for i in range(len(by_code))])
+
+
+class ChameleonCodebook(nn.Module):
+    """The tokenizer interface without pixels (Chameleon folders carry no VQ decoder; Emu3's MoVQ
+    decoder is not implemented here), so tokens are the output (``can_decode`` is False). Codebook
+    vectors (LANTERN/GSD neighbourhoods) are the VQ embeddings; EOL sits far from every code."""
+
+    can_decode = False
+
+    def __init__(self, n_codes: int, dim: int, grid: int):
+        super().__init__()
+        self.quantize = nn.Module()
+        self.quantize.embedding = nn.Embedding(n_codes, dim)
+        self.config = type("CodebookConfig", (), {"codebook_size": n_codes + 1, "grid": grid})()
+
+    def codebook_vectors(self) -> torch.Tensor:
+        w = self.quantize.embedding.weight.detach()
+        far = torch.full((1, w.shape[1]), 1e4, dtype=w.dtype, device=w.device)
+        return torch.cat([w, far])
+
+    def decode(self, codes, grid=None):
+        raise VVSError("no VQ decoder for this family: only tokens are produced (use --no-images)")
