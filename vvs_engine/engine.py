@@ -253,7 +253,8 @@ class Engine:
         stats["cuda_graphs"] = self.cuda_graphs
         from .kernels.flash import describe
 
-        stats["attention_backend"] = describe(self.device, self.dtype, self.gpt.config.head_dim, key_mask is not None)
+        # prompts are the conditions that carry a caption key mask
+        stats["attention_backend"] = describe(self.device, self.dtype, self.gpt.config.head_dim, prompts is not None)
         images = []
         if decode_images and self.vq is not None and getattr(self.vq, "can_decode", True):
             from .runtime.profiling import nvtx_range
