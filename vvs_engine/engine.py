@@ -198,7 +198,8 @@ class Engine:
                  method: str = "ar", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
                  cuda_graphs: Optional[bool] = None, clean_captions: bool = True,
-                 image_indices: Optional[Sequence[int]] = None, **method_opts) -> GenerationOutput:
+                 image_indices: Optional[Sequence[int]] = None, batch_size: int = 16,
+                 **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt). Returns tokens, PIL images (when a tokenizer is
         loaded) and stats. ``method_opts`` are the method's options (see ``vvs_engine.methods``).
         ``clean_captions``: clean prompts as LlamaGen does before T5 (``models.t5.clean_caption``).
@@ -229,9 +230,13 @@ class Engine:
         self.cuda_graphs = graphs_default(self.device) if cuda_graphs is None else bool(cuda_graphs)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg, clean_captions)
-            res = run(self, cond, key_mask, n, params, gen, opts, progress)
-            tokens = res.tokens.cpu()
+            if getattr(run, "batched", False):  # runners taking a DecodeBatch
+                res = self._run_batched(run, labels, prompts, n, params, opts, seed, batch_size, progress,
+                                        clean_captions)
+            else:
+                cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg, clean_captions)
+                res = run(self, cond, key_mask, n, params, gen, opts, progress)
+            tokens = res.tokens.cpu()  # the one host sync of the whole generation
         from .kernels.bounds import raise_if_set
 
         raise_if_set(self.device, f"{method} generation")  # bad indices met by a compiled kernel
@@ -248,7 +253,8 @@ class Engine:
         stats["cuda_graphs"] = self.cuda_graphs
         from .kernels.flash import describe
 
-        stats["attention_backend"] = describe(self.device, self.dtype, self.gpt.config.head_dim, key_mask is not None)
+        # prompts are the conditions that carry a caption key mask
+        stats["attention_backend"] = describe(self.device, self.dtype, self.gpt.config.head_dim, prompts is not None)
         images = []
         if decode_images and self.vq is not None and getattr(self.vq, "can_decode", True):
             from .runtime.profiling import nvtx_range
@@ -256,6 +262,36 @@ class Engine:
             with nvtx_range("vq_decode"):
                 images = self.decode_images(tokens)
         return GenerationOutput(tokens, labels, list(prompts) if prompts is not None else None, images, stats)
+
+    def _run_batched(self, run, labels, prompts, n, params, opts, seed, batch_size, show_progress,
+                     clean_captions=True):
+        """Batches of ``batch_size`` images; the last is padded to the next power of two (padding
+        repeats its last image and is dropped). Random draws are keyed by the global image index."""
+        from .methods.common import DecodeBatch, MethodResult, progress
+        from .rng import CounterRNG
+
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise VVSError(f"batch-size must be an integer >= 1, got {batch_size!r}")
+        tokens, stats, passes = [], [], []
+        for start in progress(range(0, n, batch_size), show_progress, "batches"):
+            index = list(range(start, min(start + batch_size, n)))
+            n_real = len(index)
+            index += index[-1:] * (min(batch_size, 1 << (n_real - 1).bit_length()) - n_real)
+            cond, key_mask = self.condition_rows([labels[i] for i in index] if labels is not None else None,
+                                                 [prompts[i] for i in index] if prompts is not None else None,
+                                                 params.use_cfg, clean_captions)
+            rng = CounterRNG(seed, torch.tensor(index, dtype=torch.long, device=self.device))
+            res = run(self, DecodeBatch(cond, key_mask, rng, n_real), params, opts)
+            tokens.append(res.tokens[:n_real])
+            stats.append(res.stats)
+            passes.append(res.image_passes[:n_real])
+        merge = getattr(run, "merge_stats", None)
+        merged = merge(stats) if merge is not None else dict(
+            stats[0], target_forward_passes=sum(st["target_forward_passes"] for st in stats))
+        tpf = (self.tokens_per_image / torch.cat(passes).double().clamp(min=1)).cpu()
+        merged["batch_size"] = batch_size
+        merged["tpf_per_image"] = {"min": float(tpf.min()), "median": float(tpf.median()), "max": float(tpf.max())}
+        return MethodResult(torch.cat(tokens), merged, torch.cat(passes))
 
     def session(self, cond, key_mask, n, params, extra_slots=0) -> TargetSession:
         return TargetSession(self.gpt, cond, n, params.use_cfg, key_mask, extra_slots)
