@@ -199,6 +199,7 @@ class FlatTree:
     max_depth: int
     q: Optional[torch.Tensor] = None  # [B*N, V]
     sampled: bool = False
+    draft_logits: Optional[torch.Tensor] = None  # [B*N, V] drafter logits per node (static trees)
 
 
 def flatten_trees(tree) -> FlatTree:
@@ -209,12 +210,14 @@ def flatten_trees(tree) -> FlatTree:
     offset = torch.arange(B, device=dev)[:, None] * N  # [B, 1]
     shift = lambda ids: torch.where(ids >= 0, ids + offset.view(B, *([1] * (ids.dim() - 1))), ids)
     q = getattr(tree, "q", None)
+    draft_logits = getattr(tree, "draft_logits", None)
     parents, depth = getattr(tree, "parents", None), getattr(tree, "depth", None)
     return FlatTree(
         tokens=tree.tokens.reshape(-1), parents=None if parents is None else shift(parents).reshape(-1),
         depth=None if depth is None else depth.reshape(-1), children=shift(tree.children).reshape(B * N, -1),
         image=torch.arange(B, device=dev).repeat_interleave(N), max_depth=_max_depth(tree),
-        q=None if q is None else q.reshape(B * N, -1), sampled=bool(getattr(tree, "sampled", False)))
+        q=None if q is None else q.reshape(B * N, -1), sampled=bool(getattr(tree, "sampled", False)),
+        draft_logits=None if draft_logits is None else draft_logits.reshape(B * N, -1))
 
 
 def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: torch.Tensor, u_sample: torch.Tensor,

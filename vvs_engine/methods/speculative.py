@@ -299,7 +299,8 @@ def _verify_one(tree, p, rule, gen, greedy, logits, hidden, engine):
     """The batched verify_tree on this single-image loop's tree (B = 1 views; uniforms from ``gen``)."""
     batched = dataclasses.replace(tree, tokens=tree.tokens[None], parents=tree.parents[None],
                                   depth=tree.depth[None], paths=tree.paths[None], children=tree.children[None],
-                                  q=None if tree.q is None else tree.q[None])
+                                  q=None if tree.q is None else tree.q[None],
+                                  draft_logits=None if tree.draft_logits is None else tree.draft_logits[None])
     u_accept = 1.0 - torch.rand(1, tree.n, device=p.device, generator=gen)  # (0, 1]
     u_sample = 1.0 - torch.rand(1, device=p.device, generator=gen)
     res = verify_tree(batched, p[None], rule, u_accept, u_sample, greedy, logits=logits[None], hidden=hidden,
