@@ -214,6 +214,7 @@ class JacobiDecoder:
         mask = visible[:, None, :] | self.window_block  # [rows, L, S]
         h = s.model.forward_hidden(s.model.embed_tokens(self.rows(st.window)), positions, s.kv,
                                    self.scratch_slots, mask[:, None])
+        s.last_positions = positions  # the family's layout rules for these logits (TargetSession.logits)
         p = self.processed(h)  # [B, L, V]
         self.keep_window_kv(prefix[:, None] + lanes)
 

@@ -88,6 +88,8 @@ class TargetSession:
         lg = self.model.logits(h)
         if self.layout_forbidden is None:
             return lg
-        pos = self.last_positions if h.dim() == 3 else self.last_positions[-1:]
-        forbid = self.layout_forbidden[pos]  # [Q, V]
-        return lg.masked_fill(forbid if h.dim() == 3 else forbid[0], -1e9)
+        pos = self.last_positions if h.dim() == 3 else self.last_positions[..., -1:]
+        forbid = self.layout_forbidden[pos]  # [Q, V], or [B, Q, V] for per-row positions
+        if forbid.dim() == 3 and forbid.shape[0] != lg.shape[0]:  # CFG: the unconditional rows repeat them
+            forbid = forbid.repeat(lg.shape[0] // forbid.shape[0], 1, 1)
+        return lg.masked_fill(forbid if h.dim() == 3 else forbid[..., 0, :], -1e9)
