@@ -52,6 +52,11 @@ def short_form(cmd: str) -> list:
         argv += ["--threads", "1"]
     if argv[0] == "eval" and "--no-inception" not in argv:
         argv.append("--no-inception")
+    if argv[0] == "generate-dataset":  # the documented job, cut to two images
+        for flag, value in (("--class-labels", "0-1"), ("--per-class", "1")):
+            if flag in argv:
+                argv[argv.index(flag) + 1] = value
+        argv += [] if "--threads" in argv else ["--threads", "1"]
     return argv
 
 
@@ -78,7 +83,11 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys):
     assert "generate" in kinds and "eval" in kinds and "zoo" in kinds
     # the Quick start's generate runs before the eval that reads its folder
     assert kinds.index("generate") < kinds.index("eval")
+    # Commands on official checkpoints or HF folders (not shipped) and Ray clusters (tests/test_dataset_ray.py)
+    # are documentation of other setups; everything on the shipped model runs here.
     for cmd in cmds:
+        if any(flag in cmd for flag in ("--gpt-ckpt", "--model-dir", "--ray")):
+            continue
         assert main(short_form(cmd)) == 0, cmd
     m = json.load(open(tmp_path / "metrics.json"))
     assert m["n_images"] == 3 and 0.0 <= m["class_accuracy"] <= 1.0

@@ -27,7 +27,7 @@ def read_generate_dir(path: str) -> tuple:
     if is_dataset_dir(path):  # a generate-dataset folder: its complete shards, PNGs named by global index
         ds = read_dataset(path)
         tokens, labels = ds["tokens"], ds["labels"]
-        pngs = ds["pngs"] if all(os.path.exists(p) for p in ds["pngs"]) else []
+        pngs = [os.path.basename(p) for p in ds["pngs"]] if all(os.path.exists(p) for p in ds["pngs"]) else []
     else:
         npz = os.path.join(path, "tokens.npz")
         if os.path.exists(npz):
