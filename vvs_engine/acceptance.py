@@ -119,17 +119,48 @@ def lantern_mass_reference(p, tokens, neighbors, delta: float, ratio: bool):
 # --- tree verification ----------------------------------------------------------------------------
 @dataclass
 class VerifyResult:
-    path: torch.Tensor  # [max_depth + 1] accepted node ids from the root, -1 padded
-    n_accepted: torch.Tensor  # [1] accepted drafted tokens (root excluded)
-    last: torch.Tensor  # [1] last node on the path
-    next_token: torch.Tensor  # [1] bonus / resampled token
+    path: torch.Tensor  # [B, max_depth + 1] accepted node ids from the root, -1 padded
+    n_accepted: torch.Tensor  # [B] accepted drafted tokens (root excluded)
+    last: torch.Tensor  # [B] last node on the path
+    next_token: torch.Tensor  # [B] bonus / resampled token
 
 
-def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generator, greedy: bool,
-                logits=None, hidden=None, engine=None) -> VerifyResult:
-    """p [N, V]: processed target distribution after each node. Returns the accepted path and the
-    next token (no host sync)."""
-    from .sampling import sample
+def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: torch.Tensor, u_sample: torch.Tensor,
+                greedy: bool, logits=None, hidden=None, engine=None) -> VerifyResult:
+    """B trees at once: p [B, N, V] processed target distributions after each node; u_accept [B, N]
+    (the uniform testing node j against its parent), u_sample [B] (inverse-CDF uniform of the next
+    token). Returns the accepted paths and next tokens (no host sync). Sequence by sequence here (a
+    loop over B of the vectorised single-tree walk); the fused batched kernel replaces it."""
+    B = p.shape[0]
+    rows = hidden.shape[0] if hidden is not None else 0
+    out = []
+    for b in range(B):
+        one = _tree_of(tree, b)
+        h = None
+        if hidden is not None:
+            h = hidden[[b, b + B]] if rows == 2 * B else hidden[b:b + 1]
+        out.append(_verify_one(one, p[b], rule, u_accept[b], u_sample[b:b + 1], greedy,
+                               logits[b] if logits is not None else None, h, engine))
+    return VerifyResult(*(torch.stack([getattr(r, f) for r in out]) for f in ("path", "n_accepted", "last",
+                                                                               "next_token")))
+
+
+def _tree_of(tree, b):
+    """Sequence b's tree with unbatched fields (the single-tree layout the rules read)."""
+    from .tree import DraftTree
+
+    feats = None
+    if tree.draft_feats is not None:
+        rows = tree.draft_feats.shape[0]
+        feats = tree.draft_feats[[b, b + tree.batch]] if rows == 2 * tree.batch else tree.draft_feats[b:b + 1]
+    pick = lambda t: None if t is None else t[b]
+    return DraftTree(pick(tree.tokens), pick(tree.parents), pick(tree.mask), pick(tree.depth), pick(tree.paths),
+                     pick(tree.is_leaf), pick(tree.children), pick(tree.q), pick(tree.draft_logp), feats, tree.sampled)
+
+
+def _verify_one(tree, p, rule, u_accept, u_sample, greedy, logits, hidden, engine):
+    """One tree with unbatched fields (tokens [N], children [N, C], ...): the sibling-rank walk."""
+    from .rng import sample_inverse_cdf
 
     N, V = p.shape
     dev = p.device
@@ -140,7 +171,6 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generato
         q = tree.q.clone()
     accepted_child = torch.full((N,), -1, dtype=torch.long, device=dev)
     parents = torch.arange(N, device=dev)
-    u_all = torch.rand(C, N, device=dev, generator=gen)
     for rank in range(C):
         child = tree.children[:, rank]
         valid = (child >= 0) & (accepted_child < 0)
@@ -152,7 +182,7 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generato
         else:
             qn, qx = None, torch.ones(N, device=dev)
         ctx = VerifyContext(tree, parents, cc, valid, p, logits, hidden, engine)
-        ok, moved = rule.accept(r, x, qx, u_all[rank], ctx)
+        ok, moved = rule.accept(r, x, qx, u_accept[cc], ctx)
         if greedy:
             ok = _greedy_ok(rule, r, x, moved)
         acc = valid & ok
@@ -161,13 +191,10 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, gen: torch.Generato
         r = torch.where(rej[:, None], rule.residual(r, qn, x, moved), r)
         if q is not None:
             q = torch.where(rej[:, None], q.scatter(1, x[:, None], 0.0), q)
-    path, n_acc, last = _walk(accepted_child, tree.children, tree.max_depth)
+    path, n_acc, last = _walk(accepted_child, tree.children, tree.paths.shape[-1] - 1)
     dist = r[last]  # [1, V]
-    if greedy:
-        nxt = dist.argmax(-1)
-    else:
-        nxt = sample(dist, gen)
-    return VerifyResult(path, n_acc, last, nxt)
+    nxt = dist.argmax(-1) if greedy else sample_inverse_cdf(dist, u_sample)
+    return VerifyResult(path, n_acc[0], last[0], nxt[0])
 
 
 def _greedy_ok(rule, r, x, moved):

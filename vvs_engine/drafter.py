@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .checkpoint import load_into, read_config, read_state_dict
 from .errors import VVSError
-from .kv_cache import StaticKVCache
+from .kv_cache import StaticKVCache, write_slots
 from .models.gpt import RMSNorm, apply_rope
 
 
@@ -62,8 +62,8 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_proj(x).view(B, T, self.n_head, self.hd), rope).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2)
         if kv is not None:
-            kv[0].index_copy_(2, slots, k.to(kv[0].dtype))
-            kv[1].index_copy_(2, slots, v.to(kv[1].dtype))
+            write_slots(kv[0], slots, k)
+            write_slots(kv[1], slots, v)
             k, v = kv
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

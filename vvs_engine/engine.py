@@ -17,7 +17,7 @@ from .checkpoint import load_into, read_config, read_state_dict
 from .errors import VVSError, check
 from .models.gpt import GPT, GPTConfig, gpt_config
 from .models.vq import VQ_PRESETS, VQConfig, VQModel, to_uint8
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams
 from .target import TargetSession
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -59,7 +59,6 @@ class Engine:
         p = next(gpt.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._codebook_cache = {}
-        self.cuda_graphs = False
 
     # --- loading ------------------------------------------------------------------------------
     @classmethod
@@ -160,40 +159,72 @@ class Engine:
     def generate(self, class_labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
                  method: str = "ar", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
+                 batch_size: int = 16, image_indices: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, **method_opts) -> GenerationOutput:
-        """Generate one image per label (or prompt). Returns tokens, PIL images (when a tokenizer is
-        loaded) and stats. ``method_opts`` are the method's options (see ``vvs_engine.methods``)."""
-        from .methods import get_method
+        """Generate one image per label (or prompt), ``batch_size`` images per decode. Returns tokens,
+        PIL images (when a tokenizer is loaded) and stats. Image i draws its random numbers from
+        (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size.
+        ``method_opts`` are the method's options (see ``vvs_engine.methods``)."""
+        from .methods import get_method, run_method
+        from .methods.common import DecodeBatch
+        from .rng import CounterRNG
 
         params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
         run, opts = get_method(method, self, method_opts)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise VVSError(f"seed must be an integer, got {seed!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise VVSError(f"batch-size must be an integer >= 1, got {batch_size!r}")
         labels = self.check_labels(class_labels) if class_labels is not None else None
         if labels is None and prompts is None:
             raise VVSError("give class labels or prompts")
         n = len(labels) if labels is not None else len(prompts)
-        gen = make_generator(seed, self.device)
-        from .runner import graphs_default
-
-        # CUDA graphs: on by default on CUDA; on the CPU the same static-buffer path runs eagerly.
-        self.cuda_graphs = graphs_default(self.device) if cuda_graphs is None else bool(cuda_graphs)
+        if image_indices is None:
+            image_indices = list(range(n))
+        image_indices = [int(i) for i in image_indices]
+        check(len(image_indices) == n, f"image_indices has {len(image_indices)} entries for {n} images")
+        check(all(i >= 0 for i in image_indices), "image indices must be >= 0")
         t0 = time.perf_counter()
+        tokens, passes, method_stats = [], [], []
+        bar = _progress_bar(n, progress, method)
         with torch.inference_mode():
-            cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg)
-            res = run(self, cond, key_mask, n, params, gen, opts, progress)
-            tokens = res.tokens.cpu()  # the one host sync of the whole generation
+            for lo in range(0, n, batch_size):
+                hi = min(n, lo + batch_size)
+                size = batch_bucket(hi - lo)
+                pick = list(range(lo, hi)) + [lo] * (size - (hi - lo))  # bucket padding repeats the first image
+                cond, key_mask = self.condition_rows([labels[i] for i in pick] if labels is not None else None,
+                                                     [prompts[i] for i in pick] if labels is None else None,
+                                                     params.use_cfg)
+                index = torch.tensor([image_indices[i] for i in pick], dtype=torch.long, device=self.device)
+                batch = DecodeBatch(cond, key_mask, CounterRNG(seed, index), hi - lo,
+                                    on_tokens=bar.tokens if bar is not None else None, use_graphs=cuda_graphs)
+                res = run_method(run, self, batch, params, opts)
+                tokens.append(res.tokens[: hi - lo].cpu())  # one host sync per batch
+                image_passes = res.image_passes
+                if image_passes is None:  # runners that count forwards per batch only
+                    image_passes = torch.full((size,), res.stats["target_forward_passes"] / (hi - lo))
+                passes.append(image_passes[: hi - lo].double().cpu())
+                method_stats.append(res.stats)
+                if bar is not None:
+                    bar.images(hi - lo)
+        if bar is not None:
+            bar.close()
+        tokens = torch.cat(tokens)
         wall = time.perf_counter() - t0
-        stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image}
-        stats.update(res.stats)
+        stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image,
+                 "batch_size": batch_size}
+        stats.update(_merge_stats(method_stats))
         stats["tokens_generated"] = n * self.tokens_per_image
         f = stats["target_forward_passes"]
         stats["tpf"] = stats["tokens_generated"] / f if f else float("inf")
+        per_image = self.tokens_per_image / torch.cat(passes).clamp(min=1e-9)
+        stats["tpf_per_image"] = {"min": float(per_image.min()), "median": float(per_image.median()),
+                                  "max": float(per_image.max())}
         stats["wall_time_s"] = wall
         stats["sampling"] = params.to_dict()
         stats["seed"] = seed
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
-        stats["cuda_graphs"] = self.cuda_graphs
+        stats.setdefault("cuda_graphs", False)
         images = []
         if decode_images and self.vq is not None:
             from .profiling import nvtx_range
@@ -260,6 +291,65 @@ class Engine:
 
             self._codebook_cache[k] = neighbor_table(self.codebook_vectors(), k)
         return self._codebook_cache[k]
+
+
+def batch_bucket(n: int) -> int:
+    """Static batch shapes: a batch of n images is padded to the next power of two."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _merge_stats(per_batch: List[dict]) -> dict:
+    """Counters summed over batches; other entries (options, flags) taken from the first batch."""
+    out = {}
+    for st in per_batch:
+        for k, v in st.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float, dict)):
+                out.setdefault(k, v)
+            elif isinstance(v, dict):
+                d = out.setdefault(k, {})
+                if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()):
+                    for kk, vv in v.items():
+                        d[kk] = d.get(kk, 0) + vv
+            elif k in ("mean_accepted_length",):
+                out.setdefault("_" + k, []).append((v, st.get("verified_steps", 0)))
+            else:
+                out[k] = out.get(k, 0) + v
+    if "_mean_accepted_length" in out:
+        pairs = out.pop("_mean_accepted_length")
+        w = sum(n for _, n in pairs)
+        out["mean_accepted_length"] = sum(v * n for v, n in pairs) / w if w else 0.0
+    rates = out.get("acceptance_rate_by_depth")
+    if rates and len(per_batch) > 1:  # averaged over verified rounds, like one batch reports it
+        w = out.get("verified_steps", 0)
+        out["acceptance_rate_by_depth"] = {
+            k: sum(st["acceptance_rate_by_depth"].get(k, 0.0) * st.get("verified_steps", 0) for st in per_batch)
+            / w if w else 0.0 for k in rates}
+    return out
+
+
+class _progress_bar:
+    """Images finished (and tokens committed within the running batch) on one tqdm bar."""
+
+    def __new__(cls, n, show, method):
+        if not show:
+            return None
+        return super().__new__(cls)
+
+    def __init__(self, n, show, method):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=n, desc=f"{method} images", unit="img", dynamic_ncols=True, leave=False)
+        self.token_count = 0
+
+    def tokens(self, k: int) -> None:
+        self.token_count += int(k)
+        self.bar.set_postfix(tokens=self.token_count, refresh=False)
+
+    def images(self, k: int) -> None:
+        self.bar.update(k)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 # --- model loading --------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ class StaticKVCache:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the K/V of slots ``src`` to slots ``dst`` in every layer and batch row (the compaction
-        after acceptance). ``src``/``dst``: [n] device int64, the same for every row. Gathering first
-        makes it correct when the source and destination ranges overlap."""
+        after acceptance). ``src``/``dst``: [n] device int64, the same for every row, or [batch, n] (one
+        list per row). Gathering first makes it correct when the source and destination ranges overlap."""
         from .kernels import kv_compact  # dispatch: reference / triton / cuda
 
         kv_compact(self.k, self.v, src, dst)
@@ -41,3 +41,14 @@ class StaticKVCache:
     def reset(self) -> None:
         self.k.zero_()
         self.v.zero_()
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` [B, H, T, D] into one layer's ``cache`` [B, H, S, D] at ``slots``: [T] (the same
+    slots for every row) or [B, T] (per row, e.g. each sequence's own prefix length)."""
+    values = values.to(cache.dtype)
+    if slots.dim() == 1:
+        cache.index_copy_(2, slots, values)
+    else:
+        B, H, T, D = values.shape
+        cache.scatter_(2, slots[:, None, :, None].expand(B, H, T, D), values)

@@ -1,8 +1,9 @@
 """Decoding methods. Each is one small module composing the shared parts (target session, draft
 tree, acceptance rule, caches, schedule) and registers a runner here.
 
-A runner is ``run(engine, cond, key_mask, n, params, gen, opts, progress) -> MethodResult`` and an
-options class with ``validate()``; :func:`get_method` parses user options into it.
+A runner is ``run(engine, batch: DecodeBatch, params, opts) -> MethodResult`` (one batch of images,
+see ``common.py``) and an options class with ``validate()``; :func:`get_method` parses user options
+into it and :func:`run_method` calls it.
 """
 from __future__ import annotations
 
@@ -60,3 +61,17 @@ def get_method(name: str, engine, opts: dict):
     if hasattr(o, "check_engine"):
         o.check_engine(engine)
     return fn, o
+
+
+def run_method(fn, engine, batch, params, opts):
+    """Call a runner on one batch. Runners still written one image at a time against a
+    ``torch.Generator`` (8 parameters) get a generator seeded from the batch's first random key."""
+    import inspect
+
+    if len(inspect.signature(fn).parameters) == 4:
+        return fn(engine, batch, params, opts)
+    import torch
+
+    gen = torch.Generator(device=batch.cond.device)
+    gen.manual_seed(int(batch.rng.key[0]) & ((1 << 63) - 1))
+    return fn(engine, batch.cond, batch.key_mask, batch.size, params, gen, opts, False)

@@ -24,6 +24,7 @@ class DecodeBatch:
     rng: CounterRNG
     n_real: int
     on_tokens: Optional[Callable[[int], None]] = None  # progress: called with newly committed tokens (host-side counts only)
+    use_graphs: Optional[bool] = None  # CUDA graphs for the decode rounds; None = on for CUDA, off elsewhere
 
     @property
     def size(self) -> int:

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import VVSError
+from ..kv_cache import write_slots
 
 
 def find_multiple(n: int, k: int) -> int:
@@ -161,8 +162,8 @@ class Attention(nn.Module):
             k_cache, v_cache = kv
             # Static cache: write the new K/V at their slots, attend over the whole buffer; the mask
             # hides slots that are not (yet) part of this query's context.
-            k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
-            v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
+            write_slots(k_cache, slots, k)
+            write_slots(v_cache, slots, v)
             k, v = k_cache, v_cache
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
