@@ -246,7 +246,8 @@ class SpeculativeRounds:
     def _update_flags(self, st: DecodeState) -> None:
         """[all real sequences finished, every unfinished real sequence wants to skip, tokens committed]."""
         n = self.n_real
-        active = st.n_out[:n] < self.T
+        # A sequence that a skip carried past the end is not finished until post-verification keeps it.
+        active = (st.n_out - st.chain_len)[:n] < self.T
         wants = torch.zeros((), dtype=torch.bool, device=self.dev)
         if self.skip_codebook is not None:  # VVS-D: per-sequence decision, the batch skips only if all agree
             similar = sched.path_similarity(st.tree, self.skip_codebook)[:n] >= self.opts.skip_threshold
