@@ -41,7 +41,7 @@ class DraftTree:
 
     @property
     def n(self) -> int:
-        return self.tokens.shape[1]
+        return self.tokens.shape[-1]
 
     @property
     def max_depth(self) -> int:

@@ -115,12 +115,15 @@ def run(engine, batch: DecodeBatch, params, opts: SpecOptions) -> MethodResult:
         opts.rule_options = {**gsd, **opts.rule_options}
     elif any(getattr(opts, k) is not None for k in ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold")):
         raise VVSError("--gsd-* options need --accept gsd (or --method gsd)")
-    rule = make_rule(opts.accept or "exact", engine,
+    rounds = SpeculativeRounds(engine, batch, params, opts, make_rule_for(engine, opts))
+    return decode(rounds, sched.make(opts, engine), batch, batch.use_graphs)
+
+
+def make_rule_for(engine, opts: SpecOptions):
+    return make_rule(opts.accept or "exact", engine,
                      lantern_k=opts.lantern_k or max(1, _codebook(engine) // 16),
                      lantern_delta=opts.lantern_delta, lantern_lambda=opts.lantern_lambda,
                      reference_residual=opts.lantern_reference_residual, **opts.rule_options)
-    return decode(SpeculativeRounds(engine, batch, params, opts, rule), sched.make(opts, engine), batch,
-                  batch.use_graphs)
 
 
 def _codebook(engine):
