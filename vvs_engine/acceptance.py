@@ -138,7 +138,7 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: torch.Ten
         one = _tree_of(tree, b)
         h = None
         if hidden is not None:
-            h = hidden[[b, b + B]] if rows == 2 * B else hidden[b:b + 1]
+            h = torch.stack([hidden[b], hidden[b + B]]) if rows == 2 * B else hidden[b:b + 1]
         out.append(_verify_one(one, p[b], rule, u_accept[b], u_sample[b:b + 1], greedy,
                                logits[b] if logits is not None else None, h, engine))
     return VerifyResult(*(torch.stack([getattr(r, f) for r in out]) for f in ("path", "n_accepted", "last",
@@ -152,7 +152,8 @@ def _tree_of(tree, b):
     feats = None
     if tree.draft_feats is not None:
         rows = tree.draft_feats.shape[0]
-        feats = tree.draft_feats[[b, b + tree.batch]] if rows == 2 * tree.batch else tree.draft_feats[b:b + 1]
+        feats = (torch.stack([tree.draft_feats[b], tree.draft_feats[b + tree.batch]]) if rows == 2 * tree.batch
+                 else tree.draft_feats[b:b + 1])
     pick = lambda t: None if t is None else t[b]
     return DraftTree(pick(tree.tokens), pick(tree.parents), pick(tree.mask), pick(tree.depth), pick(tree.paths),
                      pick(tree.is_leaf), pick(tree.children), pick(tree.q), pick(tree.draft_logp), feats, tree.sampled)

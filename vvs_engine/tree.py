@@ -47,19 +47,6 @@ class DraftTree:
     def max_depth(self) -> int:
         return self.paths.shape[-1] - 1
 
-    def image(self, b: int) -> "DraftTree":
-        """Sequence b's tree with a batch of one (views; tests and per-image fallbacks)."""
-        rows = self.draft_feats.shape[0] if self.draft_feats is not None else 0
-        feats = None
-        if self.draft_feats is not None:
-            half = rows // 2 if rows == 2 * self.batch else rows
-            idx = [b, b + half] if rows == 2 * self.batch else [b]
-            feats = self.draft_feats[idx]
-        pick = lambda t: None if t is None else t[b:b + 1]
-        return DraftTree(pick(self.tokens), pick(self.parents), pick(self.mask), pick(self.depth), pick(self.paths),
-                         pick(self.is_leaf), pick(self.children), pick(self.q), pick(self.draft_logp), feats,
-                         self.sampled)
-
 
 def tree_structure(parents: torch.Tensor, max_depth: int, max_children: int):
     """parents [B, N] -> (mask [B, N, N], depth [B, N], paths [B, N, max_depth + 1], is_leaf [B, N],
