@@ -113,6 +113,8 @@ def build_parser() -> Parser:
     s.add_argument("--top-k", type=int, default=0, help="top-k filter (default 0 = off)")
     s.add_argument("--top-p", type=float, default=1.0, help="top-p (nucleus) filter in (0, 1] (default 1.0 = off)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    s.add_argument("--batch-size", type=int, default=16, metavar="N",
+                   help="images decoded together, every method (default 16); tokens do not depend on it")
 
     mo = g.add_argument_group("method options (default: the method's own)")
     for flag, typ, help_ in METHOD_FLAGS:
@@ -201,6 +203,8 @@ def cmd_generate(args) -> int:
     labels = parse_class_labels(args.class_labels) if args.class_labels is not None else None
     prompts = read_prompts(args.prompts) if args.prompts is not None else None
     SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
+    if args.batch_size < 1:
+        raise VVSError(f"batch-size must be an integer >= 1, got {args.batch_size}")
     device = str(resolve_device(pick_device(args.device)))
     resolve_dtype(args.dtype)
     from .methods import method_names
@@ -222,7 +226,7 @@ def cmd_generate(args) -> int:
         return engine.generate(class_labels=labels, prompts=prompts, method=args.method,
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                cfg_scale=args.cfg_scale, seed=args.seed, decode_images=not args.no_images,
-                               progress=not args.quiet, **method_options(args))
+                               progress=not args.quiet, batch_size=args.batch_size, **method_options(args))
 
     if args.profile:
         out = profiled(run, args.profile, device)
@@ -317,6 +321,8 @@ def print_stats(stats: dict, out_dir: str, n_png: int) -> None:
             ("tokens generated", stats.get("tokens_generated")),
             ("target forward passes", stats.get("target_forward_passes")),
             ("tokens / forward (tpf)", _fmt(stats.get("tpf"))),
+            ("tpf per image min/median/max", "/".join(_fmt(stats["tpf_per_image"][k]) for k in ("min", "median", "max"))
+             if "tpf_per_image" in stats else "-"),
             ("wall time (s)", _fmt(wall)),
             ("tokens / s", _fmt(stats["tokens_generated"] / wall) if wall else "-")]
     shown = {"method", "n_images", "tokens_per_image", "tokens_generated", "target_forward_passes", "tpf",
