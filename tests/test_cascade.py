@@ -75,7 +75,7 @@ def test_relaxation_fires_and_raises_tpf(eng):
 def _hand_tree():
     """root 0 (token 0) -> nodes 1, 2 (tokens 1, 2) at depth 1; node 1 -> node 3 (token 3). V = 4."""
     parents = torch.tensor([-1, 0, 0, 1])
-    mask, depth, paths, leaf, children = tree_structure(parents, 2, 2)
+    mask, depth, paths, leaf, children = (t[0] for t in tree_structure(parents[None], 2, 2))  # one tree
     q = torch.zeros(4, 4)
     q[1] = torch.tensor([0.0, 0.0, 0.0, 1.0])  # drafter predictions after nodes 1 and 2 ...
     q[2] = torch.tensor([0.0, 0.0, 0.1, 0.9])  # ... nearly the same: cos = 0.994
