@@ -209,27 +209,33 @@ def throughput_setting(engine, setting: Setting, batch_size: int, n_images: int,
     spread = out.stats.get("tpf_per_image", {})
     return {"setting": setting.label, "method": setting.method, "batch_size": batch_size, "images": n_images,
             "wall_s": wall, "images_per_s": n_images / wall, "tpf": out.stats["tpf"],
-            "tpf_per_image": spread, "skip_steps": out.stats.get("skip_steps", 0)}
+            "tpf_per_image": spread, "skip_steps": out.stats.get("skip_steps", 0), "tokens": out.tokens}
 
 
 def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, command: str) -> List[str]:
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"batch_{tag}")
+    first = {r["setting"]: r["tokens"] for r in rows if r["batch_size"] == 1}
+    for r in rows:  # the same seed and labels at every batch size: how many images came out the same
+        if r["setting"] in first:
+            r["identical_to_batch1"] = float((r["tokens"] == first[r["setting"]]).all(1).double().mean())
+    rows = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "command": command}, f, indent=2, default=str)
     lines = [f"# Batched throughput ({tag})", "", f"Written by `{command}`.", ""]
     for k in ("device", "hardware", "dtype", "model", "cfg_scale", "temperature"):
         if k in meta:
             lines.append(f"- {k}: {meta[k]}")
-    lines += ["", "| setting | batch | images | images/s | vs batch 1 | TPF | per-image TPF min / median / max |",
-              "|---|---:|---:|---:|---:|---:|---|"]
+    lines += ["", "| setting | batch | images | images/s | vs batch 1 | TPF | per-image TPF min / median / max "
+                  "| images identical to batch 1 |", "|---|---:|---:|---:|---:|---:|---|---:|"]
     base_ips = {r["setting"]: r["images_per_s"] for r in rows if r["batch_size"] == 1}
     for r in rows:
         sp = r["tpf_per_image"]
         rel = r["images_per_s"] / base_ips[r["setting"]] if r["setting"] in base_ips else float("nan")
         spread = " / ".join(f"{sp[k]:.2f}" for k in ("min", "median", "max")) if sp else "-"
+        same = r.get("identical_to_batch1")
         lines.append(f"| {r['setting']} | {r['batch_size']} | {r['images']} | {r['images_per_s']:.3f} | {rel:.2f}x | "
-                     f"{r['tpf']:.2f} | {spread} |")
+                     f"{r['tpf']:.2f} | {spread} | {'-' if same is None else f'{same:.0%}'} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     return [base + ".json", base + ".md"]
