@@ -179,7 +179,8 @@ class DraftSession:
         if self.sample_drafts:  # K draws without replacement: the exponential race, top-K
             from .rng import Streams
 
-            race = -torch.log(rng.uniform(step, Streams.TREE, (N, V)))  # Exp(1) per node and token
+            # Exp(1) per node and token; u = 1 gives 0, clamped so a zero-probability token never wins
+            race = (-torch.log(rng.uniform(step, Streams.TREE, (N, V)))).clamp(min=1e-30)
         for d in range(L["max_depth"]):
             lvl = L["by_level"][d]  # nodes at depth d: already have tokens; get their q
             if d == 0:
