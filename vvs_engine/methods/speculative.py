@@ -290,7 +290,7 @@ class SpeculativeRounds:
         u_accept = self.rng.uniform(st.round, Streams.ACCEPT, (N,))
         u_sample = self.rng.uniform(st.round, Streams.SAMPLE)
         res = verify_tree(tree, p, self.rule, u_accept, u_sample, params.greedy, logits=logits[:, off:],
-                          hidden=H[:, off:], engine=self.engine)
+                          hidden=H[:B, off:], engine=self.engine)  # the conditional rows' features
         path, n_acc, next_token = res.path, res.n_accepted, res.next_token
         node = off + path.clamp(min=0)  # [B, Dmax + 1] query index of each accepted node
         dst = (P_t + a)[:, None] + path_slots
