@@ -216,10 +216,11 @@ def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, com
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"batch_{tag}")
     first = {r["setting"]: r["tokens"] for r in rows if r["batch_size"] == 1}
+    rows = [dict(r) for r in rows]
     for r in rows:  # the same seed and labels at every batch size: how many images came out the same
         if r["setting"] in first:
             r["identical_to_batch1"] = float((r["tokens"] == first[r["setting"]]).all(1).double().mean())
-    rows = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
+        r.pop("tokens")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "command": command}, f, indent=2, default=str)
     lines = [f"# Batched throughput ({tag})", "", f"Written by `{command}`.", ""]
@@ -522,11 +523,11 @@ def main(argv=None) -> int:
         rows = []
         from tqdm import tqdm
 
-        for s, b in tqdm([(s, b) for s in runnable for b in sizes], desc="batch table", leave=False):
-            rows.append(throughput_setting(eng, s, b, n_images, args, lambda i: (7 * i) % n_cls))
         tag = args.tag or f"{'quick_' if args.quick else ''}{device.type}"
         command = "vvs-engine bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-        files = write_batch_report(rows, meta, args.out, tag, command)
+        for s, b in tqdm([(s, b) for s in runnable for b in sizes], desc="batch table", leave=False):
+            rows.append(throughput_setting(eng, s, b, n_images, args, lambda i: (7 * i) % n_cls))
+            files = write_batch_report(rows, meta, args.out, tag, command)  # rewritten after every row
         with open(files[1]) as f:
             print(f.read())
         print("wrote " + ", ".join(files))
