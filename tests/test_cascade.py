@@ -63,7 +63,8 @@ def test_off_thresholds_equal_exact_with_other_trees_and_skipping(eng, opts):
 
 
 def test_relaxation_fires_and_raises_tpf(eng):
-    kw = dict(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=7)
+    # 8 images: on 3 the target-side sources' gain is within the noise of the random streams
+    kw = dict(class_labels=[0, 3, 4, 1, 2, 0, 3, 4], temperature=1.0, cfg_scale=3.0, seed=7)
     exact = _exact(eng, tree="static", **kw).stats["tpf"]
     for source in ("drafter", "target-logits", "target-hidden"):
         st = eng.generate(method="cascade", cascade_source=source, cascade_gate="none", decode_images=False,

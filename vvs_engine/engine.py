@@ -310,8 +310,9 @@ def _merge_stats(per_batch: List[dict]) -> dict:
                 if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()):
                     for kk, vv in v.items():
                         d[kk] = d.get(kk, 0) + vv
-            elif k in ("mean_accepted_length",):
-                out.setdefault("_" + k, []).append((v, st.get("verified_steps", 0)))
+            elif k in ("mean_accepted_length",):  # a mean over verified rounds: weighted by their count
+                rounds = st.get("verified_steps", st.get("target_forward_passes", 1))
+                out.setdefault("_" + k, []).append((v, rounds))
             else:
                 out[k] = out.get(k, 0) + v
     if "_mean_accepted_length" in out:
@@ -320,7 +321,7 @@ def _merge_stats(per_batch: List[dict]) -> dict:
         out["mean_accepted_length"] = sum(v * n for v, n in pairs) / w if w else 0.0
     rates = out.get("acceptance_rate_by_depth")
     if rates and len(per_batch) > 1:  # averaged over verified rounds, like one batch reports it
-        w = out.get("verified_steps", 0)
+        w = sum(st.get("verified_steps", 0) for st in per_batch)
         out["acceptance_rate_by_depth"] = {
             k: sum(st["acceptance_rate_by_depth"].get(k, 0.0) * st.get("verified_steps", 0) for st in per_batch)
             / w if w else 0.0 for k in rates}

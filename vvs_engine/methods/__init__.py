@@ -74,4 +74,9 @@ def run_method(fn, engine, batch, params, opts):
 
     gen = torch.Generator(device=batch.cond.device)
     gen.manual_seed(int(batch.rng.key[0]) & ((1 << 63) - 1))
-    return fn(engine, batch.cond, batch.key_mask, batch.size, params, gen, opts, False)
+    n, B = batch.n_real, batch.size
+    real = torch.arange(n, device=batch.cond.device)
+    if batch.cond.shape[0] == 2 * B:  # CFG: conditional rows, then unconditional rows
+        real = torch.cat([real, real + B])
+    key_mask = batch.key_mask.index_select(0, real) if batch.key_mask is not None else None
+    return fn(engine, batch.cond.index_select(0, real), key_mask, n, params, gen, opts, False)
