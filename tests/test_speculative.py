@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spec_models import tiny_engine
-from vvs_engine.acceptance import ExactRule, LanternRule, _tree_of, lantern_mass_reference, neighbor_table
+from vvs_engine.acceptance import ExactRule, LanternRule, lantern_mass_reference, neighbor_table
 from vvs_engine.drafting import DraftSession, TreeSpec
 from vvs_engine.methods import speculative
 from vvs_engine.sampling import SamplingParams, guided_logits, process_logits
@@ -203,6 +203,15 @@ def test_tree_meta_against_slow_reference():
         for i in range(N):
             kids = [j for j in range(N) if parents[j] == i]
             assert ch[i, :len(kids)].tolist() == kids and (ch[i, len(kids):] == -1).all()
+
+
+def _tree_of(tree, b):
+    """Sequence b of a batched DraftTree with unbatched fields (tokens [N], mask [N, N], ...)."""
+    from vvs_engine.tree import DraftTree
+
+    pick = lambda t: None if t is None else t[b]
+    return DraftTree(pick(tree.tokens), pick(tree.parents), pick(tree.mask), pick(tree.depth), pick(tree.paths),
+                     pick(tree.is_leaf), pick(tree.children), pick(tree.q), pick(tree.draft_logp), None, tree.sampled)
 
 
 def _session_and_drafts(eng, label=2):

@@ -15,7 +15,7 @@ try:
 except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None to block it
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass"]
+__all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass", "tree_verify"]
 
 
 _LAUNCHERS = {
@@ -23,6 +23,7 @@ _LAUNCHERS = {
     "draft_topk": "draft_topk",
     "lantern_mass": "relaxed_acceptance",
     "group_mass": "relaxed_acceptance",
+    "tree_verify": "tree_verify",
 }
 
 

@@ -1,12 +1,14 @@
-"""Acceptance rules behind one interface, and the vectorised tree verification that runs them.
+"""Acceptance rules behind one interface, and the vectorised, batched tree verification that runs them.
 
-Verification walks a draft tree with the target's processed distributions ``p[i]`` (the target's
-prediction *after* node i, i.e. for i's children). For every node at once and sibling by sibling
-(a loop over at most ``max_children`` ranks, never over nodes), a rule decides whether child x is
-accepted against the current residual ``r`` of its parent; on rejection the parent's residual is
-updated. Then the accepted path is walked from the root (a loop over depth), and the next token is
-drawn from the residual of the last accepted node (its children all failed) or from p itself (it is
-a leaf): the EAGLE/SpecInfer recursive rejection scheme, lossless for the exact rule.
+Verification walks B draft trees with the target's processed distributions ``p[b, i]`` (the target's
+prediction *after* node i, i.e. for i's children). The B trees are folded into one forest of B*N
+nodes; for every node at once and sibling by sibling (a loop over at most ``max_children`` ranks,
+never over nodes or images), a rule decides whether child x is accepted against the current residual
+``r`` of its parent; on rejection the parent's residual is updated. Then the accepted path is walked
+from each root (a loop over depth), and the next token is drawn by inverse CDF from the residual of
+the last accepted node (its children all failed) or from p itself (it is a leaf): the EAGLE/SpecInfer
+recursive rejection scheme, lossless for the exact rule. The uniforms come in as tensors (one per
+node, one per image for the next token), so an image's result never depends on its batch.
 
 A rule implements ``accept(r, x, qx, u, ctx) -> (accepted [M] bool, moved [M, V] bool | None)`` and
 optionally ``residual``. ``moved`` marks target mass a relaxed rule credited to x; the principled
@@ -24,15 +26,16 @@ from .errors import VVSError
 
 @dataclass
 class VerifyContext:
-    """What a rule may look at, for the M (parent, child) pairs tested in one sibling rank."""
+    """What a rule may look at, for the M (parent, child) pairs tested in one sibling rank. Node ids
+    index the (flattened) forest: ``tree`` is a :class:`FlatTree` under batched verification."""
 
-    tree: object  # DraftTree
+    tree: object  # FlatTree (or a single-image DraftTree)
     parent: torch.Tensor  # [M] node ids
     child: torch.Tensor  # [M] node ids (clamped; check ``valid``)
     valid: torch.Tensor  # [M] bool
     p: torch.Tensor  # [N, V] unrelaxed processed target distributions per node
     logits: Optional[torch.Tensor] = None  # [N, V] guided target logits per node
-    hidden: Optional[torch.Tensor] = None  # [rows, N, D] target features per node
+    hidden: Optional[torch.Tensor] = None  # [rows, N, D] target features per node (row 0: conditional)
     engine: object = None
 
 
@@ -125,77 +128,121 @@ class VerifyResult:
     next_token: torch.Tensor  # [B] bonus / resampled token
 
 
+@dataclass
+class FlatTree:
+    """B draft trees of N nodes seen as one forest of B*N nodes (node b*N + i is node i of image b),
+    so a rule runs once over every image's (parent, child) pairs. ``image`` says whose node it is:
+    per-tree work that compares nodes (CASCADE's same-level sets) must stay within one image."""
+
+    tokens: torch.Tensor  # [B*N]
+    parents: Optional[torch.Tensor]  # [B*N] flat ids, -1 for roots
+    depth: Optional[torch.Tensor]  # [B*N]
+    children: torch.Tensor  # [B*N, C] flat ids, -1 padded
+    image: torch.Tensor  # [B*N] image of each node
+    max_depth: int
+    q: Optional[torch.Tensor] = None  # [B*N, V]
+    sampled: bool = False
+
+
+def flatten_trees(tree) -> FlatTree:
+    """A batched tree (tokens/parents/depth [B, N], children [B, N, C], paths [B, N, Dmax + 1] or an
+    int ``max_depth``, q [B, N, V] or None) -> the :class:`FlatTree` forest."""
+    B, N = tree.tokens.shape
+    dev = tree.tokens.device
+    offset = torch.arange(B, device=dev)[:, None] * N  # [B, 1]
+    shift = lambda ids: torch.where(ids >= 0, ids + offset.view(B, *([1] * (ids.dim() - 1))), ids)
+    q = getattr(tree, "q", None)
+    parents, depth = getattr(tree, "parents", None), getattr(tree, "depth", None)
+    return FlatTree(
+        tokens=tree.tokens.reshape(-1), parents=None if parents is None else shift(parents).reshape(-1),
+        depth=None if depth is None else depth.reshape(-1), children=shift(tree.children).reshape(B * N, -1),
+        image=torch.arange(B, device=dev).repeat_interleave(N), max_depth=_max_depth(tree),
+        q=None if q is None else q.reshape(B * N, -1), sampled=bool(getattr(tree, "sampled", False)))
+
+
 def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: torch.Tensor, u_sample: torch.Tensor,
                 greedy: bool, logits=None, hidden=None, engine=None) -> VerifyResult:
-    """B trees at once: p [B, N, V] processed target distributions after each node; u_accept [B, N]
-    (the uniform testing node j against its parent), u_sample [B] (inverse-CDF uniform of the next
-    token). Returns the accepted paths and next tokens (no host sync). Sequence by sequence here (a
-    loop over B of the vectorised single-tree walk); the fused batched kernel replaces it."""
-    B = p.shape[0]
-    rows = hidden.shape[0] if hidden is not None else 0
-    out = []
-    for b in range(B):
-        one = _tree_of(tree, b)
-        h = None
-        if hidden is not None:
-            h = torch.stack([hidden[b], hidden[b + B]]) if rows == 2 * B else hidden[b:b + 1]
-        out.append(_verify_one(one, p[b], rule, u_accept[b], u_sample[b:b + 1], greedy,
-                               logits[b] if logits is not None else None, h, engine))
-    return VerifyResult(*(torch.stack([getattr(r, f) for r in out]) for f in ("path", "n_accepted", "last",
-                                                                               "next_token")))
+    """Verify B draft trees at once (no host sync).
+
+    tree: batched fields (tokens [B, N], parents, depth, children [B, N, C], paths [B, N, Dmax + 1],
+    q [B, N, V] or None, sampled); p [B, N, V] the processed target distribution after each node;
+    u_accept [B, N] the uniform that tests node j against its parent (each node is tested at most
+    once); u_sample [B] in (0, 1], the inverse-CDF uniform of the next token; logits [B, N, V] and
+    hidden [B, N, D] (the conditional rows' target features) for rules that look at them.
+
+    The exact rule and LANTERN(++) run as one fused op (``kernels.tree_verify``: a Triton program
+    per tree on the GPU, :func:`verify_tree_torch` on the CPU); other rules (GSD, CASCADE, wrappers)
+    run the vectorised torch walk, which calls the rule once per sibling rank.
+    """
+    fused = _fused_rule_args(rule)
+    if fused is None:
+        return verify_tree_torch(tree, p, rule, u_accept, u_sample, greedy, logits, hidden, engine)
+    from . import kernels
+
+    q = tree.q if (getattr(tree, "sampled", False) and getattr(tree, "q", None) is not None) else None
+    out = kernels.tree_verify(tree.tokens, tree.children, p, q, u_accept, u_sample, *fused, greedy, _max_depth(tree))
+    return VerifyResult(*out)
 
 
-def _tree_of(tree, b):
-    """Sequence b's tree with unbatched fields (the single-tree layout the rules read)."""
-    from .tree import DraftTree
-
-    feats = None
-    if tree.draft_feats is not None:
-        rows = tree.draft_feats.shape[0]
-        feats = (torch.stack([tree.draft_feats[b], tree.draft_feats[b + tree.batch]]) if rows == 2 * tree.batch
-                 else tree.draft_feats[b:b + 1])
-    pick = lambda t: None if t is None else t[b]
-    return DraftTree(pick(tree.tokens), pick(tree.parents), pick(tree.mask), pick(tree.depth), pick(tree.paths),
-                     pick(tree.is_leaf), pick(tree.children), pick(tree.q), pick(tree.draft_logp), feats, tree.sampled)
+def _fused_rule_args(rule):
+    """(neighbors, delta, ratio, reference_residual) for a rule the fused op implements, else None."""
+    if type(rule) in (AcceptanceRule, ExactRule):
+        return None, 0.0, False, False
+    if type(rule) is LanternRule:
+        return rule.nb, rule.delta, rule.ratio, rule.ref
+    return None
 
 
-def _verify_one(tree, p, rule, u_accept, u_sample, greedy, logits, hidden, engine):
-    """One tree with unbatched fields (tokens [N], children [N, C], ...): the sibling-rank walk."""
-    from .rng import sample_inverse_cdf
+def _max_depth(tree) -> int:
+    paths = getattr(tree, "paths", None)
+    return paths.shape[-1] - 1 if paths is not None else int(tree.max_depth)
 
-    N, V = p.shape
-    dev = p.device
-    C = tree.children.shape[1]
-    r = p.clone()
-    q = None
-    if tree.sampled and tree.q is not None:
-        q = tree.q.clone()
-    accepted_child = torch.full((N,), -1, dtype=torch.long, device=dev)
-    parents = torch.arange(N, device=dev)
+
+def verify_tree_torch(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: torch.Tensor, u_sample: torch.Tensor,
+                      greedy: bool, logits=None, hidden=None, engine=None) -> VerifyResult:
+    """The vectorised walk for any rule (arguments as :func:`verify_tree`): the B trees as one forest,
+    a loop over sibling ranks, then a loop over depth."""
+    B, N, V = p.shape
+    flat = flatten_trees(tree)
+    M, C = flat.children.shape
+    r = p.reshape(M, V).clone()
+    p_flat = p.reshape(M, V)
+    q = flat.q.clone() if (flat.sampled and flat.q is not None) else None
+    u_node = u_accept.reshape(M)
+    logits_flat = None if logits is None else logits.reshape(M, -1)
+    hidden_flat = None if hidden is None else hidden.reshape(1, M, -1)
+    accepted_child = torch.full((M,), -1, dtype=torch.long, device=p.device)
+    parents = torch.arange(M, device=p.device)
+    ones = torch.ones(M, dtype=r.dtype, device=p.device)
     for rank in range(C):
-        child = tree.children[:, rank]
+        child = flat.children[:, rank]
         valid = (child >= 0) & (accepted_child < 0)
-        cc = child.clamp(min=0)
-        x = tree.tokens[cc]
+        child_ids = child.clamp(min=0)
+        x = flat.tokens[child_ids]
         if q is not None:
-            qn = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
-            qx = qn.gather(1, x[:, None])[:, 0]
+            q_norm = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+            qx = q_norm.gather(1, x[:, None])[:, 0]
         else:
-            qn, qx = None, torch.ones(N, device=dev)
-        ctx = VerifyContext(tree, parents, cc, valid, p, logits, hidden, engine)
-        ok, moved = rule.accept(r, x, qx, u_accept[cc], ctx)
+            q_norm, qx = None, ones
+        ctx = VerifyContext(flat, parents, child_ids, valid, p_flat, logits_flat, hidden_flat, engine)
+        ok, moved = rule.accept(r, x, qx, u_node[child_ids], ctx)
         if greedy:
             ok = _greedy_ok(rule, r, x, moved)
         acc = valid & ok
         accepted_child = torch.where(acc, child, accepted_child)
         rej = valid & ~acc
-        r = torch.where(rej[:, None], rule.residual(r, qn, x, moved), r)
+        r = torch.where(rej[:, None], rule.residual(r, q_norm, x, moved), r)
         if q is not None:
             q = torch.where(rej[:, None], q.scatter(1, x[:, None], 0.0), q)
-    path, n_acc, last = _walk(accepted_child, tree.children, tree.paths.shape[-1] - 1)
-    dist = r[last]  # [1, V]
-    nxt = dist.argmax(-1) if greedy else sample_inverse_cdf(dist, u_sample)
-    return VerifyResult(path, n_acc[0], last[0], nxt[0])
+    path, n_accepted, last = walk_accepted(accepted_child.view(B, N), flat.max_depth)
+    dist = r.view(B, N, V).gather(1, last[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
+    if greedy:
+        next_token = dist.argmax(-1)
+    else:
+        from .rng import sample_inverse_cdf
+
+        next_token = sample_inverse_cdf(dist, u_sample.reshape(B))
+    return VerifyResult(path, n_accepted, last, next_token)
 
 
 def _greedy_ok(rule, r, x, moved):
@@ -207,17 +254,22 @@ def _greedy_ok(rule, r, x, moved):
     return relaxed.argmax(-1) == x
 
 
-def _walk(accepted_child: torch.Tensor, children: torch.Tensor, max_depth: int):
-    """Follow accepted children from the root (the acceptance-walk kernel: first-child / next-sibling
-    order, a loop over depth only, device ops, no host sync)."""
-    from . import kernels
-
-    N = children.shape[0]
-    accepted = torch.zeros(N + 1, dtype=torch.bool, device=children.device)
-    has = accepted_child >= 0
-    accepted.scatter_(0, torch.where(has, accepted_child, torch.full_like(accepted_child, N)), has)
-    first_child, next_sibling = kernels.sibling_links(children)
-    return kernels.accept_walk(accepted[:N], first_child, next_sibling, max_depth)
+def walk_accepted(accepted_child: torch.Tensor, max_depth: int):
+    """accepted_child [B, N] flat ids (node b*N + i) of each node's accepted child, -1 if none ->
+    (path [B, max_depth + 1] local ids, -1 padded; n_accepted [B]; last [B]). A loop over depth."""
+    B, N = accepted_child.shape
+    flat = torch.cat([accepted_child.reshape(-1), accepted_child.new_full((1,), -1)])  # spill slot for "ended"
+    cur = torch.arange(B, device=accepted_child.device) * N  # the roots
+    steps = [cur]
+    for _ in range(max_depth):
+        cur = flat[torch.where(cur >= 0, cur, B * N)]
+        steps.append(cur)
+    flat_path = torch.stack(steps, 1)  # [B, max_depth + 1]
+    offset = torch.arange(B, device=accepted_child.device)[:, None] * N
+    path = torch.where(flat_path >= 0, flat_path - offset, flat_path)
+    n_accepted = (path[:, 1:] >= 0).sum(1)
+    last = path.gather(1, n_accepted[:, None])[:, 0]
+    return path, n_accepted, last
 
 
 def make_rule(name: str, engine=None, lantern_k: int = 1000, lantern_delta: float = 0.2,

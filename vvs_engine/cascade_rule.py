@@ -78,15 +78,19 @@ def check_options(breadth_threshold, depth_threshold, gate, source, kappa, depth
 
 
 # --- the two redundancy signals (vectorised; the tests compare them with slow loops) ---------------
-def similarity_sets(vectors: torch.Tensor, depth: torch.Tensor, has: torch.Tensor, threshold: float):
+def similarity_sets(vectors: torch.Tensor, depth: torch.Tensor, has: torch.Tensor, threshold: float,
+                    image: torch.Tensor | None = None):
     """S as an [N, N] bool matrix: S[i, j] iff j != i, depth[j] == depth[i], both nodes have a
     prediction (``has``) and cos(vectors[i], vectors[j]) > threshold. One N x N product per tree (the
-    same-depth blocks of it are the spec's per-level B x B matrices)."""
+    same-depth blocks of it are the spec's per-level B x B matrices). With ``image`` [N] (batched
+    verification: several trees as one forest) only nodes of the same image are compared."""
     z = F.normalize(vectors.float(), dim=-1)
     cos = (z @ z.t()).clamp(-1.0, 1.0)
     N = vectors.shape[0]
     eye = torch.eye(N, dtype=torch.bool, device=vectors.device)
     same_level = (depth[:, None] == depth[None, :]) & ~eye & has[:, None] & has[None, :]
+    if image is not None:
+        same_level &= image[:, None] == image[None, :]
     return same_level & (cos > threshold)
 
 
@@ -202,7 +206,7 @@ class CascadeRule(AcceptanceRule):
         gate = self._gate(ctx) if (self.depth_on or (self.breadth_on and self.gate == "nucleus")) else None
         if self.breadth_on:
             vec, has = self._breadth_vectors(ctx)
-            S = similarity_sets(vec, tree.depth, has, self.tau_b)
+            S = similarity_sets(vec, tree.depth, has, self.tau_b, getattr(tree, "image", None))
             if self.gate == "nucleus":  # the final variant gates the breadth term too: x must be in the nucleus
                 S = S & gate[:, None]
         depth_credit = self._depth_credit(ctx, gate) if self.depth_on else torch.zeros(N, device=ctx.p.device)

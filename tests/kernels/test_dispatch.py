@@ -11,6 +11,7 @@ import vvs_engine.kernels as K
 from vvs_engine.errors import VVSError
 from vvs_engine.kernels import backends
 from vvs_engine.kernels import reference as R
+from vvs_engine.tree import children_table
 
 import oracles as O
 
@@ -30,6 +31,11 @@ def small_inputs():
         "group_mass": (torch.rand(6, V, generator=gen), torch.rand(6, V, generator=gen), torch.randint(-1, V, (6, 3), generator=gen)),
         "tree_meta": (parents, 3),
         "accept_walk": (torch.rand(7, generator=gen) < 0.6, fc, ns, 3),
+        "tree_verify": (torch.randint(0, V, (B, 7), generator=gen), children_table(parents, 3)[None].repeat(B, 1, 1),
+                        torch.softmax(torch.randn(B, 7, V, generator=gen), -1),
+                        torch.softmax(torch.randn(B, 7, V, generator=gen), -1), 1.0 - torch.rand(B, 7, generator=gen),
+                        1.0 - torch.rand(B, generator=gen), torch.randint(0, V, (V, 4), generator=gen), 0.2, False,
+                        False, False, 3),
         "kv_compact": (torch.randn(2, B, H, S, D, generator=gen), torch.randn(2, B, H, S, D, generator=gen),
                        torch.tensor([4, 5, 6]), torch.tensor([3, 4, 5])),
         "gather_rows": (torch.randn(B, S, D, generator=gen), torch.tensor([3, 0, 7])),

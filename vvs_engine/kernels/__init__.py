@@ -21,7 +21,7 @@ from .reference import local_visibility, sibling_links  # noqa: F401
 
 __all__ = [
     "tree_attention", "local_visibility", "sibling_links", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
-    "accept_walk", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
+    "accept_walk", "tree_verify", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
 ]
 
 
@@ -75,6 +75,17 @@ def accept_walk(accepted, first_child, next_sibling, max_depth: int):
     if _reference_fast_path(accepted):
         return reference.accept_walk(accepted, first_child, next_sibling, max_depth)
     return ops.accept_walk(accepted, first_child, next_sibling, int(max_depth))
+
+
+def tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, delta: float, ratio: bool,
+                reference_residual: bool, greedy: bool, max_depth: int):
+    """Fused batched tree verification (exact rule, or LANTERN(++) with a neighbour table) ->
+    (path [B, max_depth + 1], n_accepted [B], last [B], next_token [B]) int64. See ``reference.tree_verify``."""
+    if _reference_fast_path(p):
+        return reference.tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, delta, ratio,
+                                     reference_residual, greedy, max_depth)
+    return ops.tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, float(delta), bool(ratio),
+                           bool(reference_residual), bool(greedy), int(max_depth))
 
 
 def kv_compact(k, v, src, dst) -> None:

@@ -106,6 +106,22 @@ def _(accepted, first_child, next_sibling, max_depth):
     return new((max_depth + 1,), dtype=torch.int64), new((1,), dtype=torch.int64), new((1,), dtype=torch.int64)
 
 
+@torch.library.custom_op("vvs::tree_verify", mutates_args=())
+def tree_verify(tokens: Tensor, children: Tensor, p: Tensor, q: Optional[Tensor], u_accept: Tensor, u_sample: Tensor,
+                neighbors: Optional[Tensor], delta: float, ratio: bool, reference_residual: bool, greedy: bool,
+                max_depth: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out = _impl("tree_verify", p.device)(tokens, children, p, q, u_accept, u_sample, neighbors, delta, ratio,
+                                         reference_residual, greedy, max_depth)
+    return tuple(t.contiguous() for t in out)
+
+
+@tree_verify.register_fake
+def _(tokens, children, p, q, u_accept, u_sample, neighbors, delta, ratio, reference_residual, greedy, max_depth):
+    B = tokens.shape[0]
+    new = tokens.new_empty
+    return new((B, max_depth + 1), dtype=torch.int64), *(new((B,), dtype=torch.int64) for _ in range(3))
+
+
 # ----------------------------------------------------------------------------------------- data movement
 
 

@@ -6,6 +6,8 @@ tensors so nothing here needs a host sync.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -225,3 +227,24 @@ def sibling_links(children: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     next_sibling = torch.full((N + 1,), -1, dtype=torch.long, device=children.device)
     next_sibling.scatter_(0, slot.reshape(-1), following.reshape(-1).long())
     return first_child.long(), next_sibling[:N]
+
+
+def tree_verify(tokens: torch.Tensor, children: torch.Tensor, p: torch.Tensor, q: Optional[torch.Tensor],
+                u_accept: torch.Tensor, u_sample: torch.Tensor, neighbors: Optional[torch.Tensor], delta: float,
+                ratio: bool, reference_residual: bool, greedy: bool, max_depth: int):
+    """Verify B draft trees with the exact rule (``neighbors`` None) or LANTERN(++) (neighbour table
+    [V, K], budget ``delta``, ``ratio`` for LANTERN++): tokens [B, N], children [B, N, C] in rank order,
+    p [B, N, V], q [B, N, V] or None, u_accept [B, N], u_sample [B] -> (path [B, max_depth + 1],
+    n_accepted [B], last [B], next_token [B]) int64. The vectorised torch walk of
+    ``vvs_engine.acceptance.verify_tree_torch`` (every rule's CPU path)."""
+    from types import SimpleNamespace
+
+    from ..acceptance import ExactRule, LanternRule, verify_tree_torch
+
+    if neighbors is None:
+        rule = ExactRule()
+    else:
+        rule = LanternRule(neighbors, delta, ratio=ratio, reference_residual=reference_residual)
+    tree = SimpleNamespace(tokens=tokens, children=children, q=q, sampled=q is not None, max_depth=max_depth)
+    res = verify_tree_torch(tree, p, rule, u_accept, u_sample, greedy)
+    return res.path, res.n_accepted, res.last, res.next_token

@@ -1,0 +1,181 @@
+"""Compute ops per decode round and per committed token for every method on the Zoo model.
+
+On a GPU every dispatched op is at least one kernel launch, so ops per committed token is the launch
+budget a method spends for what it saves in target forwards (TPF). Counted on the CPU by
+``vvs_engine.opcount.OpCounter`` (aten + vvs:: ops below autograd; views, no-op casts and bare
+allocations excluded), over one whole generation (prefill included) of one image, fp32, default
+sampling, so the counts are deterministic. A round is an AR step, a verify or skip round, or a Jacobi
+iteration; the AR step is the unit. The second table counts one call of ``verify_tree`` on a Zoo-sized
+tree: the vectorised torch walk against the fused ``vvs::tree_verify`` op.
+
+    python benchmarks/op_count.py                       # writes benchmarks/results/op_count.{md,json}
+    python benchmarks/op_count.py --batch-sizes 1,4,16  # per-B columns once Engine.generate batches
+    python benchmarks/op_count.py --quick --out /tmp/oc # two methods, for the test
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from vvs_engine.opcount import OpCounter  # noqa: E402
+
+# (row, method, options): the methods of the issue's table with their default options.
+ROWS = [
+    ("AR", "ar", {}),
+    ("EAGLE-2", "eagle", {}),
+    ("LANTERN d=0.2", "lantern", {"lantern_delta": 0.2}),
+    ("LANTERN++", "lantern++", {}),
+    ("VVS-U i=2", "vvs", {"skip_policy": "uniform", "skip_interval": 2}),
+    ("CASCADE", "cascade", {}),
+    ("SJD", "sjd", {}),
+    ("GSD", "gsd", {}),
+]
+QUICK_ROWS = [ROWS[0], ROWS[2]]
+COMMAND = "python benchmarks/op_count.py"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1", help="comma-separated B (B > 1 needs Engine.generate(batch_size=))")
+    ap.add_argument("--label", type=int, default=0, help="class label of the image (default 0)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="AR and LANTERN only (the test's configuration)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="output folder")
+    return ap.parse_args(argv)
+
+
+def batching_supported(engine) -> bool:
+    return "batch_size" in inspect.signature(engine.generate).parameters
+
+
+def rounds_of(stats: dict) -> int:
+    """Verify + skip rounds of the drafter methods, Jacobi iterations, AR steps."""
+    if "verified_steps" in stats:
+        return int(stats["verified_steps"]) + int(stats.get("skip_steps", 0))
+    return int(stats.get("jacobi_rounds", stats["target_forward_passes"]))
+
+
+def count_method(engine, method, opts, label, seed, batch_size):
+    kw = dict(class_labels=[label] * batch_size, method=method, seed=seed, decode_images=False, **opts)
+    if batch_size > 1:
+        kw["batch_size"] = batch_size
+    with OpCounter() as ops:
+        out = engine.generate(**kw)
+    st = out.stats
+    tokens = st["tokens_generated"]
+    rounds = rounds_of(st)
+    return dict(compute_ops=ops.compute, host_reads=ops.syncs, rounds=rounds, tokens=tokens,
+                ops_per_round=ops.compute / rounds, ops_per_token=ops.compute / tokens, tpf=st["tpf"],
+                top_ops=ops.by_name.most_common(8))
+
+
+def verify_call_ops(engine):
+    """Compute ops of one verify_tree call on a Zoo-sized dynamic tree (59 nodes, 10 children per
+    node at most, the Zoo vocabulary), exact and LANTERN: the torch walk vs the fused op."""
+    from types import SimpleNamespace
+
+    from vvs_engine.acceptance import LanternRule, ExactRule, verify_tree_torch
+    from vvs_engine.kernels import ops as kernel_ops
+    from vvs_engine.tree import children_table, tree_meta_reference
+
+    gen = torch.Generator().manual_seed(0)
+    N, C, D, V = 59, 10, 4, engine.config.vocab_size
+    parents = [-1] + [int(torch.randint(max(0, (i - 1) // 3 - 4), max(1, (i - 1) // 3 + 1), (1,), generator=gen))
+                      for i in range(1, N)]
+    parents = torch.tensor(parents)
+    _, depth, paths, _ = tree_meta_reference(parents, N)
+    D = int(depth.max())
+    tree = SimpleNamespace(tokens=torch.randint(0, V, (1, N), generator=gen), parents=parents[None],
+                           depth=depth[None], paths=paths[None, :, : D + 1], children=children_table(parents, C)[None],
+                           q=None, sampled=False)
+    p = torch.softmax(3 * torch.randn(1, N, V, generator=gen), -1)
+    u_accept, u_sample = 1.0 - torch.rand(1, N, generator=gen), 1.0 - torch.rand(1, generator=gen)
+    nb = engine.codebook_neighbors(max(1, V // 16))
+    rows = []
+    for name, rule, nb_arg, delta in (("exact", ExactRule(), None, 0.0), ("lantern d=0.2", LanternRule(nb, 0.2), nb, 0.2)):
+        with OpCounter() as torch_ops:
+            verify_tree_torch(tree, p, rule, u_accept, u_sample, False)
+        with OpCounter() as fused_ops:
+            kernel_ops.tree_verify(tree.tokens, tree.children, p, None, u_accept, u_sample, nb_arg, delta, False, False,
+                                   False, D)
+        rows.append(dict(rule=name, nodes=N, max_children=C, vocab=V, torch_walk_ops=torch_ops.compute,
+                         fused_ops=fused_ops.compute))
+    return rows
+
+
+def render(results, verify_rows, batch_sizes, note) -> str:
+    unit = results[1]["AR"]["ops_per_round"] if "AR" in results.get(1, {}) else float("nan")
+    lines = [f"<!-- written by: {COMMAND} {' '.join(sys.argv[1:])} -->", "",
+             "# Compute ops per round (Zoo model, CPU, fp32, one image, default options)", "",
+             f"Unit: the AR step = {unit:.1f} compute ops (prefill amortised in). {note}", ""]
+    head = "| method | compute ops per round | x AR step | per committed token | x AR per token | TPF | host reads |"
+    lines += [head, "|---|---|---|---|---|---|---|"]
+    ar_tok = results[1]["AR"]["ops_per_token"] if "AR" in results.get(1, {}) else float("nan")
+    for name, r in results.get(1, {}).items():
+        lines.append(f"| {name} | {r['ops_per_round']:.0f} | {r['ops_per_round'] / unit:.2f} | {r['ops_per_token']:.0f} | "
+                     f"{r['ops_per_token'] / ar_tok:.2f} | {r['tpf']:.2f} | {r['host_reads']} |")
+    extra = [b for b in batch_sizes if b != 1 and b in results]
+    if extra:
+        lines += ["", "## Per batch size: compute ops per committed token (TPF)", "",
+                  "| method | " + " | ".join(f"B={b}" for b in [1] + extra) + " |",
+                  "|---|" + "---|" * (1 + len(extra))]
+        for name in results[1]:
+            cells = [f"{results[b][name]['ops_per_token']:.0f} ({results[b][name]['tpf']:.2f})"
+                     if name in results[b] else "-" for b in [1] + extra]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if verify_rows:
+        lines += ["", "## One verify_tree call (59-node tree, batch 1)", "",
+                  "| rule | vocab | torch walk ops | fused op ops |", "|---|---|---|---|"]
+        for v in verify_rows:
+            lines.append(f"| {v['rule']} | {v['vocab']} | {v['torch_walk_ops']} | {v['fused_ops']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None, engine=None):
+    """Runs the table; ``engine`` defaults to the shipped Zoo model (the test passes a tiny one)."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    if engine is None:
+        from vvs_engine import Engine
+
+        engine = Engine.load()
+    batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")} | {1})
+    note = ""
+    if not batching_supported(engine) and batch_sizes != [1]:
+        note = "Engine.generate has no batch_size yet: B = 1 only."
+        batch_sizes = [1]
+    rows = QUICK_ROWS if args.quick else ROWS
+    results = {}
+    for b in batch_sizes:
+        results[b] = {}
+        for name, method, opts in rows:
+            r = count_method(engine, method, opts, args.label, args.seed, b)
+            results[b][name] = r
+            print(f"B={b} {name:16s} ops/round {r['ops_per_round']:8.1f}  ops/token {r['ops_per_token']:8.1f}  "
+                  f"tpf {r['tpf']:.2f}  host reads {r['host_reads']}", flush=True)
+    verify_rows = verify_call_ops(engine)
+    for v in verify_rows:
+        print(f"verify_tree {v['rule']}: torch walk {v['torch_walk_ops']} ops, fused {v['fused_ops']} ops")
+    os.makedirs(args.out, exist_ok=True)
+    md = render(results, verify_rows, batch_sizes, note)
+    meta = dict(command=f"{COMMAND} {' '.join(argv if argv is not None else sys.argv[1:])}".strip(),
+                torch=torch.__version__, python=platform.python_version(), label=args.label, seed=args.seed)
+    with open(os.path.join(args.out, "op_count.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(args.out, "op_count.json"), "w") as f:
+        json.dump(dict(meta=meta, results={str(b): r for b, r in results.items()}, verify_call=verify_rows), f, indent=1)
+    print(md)
+    return results
+
+
+if __name__ == "__main__":
+    main()
