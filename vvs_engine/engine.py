@@ -213,7 +213,8 @@ class Engine:
         wall = time.perf_counter() - t0
         stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image,
                  "batch_size": batch_size}
-        stats.update(_merge_stats(method_stats))
+        merge = getattr(run, "merge_stats", None)  # a runner may say how its counters combine
+        stats.update(merge(method_stats) if merge is not None else _merge_stats(method_stats))
         stats["tokens_generated"] = n * self.tokens_per_image
         f = stats["target_forward_passes"]
         stats["tpf"] = stats["tokens_generated"] / f if f else float("inf")
