@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from .checkpoint import load_into, read_config, read_state_dict
 from .errors import VVSError
-from .kv_cache import StaticKVCache, write_slots
-from .models.gpt import RMSNorm, apply_rope
+from .kv_cache import StaticKVCache
+from .models.gpt import RMSNorm, apply_rope, write_slots
 
 
 @dataclass

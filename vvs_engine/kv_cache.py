@@ -42,13 +42,3 @@ class StaticKVCache:
         self.k.zero_()
         self.v.zero_()
 
-
-def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """Write ``values`` [B, H, T, D] into one layer's ``cache`` [B, H, S, D] at ``slots``: [T] (the same
-    slots for every row) or [B, T] (per row, e.g. each sequence's own prefix length)."""
-    values = values.to(cache.dtype)
-    if slots.dim() == 1:
-        cache.index_copy_(2, slots, values)
-    else:
-        B, H, T, D = values.shape
-        cache.scatter_(2, slots[:, None, :, None].expand(B, H, T, D), values)

@@ -16,7 +16,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import VVSError
-from ..kv_cache import write_slots
 
 
 def find_multiple(n: int, k: int) -> int:
@@ -106,6 +105,17 @@ def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int
     )  # [grid, grid, head_dim/2]: row angles then column angles
     table = torch.stack([torch.cos(grid), torch.sin(grid)], dim=-1).flatten(0, 1)
     return torch.cat([torch.zeros(cls_token_num, half, 2, dtype=torch.float64), table]).float()
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` [B, H, T, D] into one layer's static cache [B, H, S, D] at ``slots``: [T] (the
+    same slots for every row) or [B, T] (per row: each sequence of a batch at its own length)."""
+    values = values.to(cache.dtype)
+    if slots.dim() == 1:
+        cache.index_copy_(2, slots, values)
+    else:
+        B, H, T, D = values.shape
+        cache.scatter_(2, slots[:, None, :, None].expand(B, H, T, D), values)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
