@@ -75,7 +75,8 @@ def run_jacobi_rows(engine, labels, seed, settings=None, include_ar=False, retur
             fwd = sum(o.stats["target_forward_passes"] for o in outs)
             st = {"tpf": tokens.numel() / fwd, "target_forward_passes": fwd}
         else:
-            out = engine.generate(class_labels=labels, method=method, seed=seed, decode_images=False, **sampling, **opts)
+            out = engine.generate(class_labels=labels, method=method, seed=seed, decode_images=False, batch_size=1,
+                                  **sampling, **opts)  # batch 1, like the AR rows
             tokens, st = out.tokens, out.stats
         wall = time.perf_counter() - t0
         row = {

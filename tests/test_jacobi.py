@@ -76,7 +76,8 @@ def _pair_marginal(seqs, probs, a, b, V):
 
 
 def test_sampled_sjd_matches_target_distribution():
-    """Chi-square goodness of fit on a V=4 model, window 2, random init, 1200 images, for the pairs
+    """Chi-square goodness of fit on a V=4 model, window 2, random init, 1200 images decoded in batches
+    of 64, for the pairs
     (token 0, token 1) and (token 1, token 2) against the exact marginals (16 cells each). Token 1 is
     always decided in the first round (fresh draft, q one-hot); token 2 is where carried Jacobi drafts
     (q = last round's p) are tested, so both kinds of q are covered.
@@ -85,13 +86,15 @@ def test_sampled_sjd_matches_target_distribution():
     the target has non-centrality >= 1200 * 0.0576 = 69, and a non-central chi-square(15, 69) exceeds
     the alpha = 1e-3 critical value (37.7) with probability > 0.99 (before merging sparse cells). Two
     negative controls must fail: accepting every draft (no verification), and the subtle bug of
-    testing carried drafts as if their q were one-hot (stat ~52 against a critical value ~28)."""
+    testing carried drafts as if their q were one-hot, on 4000 images: its statistic grows with n (53 at
+    1200 images, 128 at 4000, against a critical value of about 30; it was 24 at 1200 with another
+    random stream, so 1200 alone is not a safe margin)."""
     eng = tiny_engine(vocab=4, block=4, seed=1, peak=25.0, with_vq=False)
     V = 4
     seqs, probs = _exact_joint3(eng, 1, 2.0)
     n = 1200
     kw = dict(class_labels=[1] * n, temperature=1.0, cfg_scale=2.0, method="sjd", seed=5, jacobi_window=2,
-              jacobi_init="random", decode_images=False)
+              jacobi_init="random", decode_images=False, batch_size=64)
     out = eng.generate(**kw)
     assert out.stats["accepted_drafts_carried"] > 100 and out.stats["accepted_drafts_fresh"] > 100
     for a, b in ((0, 1), (1, 2)):
@@ -107,15 +110,15 @@ def test_sampled_sjd_matches_target_distribution():
         ExactRule.accept = original
     cells, marg = _pair_marginal(seqs, probs, 1, 2, V)
     stat_bad, dof = _chi2(bad_tokens[:, [1, 2]], cells, marg)
-    assert stat_bad > _chi2_crit(dof)
+    assert stat_bad > _chi2_crit(dof), (stat_bad, dof)
     # A subtle bug is caught too: testing carried drafts as if q were one-hot (u < p(x), not p/q).
     try:
         ExactRule.accept = lambda self, r, x, qx, u, ctx: (u < r.gather(1, x[:, None])[:, 0], None)
-        bad = eng.generate(**kw)
+        bad = eng.generate(**dict(kw, class_labels=[1] * 4000))
     finally:
         ExactRule.accept = original
     stat_bad, dof = _chi2(bad.tokens[:, [1, 2]], cells, marg)
-    assert stat_bad > _chi2_crit(dof)
+    assert stat_bad > _chi2_crit(dof), (stat_bad, dof)
 
 
 # --- GSD ----------------------------------------------------------------------------------------------

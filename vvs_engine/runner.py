@@ -40,7 +40,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .masks import causal_local
-from .sampling import SamplingParams, guided_logits, process_logits, sample
+from .sampling import SamplingParams, guided_logits, process_logits
 from .target import TargetSession
 
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
@@ -190,11 +190,15 @@ class GraphRunner:
         return self.calls[name]
 
     # --- (1) plain AR: one call per token, the state advances inside the graph ----------------------
-    def ar_decode(self, first: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        """first [n] (the token sampled after prefill) -> tokens [n, T]."""
+    def ar_decode(self, first: torch.Tensor, rng) -> torch.Tensor:
+        """first [n] (the token sampled after prefill) -> tokens [n, T]. ``rng``: the batch's
+        :class:`~vvs_engine.rng.CounterRNG`; its keys are copied into the step's static key buffer."""
+        from .rng import CounterRNG, Streams
+
         s, params = self.session, self.params
         if "ar_step" not in self.calls:
             n = first.shape[0]
+            self.ar_rng = CounterRNG(0, torch.zeros(n, dtype=torch.long, device=self.device))
             state = (torch.zeros(n, dtype=torch.long, device=self.device),  # last token
                      torch.zeros(1, dtype=torch.long, device=self.device),  # its position
                      torch.zeros(n, s.T, dtype=torch.long, device=self.device))  # tokens so far
@@ -202,22 +206,22 @@ class GraphRunner:
 
             def ar_step(tok, pos, out):
                 h = s.forward(tok[:, None], pos, pos, one)[:, -1]
-                nxt = sample(process_logits(guided_logits(s.logits(h), params), params), self.gen)
+                p = process_logits(guided_logits(s.logits(h), params), params)
+                nxt = self.ar_rng.sample(p, pos - (s.c - 1), Streams.SAMPLE)  # step = image token index
                 out.index_copy_(1, pos - (s.c - 1), nxt[:, None])
                 tok.copy_(nxt)
                 pos.add_(1)
                 return tok
 
-            self._call("ar_step", ar_step, state, self.gen, clone_inputs=False)
+            self._call("ar_step", ar_step, state, clone_inputs=False)
         step = self.calls["ar_step"]
         tok, pos, out = step.inputs
         tok.copy_(first)
         pos.fill_(s.c)
         out[:, 0] = first
-        self.gen.set_state(gen.get_state())  # hand the caller's stream in once for the whole loop
+        self.ar_rng.key.copy_(rng.key)
         for _ in range(s.T - 1):
             step()
-        gen.set_state(self.gen.get_state())
         return out.clone()
 
     def stats(self) -> dict:
