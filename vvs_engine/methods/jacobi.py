@@ -45,7 +45,7 @@ from ..rng import Streams, sample_inverse_cdf
 from ..sampling import guided_logits, process_logits
 from ..target import TargetSession
 from . import register
-from .common import DecodeBatch, MethodResult
+from .common import DecodeBatch, LateCounter, MethodResult
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
 MAX_WINDOW = 1024
@@ -326,14 +326,12 @@ def capture(fn, state: JacobiState):
 def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graphs: bool) -> MethodResult:
     """Decode the batch: eager prefill, then one :meth:`JacobiDecoder.jacobi_iteration` (or its graph
     replay) per iteration until every image has its tokens."""
-    from .speculative import LateRead
-
     dec = JacobiDecoder(engine, batch, params, opts, rule)
     st = dec.prefill()
     iteration = lambda: dec.jacobi_iteration(st)
     if use_graphs:
         iteration = capture(iteration, st)
-    committed = LateRead(dec.device)
+    committed = LateCounter(dec.device)
     n_iterations, reported = 0, 1
     while committed.push(st.min_committed) < dec.T:  # the one host read (one iteration late on CUDA)
         iteration()
