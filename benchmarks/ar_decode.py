@@ -36,10 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from vvs_engine import Engine  # noqa: E402
 from vvs_engine.engine import resolve_device, resolve_dtype  # noqa: E402
-from vvs_engine.masks import causal_local  # noqa: E402
+from vvs_engine.runtime.masks import causal_local  # noqa: E402
 from vvs_engine.models.gpt import GPT, gpt_config  # noqa: E402
 from vvs_engine.sampling import SamplingParams, guided_logits, make_generator, process_logits, sample  # noqa: E402
-from vvs_engine.target import TargetSession  # noqa: E402
+from vvs_engine.runtime.target import TargetSession  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

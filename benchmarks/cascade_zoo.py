@@ -4,7 +4,7 @@
 drafter-based baselines the paper compares against (EAGLE-1 static tree, EAGLE-2 dynamic tree,
 LANTERN++) on the same labels and seed, and returns one dict per run: method, settings, TPF, mean
 accepted length, wall time (and the tokens, for quality metrics). ``drafters`` adds the CASCADE and
-EAGLE-1 rows again with other drafters (e.g. the redundancy-weighted one of ``vvs_engine.cascade_train``).
+EAGLE-1 rows again with other drafters (e.g. the redundancy-weighted one of ``vvs_engine.training.cascade``).
 
     python benchmarks/cascade_zoo.py --labels 0,1,2,3 --seed 0 [--drafter weighted=zoo_work/x.safetensors]
 
@@ -73,7 +73,7 @@ def run_cascade_rows(engine, labels: Sequence[int], seed: int, temperature: floa
                      include_ar: bool = False, keep_tokens: bool = False, configs=None, log=print) -> List[dict]:
     """One row per configuration, all on ``labels`` with ``seed``. ``drafters``: {name: path} of extra
     drafters; their rows are named "<row> [name]". ``include_ar`` adds the AR row (wall-clock ratios)."""
-    from vvs_engine.drafter import load_drafter
+    from vvs_engine.drafting.drafter import load_drafter
 
     sampling = dict(temperature=temperature, cfg_scale=cfg_scale, top_k=top_k, top_p=top_p, seed=seed,
                     decode_images=False)

@@ -1,5 +1,5 @@
 """End-to-end benchmark (methods x settings, latency per image, TPF, speed-up over our AR baseline,
-trace replay on large random-weight models). A thin wrapper over ``vvs_engine.bench`` (the same as
+trace replay on large random-weight models). A thin wrapper over ``vvs_engine.evaluation.bench`` (the same as
 ``vvs-engine bench``); see that module for the flags:
 
     python benchmarks/e2e.py --quick                                   # CPU smoke run, < 60 s
@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from vvs_engine.bench import main  # noqa: E402
+from vvs_engine.evaluation.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

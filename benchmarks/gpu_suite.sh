@@ -62,8 +62,8 @@ step ar_decode_eager 35 python benchmarks/ar_decode.py --gpt-model GPT-XL --imag
 step ar_decode_graph 35 python - "$RES/ar_graph_step_xl_bf16.json" <<'PY'
 # The CUDA-graph AR step (GraphRunner.ar_decode) on a LlamaGen-XL shape, bf16, CFG batch 2.
 import json, sys, torch
-from vvs_engine.bench import random_engine
-from vvs_engine.runner import get_runner
+from vvs_engine.evaluation.bench import random_engine
+from vvs_engine.runtime.runner import get_runner
 from vvs_engine.sampling import SamplingParams, make_generator
 eng = random_engine("GPT-XL", "cuda", "bf16", tokens=576)
 params = SamplingParams(1.0, 0, 1.0, 4.0)

@@ -2,7 +2,7 @@
 
 On a GPU every dispatched op is at least one kernel launch, so ops per committed token is the launch
 budget a method spends for what it saves in target forwards (TPF). Counted on the CPU by
-``vvs_engine.opcount.OpCounter`` (aten + vvs:: ops below autograd; views, no-op casts and bare
+``vvs_engine.evaluation.opcount.OpCounter`` (aten + vvs:: ops below autograd; views, no-op casts and bare
 allocations excluded), over one whole generation (prefill included) of one image, fp32, default
 sampling, so the counts are deterministic. A round is an AR step, a verify or skip round, or a Jacobi
 iteration; the AR step is the unit. The second table counts one call of ``verify_tree`` on a Zoo-sized
@@ -26,7 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vvs_engine.opcount import OpCounter  # noqa: E402
+from vvs_engine.evaluation.opcount import OpCounter  # noqa: E402
 
 # (row, method, options): the methods of the issue's table with their default options.
 ROWS = [
@@ -83,9 +83,10 @@ def verify_call_ops(engine):
     node at most, the Zoo vocabulary), exact and LANTERN: the torch walk vs the fused op."""
     from types import SimpleNamespace
 
-    from vvs_engine.acceptance import LanternRule, ExactRule, verify_tree_torch
+    from vvs_engine.acceptance.verify import LanternRule, ExactRule, verify_tree_torch
     from vvs_engine.kernels import ops as kernel_ops
-    from vvs_engine.tree import children_table, tree_meta_reference
+    from vvs_engine.drafting.tree import children_table
+    from vvs_engine.kernels.reference import tree_meta as tree_meta_reference
 
     gen = torch.Generator().manual_seed(0)
     N, C, D, V = 59, 10, 4, engine.config.vocab_size

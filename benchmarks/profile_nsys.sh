@@ -39,7 +39,7 @@ nsys profile \
   python - "$METHOD" "$MODEL" <<'PY'
 import sys
 import torch
-from vvs_engine.bench import lantern_k, load_model
+from vvs_engine.evaluation.bench import lantern_k, load_model
 
 method, model = sys.argv[1], sys.argv[2]
 eng, desc = load_model(model, "cuda", "bf16", quick=False)

@@ -98,7 +98,7 @@ def run_row(eng, name, method, opts, labels, seed, sampling, inception, tokens_d
 
 
 def evaluate_row(row, images, labels, inception):
-    from vvs_engine.eval import evaluate_images
+    from vvs_engine.evaluation.quality import evaluate_images
 
     m = evaluate_images(images, labels, inception=inception, progress=None)
     row.update({k: m[k] for k in ("class_accuracy", "fd_classifier", "fid_inception", "precision", "recall") if k in m})

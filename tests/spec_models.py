@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from vvs_engine.drafter import Drafter, DrafterConfig
+from vvs_engine.drafting.drafter import Drafter, DrafterConfig
 from vvs_engine.engine import Engine
 from vvs_engine.models.gpt import GPT, GPTConfig
 from vvs_engine.models.vq import VQConfig, VQModel

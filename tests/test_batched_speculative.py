@@ -225,7 +225,7 @@ def test_gpu_round_graphs_replay_equals_eager():
 @pytest.mark.skipif(not GPU, reason=NO_GPU)
 def test_gpu_steady_state_rounds_never_sync():
     """After capture, replaying every round kind and reading the late counters never syncs."""
-    from vvs_engine.runner import RoundGraphs
+    from vvs_engine.runtime.runner import RoundGraphs
 
     e = tiny_engine(vocab=64, block=36, peak=8.0)
     e.to("cuda", torch.float32)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from vvs_engine import bench
+from vvs_engine.evaluation import bench
 
 SMALL = "ar;eagle:tree_total=8,tree_depth=2,tree_topk=3;vvs:skip_interval=2,tree_total=8,tree_depth=2,tree_topk=3"
 

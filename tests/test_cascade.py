@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from spec_models import tiny_engine
-from vvs_engine.acceptance import VerifyContext, make_rule
-from vvs_engine.cascade_rule import (CascadeRule, acceptance_probability, kl_to_normalised_logits, nucleus_floor,
+from vvs_engine.acceptance.verify import VerifyContext, make_rule
+from vvs_engine.acceptance.cascade import (CascadeRule, acceptance_probability, kl_to_normalised_logits, nucleus_floor,
                                      set_token_mask, similarity_sets)
-from vvs_engine.cascade_train import cascade_loss_weights, redundancy_weights
+from vvs_engine.training.cascade import cascade_loss_weights, redundancy_weights
 from vvs_engine.errors import VVSError
-from vvs_engine.tree import DraftTree, tree_structure
+from vvs_engine.drafting.tree import DraftTree, tree_structure
 
 LABELS = [0, 3, 4]
 OFF = dict(cascade_breadth_threshold=1.5, cascade_depth_threshold=1.01)  # cosines never exceed these
@@ -186,7 +186,7 @@ def test_gates_hand_computed():
 
 
 def test_greedy_breadth_and_unrelaxed_residual():
-    from vvs_engine.acceptance import _greedy_ok
+    from vvs_engine.acceptance.verify import _greedy_ok
 
     tree = _hand_tree()
     onehot = torch.tensor([[0.0, 0.0, 1.0, 0.0]] * 4)  # the target's argmax is token 2
@@ -257,7 +257,7 @@ def test_redundancy_weights_against_slow_loop():
 
 
 def test_weighted_drafter_training_runs():
-    from vvs_engine.cascade_train import train_cascade_drafter
+    from vvs_engine.training.cascade import train_cascade_drafter
 
     eng = tiny_engine(vocab=16, block=9, dtype=torch.float32, with_vq=False, dim=32, n_layer=1)
     tok = torch.randint(0, 16, (8, 9), generator=torch.Generator().manual_seed(0))
@@ -292,7 +292,7 @@ def test_bad_rule_options_and_runtime_errors(eng):
         eng.generate(class_labels=[0], method="eagle", accept="cascade", rule_options={"source": "drafter"},
                      decode_images=False)
     assert "\n" not in str(e.value) and "static" in str(e.value)
-    from vvs_engine.cascade_train import check_weighting
+    from vvs_engine.training.cascade import check_weighting
 
     for args in (("attention", 0.6, 2.0), ("logits", 1.5, 2.0), ("logits", 0.6, 0.0)):
         with pytest.raises(VVSError) as e:

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from vvs_engine import Engine, VVSError
 from vvs_engine.checkpoint import save_safetensors
-from vvs_engine.cli import METHOD_FLAGS, main, method_options, build_parser
+from vvs_engine.cli import main, method_options, build_parser
+from vvs_engine.methods.options import method_flags
 from vvs_engine.models.gpt import GPT, GPTConfig
 from vvs_engine.models.vq import VQConfig, VQModel
 
@@ -157,7 +158,7 @@ def test_method_flags_only_set_ones_are_passed():
     opts = method_options(args)
     assert {k for k, v in opts.items() if v is not None} == {"lantern_delta", "tree", "skip_interval"}
     assert opts["lantern_delta"] == 0.2 and opts["tree"] == "static" and opts["skip_interval"] == 3
-    assert set(opts) == {f[2:].replace("-", "_") for f, _, _ in METHOD_FLAGS}
+    assert set(opts) == {fl.name for fl in method_flags()}
     assert "cascade_breadth_threshold" in opts and "gsd_prob_threshold" in opts
 
 
@@ -341,15 +342,15 @@ def test_subcommand_dispatch(monkeypatch, tmp_path, capsys):
     import types
 
     calls = {}
-    fake_bench = types.ModuleType("vvs_engine.bench")
+    fake_bench = types.ModuleType("vvs_engine.evaluation.bench")
     fake_bench.main = lambda args: calls.setdefault("bench", args) and 0
-    fake_drafter = types.ModuleType("vvs_engine.drafter")
+    fake_drafter = types.ModuleType("vvs_engine.training.drafter")
     fake_drafter.cli_train = lambda args: calls.setdefault("drafter", args) and 0
-    fake_eval = types.ModuleType("vvs_engine.eval")
+    fake_eval = types.ModuleType("vvs_engine.evaluation.report")
     fake_eval.evaluate_dir = lambda d, o: calls.setdefault("eval", (d, o)) and {"class_accuracy": 1.0}
-    monkeypatch.setitem(sys.modules, "vvs_engine.bench", fake_bench)
-    monkeypatch.setitem(sys.modules, "vvs_engine.drafter", fake_drafter)
-    monkeypatch.setitem(sys.modules, "vvs_engine.eval", fake_eval)
+    monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.bench", fake_bench)
+    monkeypatch.setitem(sys.modules, "vvs_engine.training.drafter", fake_drafter)
+    monkeypatch.setitem(sys.modules, "vvs_engine.evaluation.report", fake_eval)
     assert main(["bench", "--methods", "ar,vvs", "--steps", "3"]) == 0
     assert calls["bench"] == ["--methods", "ar,vvs", "--steps", "3"]
     assert main(["train-drafter", "--epochs", "1"]) == 0
@@ -359,9 +360,14 @@ def test_subcommand_dispatch(monkeypatch, tmp_path, capsys):
     assert "class_accuracy" in capsys.readouterr().out
 
 
-def test_missing_subcommand_module_is_one_line(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "vvs_engine.bench", None)  # import of it raises ModuleNotFoundError
-    run_error(capsys, ["bench"], match="not available")
+def test_missing_optional_dependency_is_one_line(monkeypatch, capsys):
+    import vvs_engine.cli as cli
+
+    def import_module(name):
+        raise ModuleNotFoundError("No module named 'skimage'", name="skimage")
+
+    monkeypatch.setattr(cli.importlib, "import_module", import_module)
+    run_error(capsys, ["bench"], match="needs the Python package 'skimage'")
     run_error(capsys, ["eval", "--images", "/nonexistent/dir"], match="not a folder")
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from spec_models import tiny_engine
-from vvs_engine.drafter import Drafter, DrafterConfig, load_drafter, train_drafter
+from vvs_engine.drafting.drafter import Drafter, DrafterConfig, load_drafter
+from vvs_engine.training.drafter import train_drafter
 from vvs_engine.errors import VVSError
 
 

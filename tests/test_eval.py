@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from vvs_engine import eval as ev
+from vvs_engine.evaluation import quality as ev
+from vvs_engine.evaluation import report
 from vvs_engine.errors import VVSError
 
 torch.set_num_threads(2)
@@ -159,11 +160,11 @@ def test_evaluate_dir(tmp_path, tiny_inception, monkeypatch):
         Image.fromarray(im).save(tmp_path / f"{i:06d}.png")
     np.savez(tmp_path / "tokens.npz", tokens=np.zeros((len(x), 256), np.int64), labels=y)
     out = tmp_path / "metrics.json"
-    m = ev.evaluate_dir(str(tmp_path), str(out), inception_path=tiny_inception)
+    m = report.evaluate_dir(str(tmp_path), str(out), inception_path=tiny_inception)
     assert m["n_images"] == len(x)
     assert m["class_accuracy"] >= 0.5
     for k in ("fd_classifier", "fid_inception", "precision", "recall"):
         assert np.isfinite(m[k])
     assert json.loads(out.read_text())["n_images"] == len(x)
     with pytest.raises(VVSError):
-        ev.evaluate_dir(str(tmp_path / "nope"))
+        report.evaluate_dir(str(tmp_path / "nope"))

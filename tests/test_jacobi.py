@@ -10,9 +10,9 @@ import torch
 
 from spec_models import tiny_engine
 from test_speculative import _chi2, _chi2_crit
-from vvs_engine.acceptance import ExactRule, make_rule
+from vvs_engine.acceptance.verify import ExactRule, make_rule
 from vvs_engine.errors import VVSError
-from vvs_engine.gsd_rule import GroupedRule, _static_neighbors, unit_codebook
+from vvs_engine.acceptance.gsd import GroupedRule, _static_neighbors, unit_codebook
 from vvs_engine.methods import get_method, jacobi
 
 LABELS = [0, 3, 4]
@@ -264,9 +264,9 @@ def test_gsd_without_tokenizer():
 
 
 def test_cli_option_names_reach_the_methods(eng):
-    from vvs_engine.cli import METHOD_FLAGS, option_name
+    from vvs_engine.cli import build_parser, method_options
 
-    names = {option_name(f) for f, _, _ in METHOD_FLAGS}
+    names = set(method_options(build_parser().parse_args(["generate"])))
     given = {"jacobi_window": 8, "jacobi_init": "random", "gsd_group": 5, "gsd_prob_threshold": 0.2,
              "gsd_dist_threshold": 1.5}
     assert set(given) <= names
@@ -291,7 +291,7 @@ def test_tree_draft_distribution_drops_rejected_siblings():
     siblings already rejected this round, renormalised (what verify_tree divides by)."""
     from types import SimpleNamespace
 
-    from vvs_engine.gsd_rule import _draft_distribution
+    from vvs_engine.acceptance.gsd import _draft_distribution
 
     V = 10
     q0 = torch.softmax(torch.arange(V, dtype=torch.float32), 0)

@@ -10,13 +10,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spec_models import tiny_engine
-from vvs_engine.acceptance import ExactRule
+from vvs_engine.acceptance.verify import ExactRule
 from vvs_engine.methods import jacobi
 from vvs_engine.methods.common import DecodeBatch
 from vvs_engine.rng import CounterRNG
 from vvs_engine.masks import causal_local
 from vvs_engine.sampling import SamplingParams
-from vvs_engine.target import TargetSession
+from vvs_engine.runtime.target import TargetSession
 
 GPU = torch.cuda.is_available()
 NO_GPU = "no CUDA device: Jacobi-iteration graph capture and its sync check need a GPU"

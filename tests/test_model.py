@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from vvs_engine import Engine
-from vvs_engine.masks import causal_local
+from vvs_engine.runtime.masks import causal_local
 from vvs_engine.models.gpt import GPT, GPTConfig, apply_rope, gpt_config, rope_table_2d
-from vvs_engine.target import TargetSession
+from vvs_engine.runtime.target import TargetSession
 
 
 def tiny_config(**kw) -> GPTConfig:

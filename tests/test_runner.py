@@ -13,7 +13,7 @@ import torch
 from spec_models import tiny_engine
 from vvs_engine.methods import ar
 from vvs_engine.rng import CounterRNG
-from vvs_engine.runner import StaticCall, batch_bucket, get_runner, pad_conditions
+from vvs_engine.runtime.runner import StaticCall, batch_bucket, get_runner, pad_conditions
 from vvs_engine.sampling import SamplingParams
 
 GPU = torch.cuda.is_available()
@@ -87,7 +87,7 @@ def test_ar_padding_rows_do_not_change_real_rows(eng):
 def test_ar_t2i_caption_masks_through_the_cached_runner():
     """Text conditions with padded captions: the cached runner's session takes each call's key mask."""
     from vvs_engine.models.gpt import GPT, GPTConfig
-    from vvs_engine.target import TargetSession
+    from vvs_engine.runtime.target import TargetSession
 
     torch.manual_seed(0)
     g = GPT(GPTConfig(dim=32, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, model_type="t2i",

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from spec_models import tiny_engine
-from vvs_engine.acceptance import ExactRule, LanternRule, lantern_mass_reference, neighbor_table
-from vvs_engine.drafting import DraftSession, TreeSpec
+from vvs_engine.acceptance.verify import ExactRule, LanternRule, neighbor_table
+from vvs_engine.drafting.session import DraftSession, TreeSpec
+from vvs_engine.kernels.reference import lantern_mass as lantern_mass_reference, tree_meta as tree_meta_reference
 from vvs_engine.methods import speculative
 from vvs_engine.sampling import SamplingParams, guided_logits, process_logits
-from vvs_engine.target import TargetSession
-from vvs_engine.tree import children_table, tree_meta_reference
+from vvs_engine.runtime.target import TargetSession
+from vvs_engine.drafting.tree import children_table
 
 LABELS = [0, 3, 4]
 
@@ -207,7 +208,7 @@ def test_tree_meta_against_slow_reference():
 
 def _tree_of(tree, b):
     """Sequence b of a batched DraftTree with unbatched fields (tokens [N], mask [N, N], ...)."""
-    from vvs_engine.tree import DraftTree
+    from vvs_engine.drafting.tree import DraftTree
 
     pick = lambda t: None if t is None else t[b]
     return DraftTree(pick(tree.tokens), pick(tree.parents), pick(tree.mask), pick(tree.depth), pick(tree.paths),
@@ -369,7 +370,7 @@ def test_schedules():
     from types import SimpleNamespace
 
     from vvs_engine.methods.schedule import Dynamic, Uniform, path_similarity
-    from vvs_engine.tree import tree_structure
+    from vvs_engine.drafting.tree import tree_structure
 
     u = Uniform(2)
     assert [u.skip(r, False, False) for r in range(4, 10)] == [False, True, False, True, False, True]

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vvs_engine.acceptance import ExactRule, LanternRule, neighbor_table, verify_tree
-from vvs_engine.cascade_rule import CascadeRule
-from vvs_engine.gsd_rule import GroupedRule
+from vvs_engine.acceptance.verify import ExactRule, LanternRule, neighbor_table, verify_tree
+from vvs_engine.acceptance.cascade import CascadeRule
+from vvs_engine.acceptance.gsd import GroupedRule
 from vvs_engine.rng import sample_inverse_cdf
-from vvs_engine.tree import tree_structure
+from vvs_engine.drafting.tree import tree_structure
 
 V = 24
 

@@ -123,7 +123,7 @@ def test_quality_bar_small_sample(engine):
     """Plain AR with the default sampling settings: one image per class, classified by the shipped
     classifier. The full bar (256 images, >= 50 %) is in docs/zoo.md; this is a loose floor, far above
     chance (1/16)."""
-    from vvs_engine.eval import class_accuracy
+    from vvs_engine.evaluation.quality import class_accuracy
 
     labels = list(range(engine.config.num_classes))
     out = engine.generate(class_labels=labels, method="ar", cfg_scale=4.0, seed=0)

@@ -5,9 +5,9 @@ Subcommands:
 * ``generate``       generate images with any decoding method (the contract other tools rely on, see
                      README "Command line"): writes ``tokens.npz``, ``stats.json`` and one PNG per image.
 * ``zoo list|train`` list the shipped models / retrain them (``vvs_engine.zoo``).
-* ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.eval``).
-* ``bench``          speed benchmarks (``vvs_engine.bench``).
-* ``train-drafter``  train an EAGLE-style drafter (``vvs_engine.drafter``).
+* ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.evaluation.report``).
+* ``bench``          speed benchmarks (``vvs_engine.evaluation.bench``).
+* ``train-drafter``  train an EAGLE-style drafter (``vvs_engine.training.drafter``).
 
 Error policy: bad input never produces a traceback. Argument errors print one ``error: ...`` line and
 exit 2 (like argparse, minus the usage dump); every other user error (:class:`VVSError`, a file that
@@ -24,43 +24,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from .errors import VVSError
-
-# Flags of the decoding methods: (flag, type, help). The option name passed to
-# ``Engine.generate(..., **opts)`` is the flag in snake case (``--lantern-k`` -> ``lantern_k``). They all
-# default to None, meaning "not given": the method registry drops None so the method's own default
-# applies, and a method that does not take an option is only told about it when the user set it.
-METHOD_FLAGS = [
-    ("--accept", str, "acceptance rule: exact|lantern|lantern++|gsd|cascade (default: the method's own)"),
-    ("--lantern-k", int, "LANTERN: number of codebook neighbours k"),
-    ("--lantern-delta", float, "LANTERN: total-variation bound delta"),
-    ("--lantern-lambda", float, "LANTERN++: multiplicative cap lambda"),
-    ("--tree", str, "draft tree: dynamic|static|chain"),
-    ("--tree-total", int, "draft tree: total nodes"),
-    ("--tree-depth", int, "draft tree: depth"),
-    ("--tree-topk", int, "draft tree: children per expanded node"),
-    ("--skip-policy", str, "VVS: skip schedule uniform|dynamic"),
-    ("--skip-interval", int, "VVS: verify every N-th step (uniform policy)"),
-    ("--skip-threshold", float, "VVS: dynamic skip threshold in [-1, 1]"),
-    ("--select", str, "VVS: verification-free token selector random|confidence"),
-    ("--post-verify", str, "VVS: post-verification of skipped tokens fill|reject"),
-    ("--jacobi-window", int, "SJD/GSD: Jacobi window length"),
-    ("--jacobi-init", str, "SJD/GSD: initialisation of new window positions"),
-    ("--gsd-group", int, "GSD: group size"),
-    ("--gsd-prob-threshold", float, "GSD: probability threshold"),
-    ("--gsd-dist-threshold", float, "GSD: codebook distance threshold"),
-    ("--cascade-breadth-threshold", float, "CASCADE: breadth similarity threshold tau_b"),
-    ("--cascade-depth-threshold", float, "CASCADE: depth convergence threshold tau_d"),
-    ("--cascade-gate", str, "CASCADE: uncertainty gate"),
-    ("--cascade-source", str, "CASCADE: similarity source drafter|target-logits|target-hidden"),
-    ("--cascade-kappa", float, "CASCADE: kappa (nats) of the kl and entropy gates"),
-    ("--cascade-depth-source", str, "CASCADE: state compared by the depth term logits|hidden"),
-    ("--cascade-nucleus", float, "CASCADE: probability mass of the nucleus gate"),
-]
-
-
-def option_name(flag: str) -> str:
-    return flag[2:].replace("-", "_")
-
+from .methods.options import method_flags
 
 # --- argument parsing ---------------------------------------------------------------------------
 class UsageError(Exception):
@@ -116,9 +80,11 @@ def build_parser() -> Parser:
     s.add_argument("--batch-size", type=int, default=16, metavar="N",
                    help="images decoded together, every method (default 16); tokens do not depend on it")
 
+    # Generated from the method option dataclasses. All default to None ("not given"): the method
+    # registry drops None so the method's own default applies.
     mo = g.add_argument_group("method options (default: the method's own)")
-    for flag, typ, help_ in METHOD_FLAGS:
-        mo.add_argument(flag, type=typ, default=None, help=help_)
+    for fl in method_flags():
+        mo.add_argument(fl.flag, type=fl.type, default=None, help=fl.help.replace("%", "%%"))
 
     o = g.add_argument_group("output")
     o.add_argument("--out", default="out", metavar="DIR", help="output folder (default ./out)")
@@ -187,7 +153,7 @@ def pick_device(name: str) -> str:
 
 def method_options(args) -> dict:
     """The method flags as ``Engine.generate`` keyword options (None = not given)."""
-    return {option_name(flag): getattr(args, option_name(flag)) for flag, _, _ in METHOD_FLAGS}
+    return {fl.name: getattr(args, fl.name) for fl in method_flags()}
 
 
 def cmd_generate(args) -> int:
@@ -211,8 +177,6 @@ def cmd_generate(args) -> int:
 
     if args.method not in method_names():
         raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
-    if args.gpt_ckpt is None:
-        _require_default_model()
 
     engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
@@ -228,40 +192,16 @@ def cmd_generate(args) -> int:
                                cfg_scale=args.cfg_scale, seed=args.seed, decode_images=not args.no_images,
                                progress=not args.quiet, batch_size=args.batch_size, **method_options(args))
 
-    if args.profile:
-        out = profiled(run, args.profile, device)
-    else:
+    from .runtime.profiling import torch_trace
+
+    with torch_trace(args.profile):
         out = run()
+    if args.profile:
+        print(f"profiler trace: {args.profile}", file=sys.stderr)
 
     write_outputs(args.out, out)
     print_stats(out.stats, args.out, len(out.images))
     return 0
-
-
-def _require_default_model() -> None:
-    """Engine.load() without a checkpoint uses the Zoo; say so clearly while the Zoo is not installed."""
-    try:
-        zoo = importlib.import_module("vvs_engine.zoo")
-    except ModuleNotFoundError:
-        zoo = None
-    if zoo is None or not hasattr(zoo, "default_paths"):
-        raise VVSError("no default model is installed (the Zoo is missing): pass --gpt-ckpt PATH "
-                       "(and --gpt-model for official LlamaGen files)")
-
-
-def profiled(fn, trace_path: str, device: str):
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if device.startswith("cuda"):
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, record_shapes=False) as prof:
-        result = fn()
-    d = os.path.dirname(os.path.abspath(trace_path))
-    os.makedirs(d, exist_ok=True)
-    prof.export_chrome_trace(trace_path)
-    print(f"profiler trace: {trace_path}", file=sys.stderr)
-    return result
 
 
 def json_ready(x):
@@ -345,37 +285,32 @@ def _fmt(v) -> str:
 
 
 # --- other subcommands: thin dispatch to the modules that implement them -------------------------
-def call_provided(module: str, attr: str, what: str, *args):
-    """Call ``module.attr(*args)``; a missing module or function (not built yet, or an optional
-    dependency not installed) is a one-line error instead of a traceback."""
+def call(module: str, attr: str, *args):
+    """Call ``module.attr(*args)``; a missing optional dependency is a one-line error, not a traceback."""
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
-        missing = e.name or ""
-        if module == missing or module.startswith(missing + "."):
-            raise VVSError(f"'{what}' is not available in this build ({module} is missing)") from None
-        raise VVSError(f"'{what}' needs the Python package '{missing.split('.')[0]}' "
+        if (e.name or "").split(".")[0] == "vvs_engine":
+            raise
+        raise VVSError(f"this command needs the Python package '{(e.name or '?').split('.')[0]}' "
                        f"(pip install -e \".[zoo]\")") from None
-    fn = getattr(mod, attr, None)
-    if fn is None:
-        raise VVSError(f"'{what}' is not available in this build ({module}.{attr} is missing)")
-    return fn(*args)
+    return getattr(mod, attr)(*args)
 
 
 def cmd_zoo_list(args) -> int:
-    return _exit_code(call_provided("vvs_engine.zoo", "cli_list", "zoo list"))
+    return _exit_code(call("vvs_engine.zoo", "cli_list"))
 
 
 def cmd_zoo_train(args) -> int:
     out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "checkpoints")
-    return _exit_code(call_provided("vvs_engine.zoo.train", "train_all", "zoo train", out_dir, args.seed))
+    return _exit_code(call("vvs_engine.training.zoo", "train_all", out_dir, args.seed))
 
 
 def cmd_eval(args) -> int:
     if not os.path.isdir(args.images):
         raise VVSError(f"not a folder: {args.images}")
     out_json = args.out or os.path.join(args.images, "metrics.json")
-    metrics = call_provided("vvs_engine.eval", "evaluate_dir", "eval", args.images, out_json)
+    metrics = call("vvs_engine.evaluation.report", "evaluate_dir", args.images, out_json)
     if isinstance(metrics, dict):
         print(json.dumps(json_ready(metrics), indent=2))
         return 0
@@ -383,11 +318,11 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench(rest: List[str]) -> int:
-    return _exit_code(call_provided("vvs_engine.bench", "main", "bench", rest))
+    return _exit_code(call("vvs_engine.evaluation.bench", "main", rest))
 
 
 def cmd_train_drafter(rest: List[str]) -> int:
-    return _exit_code(call_provided("vvs_engine.drafter", "cli_train", "train-drafter", rest))
+    return _exit_code(call("vvs_engine.training.drafter", "cli_train", rest))
 
 
 # Subcommands that own their flags: they receive the rest of the command line unparsed.

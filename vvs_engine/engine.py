@@ -18,7 +18,7 @@ from .errors import VVSError, check
 from .models.gpt import GPT, GPTConfig, gpt_config
 from .models.vq import VQ_PRESETS, VQConfig, VQModel, to_uint8
 from .sampling import SamplingParams
-from .target import TargetSession
+from .runtime.target import TargetSession
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -82,7 +82,7 @@ class Engine:
         info.update(gpt_ckpt=gpt_ckpt, vq_ckpt=vq_ckpt, drafter=drafter)
         dr = None
         if drafter:
-            from .drafter import load_drafter
+            from .drafting.drafter import load_drafter
 
             dr = load_drafter(drafter, gpt)
         enc = None
@@ -105,7 +105,7 @@ class Engine:
             self.caption_encoder.to(device)
         self.device, self.dtype = device, dtype
         self._codebook_cache = {}
-        from .runner import clear_runners
+        from .runtime.runner import clear_runners
 
         clear_runners(self.gpt)
         return self
@@ -228,7 +228,7 @@ class Engine:
         stats.setdefault("cuda_graphs", False)
         images = []
         if decode_images and self.vq is not None:
-            from .profiling import nvtx_range
+            from .runtime.profiling import nvtx_range
 
             with nvtx_range("vq_decode"):
                 images = self.decode_images(tokens)
@@ -288,7 +288,7 @@ class Engine:
     def codebook_neighbors(self, k: int) -> torch.Tensor:
         """``[codebook, k]`` nearest other codes (L2 in the codebook space), for LANTERN; cached."""
         if k not in self._codebook_cache:
-            from .acceptance import neighbor_table
+            from .acceptance.verify import neighbor_table
 
             self._codebook_cache[k] = neighbor_table(self.codebook_vectors(), k)
         return self._codebook_cache[k]

@@ -101,6 +101,9 @@ def test_cuda_ops_capture_in_a_cuda_graph(C):
     v = torch.randn_like(k)
     src = torch.tensor([10, 11, 12], device="cuda")
     dst = torch.tensor([9, 10, 11], device="cuda")
+    want_k, want_v = k.clone(), v.clone()
+    R.kv_compact(want_k, want_v, src, dst)
+    assert not torch.equal(k, want_k)  # the move changes the cache, so the check below can fail
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -109,6 +112,7 @@ def test_cuda_ops_capture_in_a_cuda_graph(C):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(meta[1].cpu(), R.tree_meta(parents.cpu(), 6)[1])
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)  # replay ran the captured kv_compact
 
 
 def test_default_dispatch_on_cuda_prefers_compiled_kernels(C, monkeypatch):

@@ -11,7 +11,7 @@ import vvs_engine.kernels as K
 from vvs_engine.errors import VVSError
 from vvs_engine.kernels import backends
 from vvs_engine.kernels import reference as R
-from vvs_engine.tree import children_table
+from vvs_engine.drafting.tree import children_table
 
 import oracles as O
 
@@ -67,10 +67,20 @@ def test_forced_backend_errors_are_one_line(monkeypatch):
         K.group_mass(*small_inputs()["group_mass"])
 
 
+IMPLEMENTS = {"reference": backends.CUDA_OPS | backends.TRITON_OPS, "triton": backends.TRITON_OPS,
+              "cuda": backends.CUDA_OPS}
+
+
 @pytest.mark.parametrize("op", sorted(backends.CUDA_OPS | backends.TRITON_OPS))
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "cuda"])
 def test_public_ops_match_reference_through_custom_ops(monkeypatch, op, backend):
+    """Forced backend through the vvs:: custom op == the torch reference called directly. With the
+    reference backend this checks the custom-op plumbing (argument order, in-place ops, outputs)."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if op not in IMPLEMENTS[backend]:
+        pytest.skip(f"{backend} has no {op} kernel (forcing it falls through to the next backend)")
+    if backend == "cuda" and (dev.type != "cuda" or backends.cuda_module() is None):
+        pytest.skip("the CUDA extension needs a GPU and a CUDA build")
     if backend == "triton":
         if backends.triton_module() is None:
             pytest.skip("triton is not installed")
@@ -79,6 +89,7 @@ def test_public_ops_match_reference_through_custom_ops(monkeypatch, op, backend)
             # kernels are compiled for the device, so the inputs move there instead.
             monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(backends.ENV, backend)
+    assert backends.choose(op, dev) == backend  # a silent fall-back would compare the reference with itself
     args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in small_inputs()[op])
     want_args = clone(args)
     got = getattr(K, op)(*args)
@@ -114,6 +125,16 @@ def test_ops_trace_under_torch_compile(monkeypatch):
     inputs = (*a[:5], args["tree_meta"][0], args["draft_topk"][0])
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(*inputs), step(*inputs))
+
+
+def test_forced_backend_without_the_op_falls_through(monkeypatch):
+    monkeypatch.setenv(backends.ENV, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if backends.triton_module() is None:
+        pytest.skip("triton is not installed")
+    cpu = torch.device("cpu")
+    assert backends.choose("group_mass", cpu) == "triton"
+    assert {backends.choose(op, cpu) for op in backends.CUDA_OPS} == {"reference"}
 
 
 def test_triton_kernels_package_imports_without_triton():

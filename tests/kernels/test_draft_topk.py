@@ -51,9 +51,10 @@ def test_draft_topk_philox_noise_is_valid_and_advances(triton_kernels, device):
     seed_offset = torch.tensor([1234, 0], device=device)
     t1, l1 = triton_kernels.draft_topk(logits, 1.0, 1.0, 10, 1.0, k, seed_offset=seed_offset)
     assert seed_offset.tolist() == [1234, B * V]
-    t2, _ = triton_kernels.draft_topk(logits, 1.0, 1.0, 10, 1.0, k, seed_offset=seed_offset)
+    t2, l2 = triton_kernels.draft_topk(logits, 1.0, 1.0, 10, 1.0, k, seed_offset=seed_offset)
+    assert seed_offset.tolist() == [1234, 2 * B * V]
     p = R.draft_probs(logits, 1.0, 1.0, 10, 1.0)
-    for t, l in ((t1, l1),):
+    for t, l in ((t1, l1), (t2, l2)):
         assert all(len(set(row)) == k for row in t.tolist())  # without replacement
         assert bool((p.gather(1, t) > 0).all())  # only tokens inside the top-k
         torch.testing.assert_close(l, p.gather(1, t).log())

@@ -158,7 +158,7 @@ def test_draft_topk_rejects_zero_temperature():
 @FAST
 @given(n=st.integers(1, 30), max_depth=st.integers(1, 6), seed=st.integers(0, 2**31))
 def test_sibling_links_from_children_table(n, max_depth, seed):
-    from vvs_engine.tree import children_table
+    from vvs_engine.drafting.tree import children_table
 
     gen = torch.Generator().manual_seed(seed)
     parents = O.random_tree(n, max_depth, gen)

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vvs_engine.acceptance import neighbor_table
+from vvs_engine.acceptance.verify import neighbor_table
 from vvs_engine.kernels import reference as R
-from vvs_engine.tree import children_table
+from vvs_engine.drafting.tree import children_table
 
 import oracles as O
 

@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from . import ops, reference
+from . import ops
+from . import reference
 from .backends import ENV, BACKENDS, choose, describe  # noqa: F401
 from .reference import local_visibility, sibling_links  # noqa: F401
 

@@ -217,7 +217,7 @@ def accept_walk(accepted: torch.Tensor, first_child: torch.Tensor, next_sibling:
 
 def sibling_links(children: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``[N, C]`` children table (row i = children of node i in sibling order, -1 padded; the
-    layout of ``vvs_engine.tree.children_table``) -> ``(first_child [N], next_sibling [N])`` int64,
+    layout of ``vvs_engine.drafting.tree.children_table``) -> ``(first_child [N], next_sibling [N])`` int64,
     the linked-list form ``accept_walk`` takes. Vectorised, no host sync."""
     N, C = children.shape
     first_child = children[:, 0].clone() if C > 0 else torch.full((N,), -1, dtype=torch.long, device=children.device)
@@ -236,15 +236,14 @@ def tree_verify(tokens: torch.Tensor, children: torch.Tensor, p: torch.Tensor, q
     [V, K], budget ``delta``, ``ratio`` for LANTERN++): tokens [B, N], children [B, N, C] in rank order,
     p [B, N, V], q [B, N, V] or None, u_accept [B, N], u_sample [B] -> (path [B, max_depth + 1],
     n_accepted [B], last [B], next_token [B]) int64. The vectorised torch walk of
-    ``vvs_engine.acceptance.verify_tree_torch`` (every rule's CPU path)."""
-    from types import SimpleNamespace
+    ``vvs_engine.acceptance.verify.verify_tree_torch`` (every rule's CPU path); the acceptance layer,
+    which sits above the kernels, registers it in :data:`TREE_WALK` when it is imported."""
+    if "walk" not in TREE_WALK:
+        import importlib
 
-    from ..acceptance import ExactRule, LanternRule, verify_tree_torch
+        importlib.import_module("vvs_engine.acceptance.verify")  # registers the walk (by name: no upward import)
+    return TREE_WALK["walk"](tokens, children, p, q, u_accept, u_sample, neighbors, delta, ratio,
+                             reference_residual, greedy, max_depth)
 
-    if neighbors is None:
-        rule = ExactRule()
-    else:
-        rule = LanternRule(neighbors, delta, ratio=ratio, reference_residual=reference_residual)
-    tree = SimpleNamespace(tokens=tokens, children=children, q=q, sampled=q is not None, max_depth=max_depth)
-    res = verify_tree_torch(tree, p, rule, u_accept, u_sample, greedy)
-    return res.path, res.n_accepted, res.last, res.next_token
+
+TREE_WALK: dict = {}  # "walk": the acceptance layer's torch tree walk (see tree_verify)

@@ -27,15 +27,8 @@ def method_names():
 
 
 def _load_all():
-    # Import for the side effect of registration; optional methods may be missing in a partial build.
-    import importlib
-
-    for mod in ("ar_method", "eagle", "vvs", "jacobi", "cascade"):
-        try:
-            importlib.import_module(f"{__name__}.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{mod}":
-                raise
+    """Import the method modules for their registrations."""
+    from . import ar_method, cascade, eagle, jacobi, vvs  # noqa: F401
 
 
 def parse_options(options_cls, opts: dict, method: str):

@@ -4,18 +4,18 @@ Static KV cache, both CFG rows in one batch, one target forward per token, and n
 loop: the position is a device tensor advanced in place and sampled tokens stay on the device.
 Token t of image b is drawn with the batch's counter RNG at step t, so an image's tokens do not depend
 on the batch it is decoded in. With ``use_graphs`` the step runs through
-:class:`vvs_engine.runner.GraphRunner` (one CUDA graph per token on CUDA; the same static-buffer code
+:class:`vvs_engine.runtime.runner.GraphRunner` (one CUDA graph per token on CUDA; the same static-buffer code
 eagerly elsewhere) and gives the same tokens.
 """
 from __future__ import annotations
 
 import torch
 
-from ..masks import causal_local
-from ..profiling import nvtx_range
+from ..runtime.masks import causal_local
+from ..runtime.profiling import nvtx_range
 from ..rng import CounterRNG, Streams
 from ..sampling import guided_logits, process_logits
-from ..target import TargetSession
+from ..runtime.target import TargetSession
 from .common import MethodResult
 
 
@@ -44,7 +44,7 @@ def generate(session: TargetSession, params, rng: CounterRNG, use_graphs: bool =
 def generate_graphed(session: TargetSession, params, rng: CounterRNG) -> MethodResult:
     """The same loop on a cached runner's persistent session. ``session`` only supplies the setting
     (model, conditions, CFG); its own cache is not used."""
-    from ..runner import get_runner
+    from ..runtime.runner import get_runner
 
     s0 = session
     key_mask = s0.key_valid[:, : s0.c] if s0.has_key_mask else None

@@ -1,7 +1,7 @@
 """CASCADE (arXiv 2605.07230): the shared speculative loop with CASCADE's relaxed acceptance
-(:mod:`vvs_engine.cascade_rule`) on an EAGLE-1 static tree.
+(:mod:`vvs_engine.acceptance.cascade`) on an EAGLE-1 static tree.
 
-Defaults are the reconstruction's LlamaGen values (shared/reference/cascade.md §4): static tree
+Defaults are the reconstruction's LlamaGen values (docs/methods.md §3): static tree
 ``naive_extend_57`` (57 nodes, depth 5), τ_b 0.9, τ_d 0.625 on the target's logits at parent and
 child, κ 4.0 — with two choices made from measurements on the Zoo model (benchmarks/cascade_zoo.py):
 the breadth similarity uses the target's hidden states (``cascade_source target-hidden``; the
@@ -16,20 +16,24 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..cascade_rule import check_options
+from ..acceptance.cascade import check_options
 from . import register
+from .options import option
 from .speculative import SpecOptions, run
 
 
 @dataclass
 class CascadeOptions(SpecOptions):
-    cascade_breadth_threshold: float = 0.9  # τ_b: cosine of next-token predictions within a level
-    cascade_depth_threshold: float = 0.625  # τ_d: cosine of the target's state at parent and child
-    cascade_gate: str = "nucleus"  # nucleus | kl | entropy | none: gate of the relaxation
-    cascade_source: str = "target-hidden"  # target-hidden | target-logits | drafter: breadth predictions
-    cascade_kappa: float = 4.0  # κ (nats) of the kl and entropy gates
-    cascade_depth_source: str = "logits"  # logits | hidden: target state compared by the depth term
-    cascade_nucleus: float = 0.8  # mass of the nucleus gate
+    cascade_breadth_threshold: float = option(0.9, "CASCADE: breadth threshold tau_b (cosine of next-token "
+                                                   "predictions within a level)")
+    cascade_depth_threshold: float = option(0.625, "CASCADE: depth threshold tau_d (cosine of the target's "
+                                                   "state at parent and child)")
+    cascade_gate: str = option("nucleus", "CASCADE: gate of the relaxation: nucleus, kl, entropy or none")
+    cascade_source: str = option("target-hidden", "CASCADE: breadth predictions from target-hidden, "
+                                                  "target-logits or drafter")
+    cascade_kappa: float = option(4.0, "CASCADE: kappa (nats) of the kl and entropy gates")
+    cascade_depth_source: str = option("logits", "CASCADE: state compared by the depth term: logits or hidden")
+    cascade_nucleus: float = option(0.8, "CASCADE: probability mass of the nucleus gate")
 
     def rule_kwargs(self) -> dict:
         return dict(breadth_threshold=self.cascade_breadth_threshold, depth_threshold=self.cascade_depth_threshold,

@@ -2,7 +2,7 @@
 
 SJD (Teng et al., ICLR 2025, arXiv 2410.01699) is speculative sampling whose drafts are the target's
 own predictions from the previous Jacobi iteration; GSD (So et al., ICCV 2025, arXiv 2508.07747) is the
-same loop with the grouped acceptance rule of :mod:`vvs_engine.gsd_rule`. B images decode together
+same loop with the grouped acceptance rule of :mod:`vvs_engine.acceptance.gsd`. B images decode together
 (both CFG rows of each in the same batch); every image has its own window, accepted prefix, committed
 count and prefix length, all in static-shape ``[B, ...]`` device buffers. One iteration, per image:
 
@@ -37,15 +37,16 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..acceptance import ExactRule
+from ..acceptance.verify import ExactRule
 from ..errors import VVSError
-from ..gsd_rule import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
-                        make_grouped_rule)
+from ..acceptance.gsd import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
+                              make_grouped_rule)
 from ..rng import Streams, sample_inverse_cdf
+from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
-from ..target import TargetSession
 from . import register
 from .common import DecodeBatch, LateCounter, MethodResult
+from .options import option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
 MAX_WINDOW = 1024
@@ -53,12 +54,13 @@ MAX_WINDOW = 1024
 
 @dataclass
 class SJDOptions:
-    jacobi_window: int = 16  # L: the last committed token + L - 1 drafts per forward (SJD's default 16)
     # New window positions: "copy-left" (the SJD repository's LlamaGen setting, repeat_horizon),
     # "random" (uniform, its Lumina-mGPT/Emu3 setting), "argmax-left" (top-1 of the left neighbour's
     # distribution, sample_horizon), "copy-above" (the token one image row up; the paper's vertical
     # variant, which its Fig. 9 found fastest).
-    jacobi_init: str = "copy-left"
+    jacobi_window: int = option(16, "SJD/GSD: Jacobi window L (last committed token + L - 1 drafts per forward)")
+    jacobi_init: str = option("copy-left", "SJD/GSD: new window positions: copy-left, random, argmax-left or "
+                                           "copy-above")
 
     def validate(self):
         w = self.jacobi_window
@@ -75,9 +77,11 @@ class SJDOptions:
 
 @dataclass
 class GSDOptions(SJDOptions):
-    gsd_group: int = DEFAULT_GROUP  # G: tokens ranked around the draft that may share its acceptance
-    gsd_prob_threshold: float = DEFAULT_PROB_THRESHOLD  # keep j only if |p(j) - p(x)| < this
-    gsd_dist_threshold: float = DEFAULT_DIST_THRESHOLD  # ... and |e_j - e_x|^2 < this (unit codebook vectors)
+    gsd_group: int = option(DEFAULT_GROUP, "GSD: group size G (tokens that may share a draft's acceptance)")
+    gsd_prob_threshold: float = option(DEFAULT_PROB_THRESHOLD, "GSD: keep a group member j only if "
+                                                               "|p(j) - p(x)| < this")
+    gsd_dist_threshold: float = option(DEFAULT_DIST_THRESHOLD, "GSD: ... and its squared distance to x on "
+                                                               "the unit codebook < this")
     gsd_static_clusters: bool = False  # the paper's ablation: x's nearest codes instead of its p-rank window
 
     def validate(self):

@@ -26,41 +26,44 @@ from typing import Optional
 
 import torch
 
-from ..acceptance import make_rule, verify_tree
-from ..drafting import DraftSession, TreeSpec
+from ..acceptance.verify import default_lantern_k, make_rule, verify_tree
+from ..drafting.session import DraftSession, TreeSpec
+from ..drafting.tree import STATIC_TREES, DraftTree
 from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
+from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
-from ..target import TargetSession
-from ..tree import STATIC_TREES, DraftTree
 from .common import DecodeBatch, MethodResult
+from .options import option
 from . import schedule as sched
 
 
 @dataclass
 class SpecOptions:
-    accept: Optional[str] = None  # exact | lantern | lantern++ | registered rules; None = method default
-    lantern_k: Optional[int] = None  # None = codebook_size // 16 (LANTERN: 1000 of 16384)
-    lantern_delta: float = 0.2
-    lantern_lambda: float = 2.0
-    lantern_reference_residual: bool = False
-    tree: Optional[str] = None  # dynamic | static | chain; None = method default
-    tree_total: int = 59
-    tree_depth: int = 4
-    tree_topk: int = 10
+    accept: Optional[str] = option(None, "acceptance rule: exact, lantern, lantern++, gsd or cascade")
+    lantern_k: Optional[int] = option(None, "LANTERN: codebook neighbours k; default codebook size // 16")
+    lantern_delta: float = option(0.2, "LANTERN: total-variation budget delta per step")
+    lantern_lambda: float = option(2.0, "LANTERN++: cap lambda on the relaxed mass (<= lambda * p(x))")
+    lantern_reference_residual: bool = False  # the published code's residual (drops x's k nearest codes)
+    tree: Optional[str] = option(None, "draft tree: dynamic (EAGLE-2), static (naive_extend_57) or chain")
+    tree_total: int = option(59, "dynamic tree: nodes including the root")
+    tree_depth: int = option(4, "dynamic tree: expansion steps (levels = depth + 1); chain length")
+    tree_topk: int = option(10, "dynamic tree: children per expanded node")
     static_tree: str = "naive_extend_57"
-    # VVS
-    skip_policy: str = "never"  # never | uniform | dynamic
-    skip_interval: int = 2
-    skip_threshold: float = 0.65
-    select: str = "random"  # random | confidence
-    post_verify: str = "fill"  # fill | reject
+    skip_policy: str = option("never", "VVS: never, uniform (skip every interval-th round) or dynamic "
+                                       "(skip when the draft paths agree)")
+    skip_interval: int = option(2, "VVS uniform: skip on rounds r >= 5 with r % interval == 1 (1 = never)")
+    skip_threshold: float = option(0.65, "VVS dynamic: path-agreement threshold in [-1, 1]")
+    select: str = option("random", "VVS: tree path a skipped round commits: random or confidence")
+    post_verify: str = option("fill", "VVS: skipped chain at the next verification: fill (keep) or reject "
+                                      "(roll back to the first rejected token)")
     feature_reuse: str = "latest"  # latest | repeat
     rule_options: dict = field(default_factory=dict)  # extra options for registered rules
     # GSD's grouped rule under any drafter-based method (--accept gsd); None = the rule's default
-    gsd_group: Optional[int] = None
-    gsd_prob_threshold: Optional[float] = None
-    gsd_dist_threshold: Optional[float] = None
+    gsd_group: Optional[int] = option(None, "GSD: group size G (tokens that may share a draft's acceptance)")
+    gsd_prob_threshold: Optional[float] = option(None, "GSD: keep a group member j only if |p(j) - p(x)| < this")
+    gsd_dist_threshold: Optional[float] = option(None, "GSD: ... and its squared distance to x on the unit "
+                                                       "codebook < this")
 
     def validate(self):
         if self.tree not in (None, "dynamic", "static", "chain"):
@@ -120,7 +123,7 @@ def run(engine, batch: DecodeBatch, params, opts: SpecOptions) -> MethodResult:
 
 def make_rule_for(engine, opts: SpecOptions):
     return make_rule(opts.accept or "exact", engine,
-                     lantern_k=opts.lantern_k or max(1, _codebook(engine) // 16),
+                     lantern_k=opts.lantern_k or default_lantern_k(_codebook(engine)),
                      lantern_delta=opts.lantern_delta, lantern_lambda=opts.lantern_lambda,
                      reference_residual=opts.lantern_reference_residual, **opts.rule_options)
 
@@ -189,7 +192,7 @@ class SpeculativeRounds:
         elif spec.kind == "chain":
             self.max_depth = spec.depth
         else:
-            from ..tree import static_layout
+            from ..drafting.tree import static_layout
 
             self.max_depth = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
         self.chain_width = self.max_depth + 1  # a pending chain: old root + up to max_depth drafts
@@ -476,7 +479,7 @@ class LateRead:
 def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: Optional[bool] = None) -> MethodResult:
     """The thin host loop: choose the next round kind, run it (a graph replay on CUDA), read the
     one-round-late counters. Nothing else happens between rounds."""
-    from ..runner import RoundGraphs
+    from ..runtime.runner import RoundGraphs
 
     run_round = RoundGraphs({"verify": rounds.verify_round, "verify_after_skip": rounds.verify_after_skip,
                              "skip": rounds.skip_round}, rounds.state.buffers(),

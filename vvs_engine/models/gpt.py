@@ -285,7 +285,7 @@ class GPT(nn.Module):
     # --- forward ------------------------------------------------------------------------------
     def forward_hidden(self, x, positions, kv=None, slots=None, mask=None) -> torch.Tensor:
         """Run the decoder on embeddings ``x`` [B, T, D] at sequence ``positions`` ([T] or [B, T],
-        indices into the RoPE table). With a cache ``kv`` (a :class:`~vvs_engine.kv_cache.StaticKVCache`)
+        indices into the RoPE table). With a cache ``kv`` (a :class:`~vvs_engine.runtime.kv_cache.StaticKVCache`)
         the new K/V are written at ``slots`` [T] and ``mask`` [B|1, 1, T, S] says which cache slots
         each query sees. Without a cache, attention is causal over ``x`` (training, scoring).
         Returns the last-layer features after the final norm (the input of ``output``)."""

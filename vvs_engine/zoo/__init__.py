@@ -3,10 +3,10 @@
     zoo-vq          VQ tokenizer, 64x64 RGB -> 16x16 = 256 codes from a 1024-entry codebook
     zoo-gpt         LlamaGen GPT c2i target (dim 256, 6 layers, 8 heads, 5.3 M parameters), 16 classes
     zoo-drafter     EAGLE-style draft head trained on zoo-gpt's teacher-forced features
-    zoo-classifier  small CNN used by ``vvs_engine.eval`` (class accuracy, classifier-space FD)
+    zoo-classifier  small CNN used by ``vvs_engine.evaluation.quality`` (class accuracy, classifier-space FD)
 
 Classes are the 16 built-in photographs of ``vvs_engine.zoo.data.PHOTO_CLASSES`` (index = class).
-Training recipe, figures and commands: docs/zoo.md; retrain with ``vvs_engine.zoo.train.train_all``.
+Training recipe, figures and commands: docs/zoo.md; retrain with ``vvs_engine.training.zoo.train_all``.
 """
 from __future__ import annotations
 

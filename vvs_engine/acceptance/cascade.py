@@ -1,4 +1,4 @@
-"""CASCADE's relaxed acceptance (arXiv 2605.07230, reconstructed in shared/reference/cascade.md §4).
+"""CASCADE's relaxed acceptance (arXiv 2605.07230, summarised in docs/methods.md §3).
 
 Two redundancies of the target across a draft tree relax the acceptance of a drafted token x:
 
@@ -21,7 +21,7 @@ With A(x) = [gate and s_d > τ_d]·s_d(x) + Σ_{t ∈ tokens(S(x)) \\ {x}} r(t),
 is the exact rule bit for bit), i.e. P(accept) = min(1, r(x)/(q(x) − A(x))), always when A ≥ q. On
 rejection the residual is the unrelaxed EAGLE one, norm((r − q)⁺): the method is lossy by design.
 
-Choices where the reconstruction leaves room (see the module's tests and the issue note):
+Choices where the reconstruction leaves room (see the module's tests):
 * S(x) credits the probability of the *set of tokens* of S(x), each token once and never x's own
   token (two same-depth nodes can carry the same token under different parents; crediting nodes
   would count such a token twice, and crediting x's own token would double p(x)).
@@ -38,9 +38,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .acceptance import AcceptanceRule
-from .errors import VVSError
-from .rules_registry import register_rule
+from .verify import AcceptanceRule
+from ..errors import VVSError
+from .registry import register_rule
 
 SOURCES = ("drafter", "target-logits", "target-hidden")
 DEPTH_SOURCES = ("logits", "hidden")

@@ -1,13 +1,12 @@
-"""CASCADE's drafter-training change (shared/reference/cascade.md §4.6): redundancy re-weighting.
+"""CASCADE's drafter-training change (docs/methods.md §3): redundancy re-weighting.
 
 Inside each training image, a position t whose target logit vector (or last-layer hidden state) has
 cosine similarity above 0.625 with that of some *later* position t' > t is where inference-time
 merging tends to fire; its classification (soft cross-entropy) term gets weight 2, the others 1.
 :func:`train_drafter` normalises by the weight sum (the authors' 723b562 variant).
 
-``cascade_loss_weights(...)`` is the ``loss_weights`` callable of :func:`vvs_engine.drafter.train_drafter`;
-:func:`train_cascade_drafter` wraps the two; :func:`cli_train_cascade_drafter` is the command line
-(``vvs-engine train-drafter --cascade-weighting`` once wired).
+``cascade_loss_weights(...)`` is the ``loss_weights`` callable of :func:`vvs_engine.training.drafter.train_drafter`;
+:func:`train_cascade_drafter` wraps the two. ``vvs-engine train-drafter --cascade-weighting`` uses it.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from .errors import VVSError
+from ..errors import VVSError
 
 WEIGHT_SOURCES = ("logits", "hidden")
 
@@ -120,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli_train_cascade_drafter(argv: Optional[List[str]] = None) -> int:
     a = build_parser().parse_args(argv)
-    from .checkpoint import save_safetensors
-    from .engine import Engine
+    from ..checkpoint import save_safetensors
+    from ..engine import Engine
 
     if a.cascade_weighting:
         check_weighting(a.cascade_source, a.cascade_threshold, a.cascade_weight)

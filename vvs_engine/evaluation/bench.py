@@ -26,7 +26,6 @@ call -> images per second, TPF and the per-image TPF spread, side by side in one
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -39,7 +38,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .errors import VVSError
+from ..acceptance.verify import default_lantern_k
+from ..errors import VVSError
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
 
@@ -93,9 +93,9 @@ def random_engine(shape: str, device, dtype, seed: int = 0, peak: float = 30.0, 
     """A random-weight target + drafter of a named shape (no tokenizer). ``peak`` sharpens the output
     head so drafter trees grow deep chains, as trained drafters do (flat random distributions give
     shallow, wide trees whose accepted length could not reach the recorded one)."""
-    from .drafter import Drafter, DrafterConfig
-    from .engine import Engine
-    from .models.gpt import GPT, GPTConfig, gpt_config
+    from ..drafting.drafter import Drafter, DrafterConfig
+    from ..engine import Engine
+    from ..models.gpt import GPT, GPTConfig, gpt_config
 
     if shape not in SHAPES:
         raise VVSError(f"unknown shape '{shape}'; known: {', '.join(SHAPES)}")
@@ -123,7 +123,7 @@ def neighbor_stub(engine, k: int, seed: int = 0) -> None:
 
 def load_model(name: str, device, dtype, quick: bool):
     """-> (engine, description). ``zoo`` falls back to a tiny random model while it is not shipped."""
-    from .engine import Engine
+    from ..engine import Engine
 
     if name == "zoo":
         try:
@@ -140,17 +140,10 @@ def load_model(name: str, device, dtype, quick: bool):
 
 def lantern_k(engine) -> int:
     V = engine.vq.config.codebook_size if engine.vq is not None else engine.config.vocab_size
-    return max(1, min(1000, V // 16, V - 1))
+    return default_lantern_k(V)
 
 
 # --- timing ---------------------------------------------------------------------------------------
-def graphs_kwargs(engine, use_graphs: Optional[bool]) -> dict:
-    """Pass ``cuda_graphs`` when this engine's generate takes it (older builds do not)."""
-    if use_graphs is not None and "cuda_graphs" in inspect.signature(engine.generate).parameters:
-        return {"cuda_graphs": use_graphs}
-    return {}
-
-
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -163,10 +156,10 @@ def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> d
         opts["lantern_k"] = lantern_k(engine)
     opts.update(extra_opts or {})
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale,
-              decode_images=args.decode_images and engine.vq is not None, **graphs_kwargs(engine, args.graphs), **opts)
+              decode_images=args.decode_images and engine.vq is not None, cuda_graphs=args.graphs, **opts)
     engine.generate(class_labels=[label_of(0)], seed=10_000, **kw)  # warm-up: graph capture, autotuning
     if args.torch_trace:  # one extra, untimed generation under torch.profiler (Chrome trace)
-        from .profiling import torch_trace
+        from ..runtime.profiling import torch_trace
 
         os.makedirs(args.torch_trace, exist_ok=True)
         name = "".join(c if c.isalnum() or c in "-_=." else "_" for c in setting.label)
@@ -304,14 +297,14 @@ class TraceReplayRule:
 
 def _trace_rule_factory(engine, inner="exact", lengths=(0,), k=1000, delta=0.2, lam=2.0):
     # The loop passes its own lantern_* arguments to make_rule, so the inner rule's are renamed here.
-    from .acceptance import make_rule
+    from ..acceptance.verify import make_rule
 
     inner_rule = make_rule(inner, engine, lantern_k=k, lantern_delta=delta, lantern_lambda=lam)
     return TraceReplayRule(inner_rule, list(lengths), engine.device)
 
 
 def register_trace_rule() -> None:
-    from . import rules_registry
+    from ..acceptance import registry as rules_registry
 
     rules_registry.register_rule("trace_replay", _trace_rule_factory)
 
@@ -461,7 +454,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    from .engine import resolve_device, resolve_dtype
+    from ..engine import resolve_device, resolve_dtype
 
     args = parse_args(list(argv) if argv is not None else None)
     if args.threads:
@@ -558,7 +551,7 @@ def main(argv=None) -> int:
 
 
 def _release(engine) -> None:
-    from .runner import clear_runners
+    from ..runtime.runner import clear_runners
 
     clear_runners(engine.gpt)
     if torch.cuda.is_available():

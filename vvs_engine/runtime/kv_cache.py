@@ -34,7 +34,7 @@ class StaticKVCache:
         """Copy the K/V of slots ``src`` to slots ``dst`` in every layer and batch row (the compaction
         after acceptance). ``src``/``dst``: [n] device int64, the same for every row, or [batch, n] (one
         list per row). Gathering first makes it correct when the source and destination ranges overlap."""
-        from .kernels import kv_compact  # dispatch: reference / triton / cuda
+        from ..kernels import kv_compact  # dispatch: reference / triton / cuda
 
         kv_compact(self.k, self.v, src, dst)
 

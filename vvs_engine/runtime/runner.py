@@ -40,7 +40,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .masks import causal_local
-from .sampling import SamplingParams, guided_logits, process_logits
+from ..sampling import SamplingParams, guided_logits, process_logits
 from .target import TargetSession
 
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)

@@ -36,4 +36,5 @@ def torch_trace(path: str | None):
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts, record_shapes=False) as prof:
         yield
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     prof.export_chrome_trace(path)

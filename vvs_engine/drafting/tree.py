@@ -6,7 +6,7 @@ step can be captured in a CUDA graph: tokens, parents, the ancestor mask (the ta
 local attention mask), depths (RoPE position offsets), every root-to-node path, and a children table
 (sibling order = drafter rank) that acceptance rules walk.
 
-Trees come from :mod:`vvs_engine.drafting`: dynamic EAGLE-2 trees (best ``total - 1`` nodes by
+Trees come from :mod:`vvs_engine.drafting.session`: dynamic EAGLE-2 trees (best ``total - 1`` nodes by
 cumulative draft log-probability), static EAGLE-1 trees from choice lists (LANTERN++), and chains.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .errors import VVSError
+from ..errors import VVSError
 
 
 @dataclass
@@ -56,7 +56,8 @@ def tree_structure(parents: torch.Tensor, max_depth: int, max_children: int):
 
 
 def tree_meta_batched(parents: torch.Tensor, max_depth: int):
-    """``tree_meta_reference`` for B trees at once (parents [B, N], ``parents[b, i] < i``)."""
+    """``kernels.tree_meta`` for B trees at once (parents [B, N], ``parents[b, i] < i``): ancestor
+    masks, depths, root -> node paths and leaf flags."""
     B, N = parents.shape
     dev = parents.device
     eye = torch.eye(N, dtype=torch.bool, device=dev)[None]
@@ -90,39 +91,10 @@ def children_table_batched(parents: torch.Tensor, max_children: int) -> torch.Te
     return out[:, :, :max_children]
 
 
-def tree_meta_reference(parents: torch.Tensor, max_depth: int):
-    """Ancestor mask, depth, root->node paths and leaf flags from parent ids (loop over depth only)."""
-    N = parents.shape[0]
-    dev = parents.device
-    ids = torch.arange(N, device=dev)
-    anc = [ids]  # anc[k][i] = k-th ancestor of i (-1 past the root)
-    for _ in range(max_depth):
-        prev = anc[-1]
-        anc.append(torch.where(prev >= 0, parents[prev.clamp(min=0)], prev))
-    A = torch.stack(anc)  # [max_depth + 1, N]
-    mask = torch.zeros(N, N, dtype=torch.bool, device=dev)
-    valid = A >= 0
-    mask[ids[None, :].expand_as(A)[valid], A[valid]] = True
-    depth = valid.long().sum(0) - 1
-    d = torch.arange(max_depth + 1, device=dev)
-    k = depth[:, None] - d[None, :]  # ancestor order for path slot d
-    paths = torch.where(k >= 0, A.gather(0, k.clamp(min=0).t()).t(), torch.full_like(k, -1))
-    is_leaf = ~(parents[None, :] == ids[:, None]).any(1)
-    return mask, depth, paths, is_leaf
-
-
 def children_table(parents: torch.Tensor, max_children: int) -> torch.Tensor:
     """[N] parents -> [N, max_children] children ids in increasing id order (= sibling rank order,
     since builders number nodes by rank), -1 padded."""
-    N = parents.shape[0]
-    dev = parents.device
-    ids = torch.arange(N, device=dev)
-    is_child = parents[None, :] == ids[:, None]  # [N parent, N child]
-    rank = is_child.long().cumsum(1) - 1  # rank of child j among parent i's children
-    out = torch.full((N, max_children + 1), -1, dtype=torch.long, device=dev)
-    col = torch.where(is_child & (rank < max_children), rank, torch.full_like(rank, max_children))
-    out.scatter_(1, col, torch.where(is_child, ids[None, :].expand(N, N), torch.full_like(rank, -1)))
-    return out[:, :max_children]
+    return children_table_batched(parents[None], max_children)[0]
 
 
 # --- static trees ------------------------------------------------------------------------------

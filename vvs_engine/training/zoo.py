@@ -3,9 +3,9 @@
 One entry point, :func:`train_all`, retrains everything with fixed seeds and writes
 
     <out_dir>/zoo-vq.safetensors|json          tokenizer (fp32)
-    <out_dir>/zoo-classifier.safetensors|json  small CNN used by vvs_engine.eval (fp32)
+    <out_dir>/zoo-classifier.safetensors|json  small CNN used by vvs_engine.evaluation.quality (fp32)
     <out_dir>/zoo-gpt.safetensors|json         target (weights stored in bf16 to keep the repo small)
-    <out_dir>/zoo-drafter.safetensors|json     EAGLE-style draft head (bf16), when vvs_engine.drafter exists
+    <out_dir>/zoo-drafter.safetensors|json     EAGLE-style draft head (bf16)
     <out_dir>/train_report.json                timings, step counts, held-out figures
 
 Intermediate arrays (crops, codes, the drafter's training tokens) go to ``work_dir`` so a stage that
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..checkpoint import save_safetensors
 from ..models.gpt import GPT, GPTConfig
 from ..models.vq import VQConfig, VQModel
-from . import data as zdata
+from ..zoo import data as zdata
 
 # The shipped configurations. 64x64 crops -> 16x16 = 256 tokens (LlamaGen's 256-px grid).
 IMAGE_SIZE = 64
@@ -150,7 +150,7 @@ def train_classifier(images: torch.Tensor, labels: torch.Tensor, num_classes: in
                      lr: float, seed: int, log: Callable = print):
     """``images`` float [N, 3, 64, 64] in [-1, 1] (real crops and their VQ reconstructions, so the
     classifier judges content, not tokenizer artefacts). Augmentation: flips and small noise."""
-    from ..eval import SmallCNN
+    from ..evaluation.quality import SmallCNN
 
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 2)
@@ -343,7 +343,7 @@ def train_all(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, data_
     save_report()
 
     # ---- classifier (real crops + VQ reconstructions) ----
-    from ..eval import SmallCNN
+    from ..evaluation.quality import SmallCNN
 
     cls_path = os.path.join(out_dir, "zoo-classifier.safetensors")
     if resume and _exists(out_dir, "zoo-classifier"):
@@ -386,14 +386,9 @@ def train_all(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, data_
     # ---- drafter (last: needs the trained target) ----
     tok_path = os.path.join(work_dir, "drafter_train_tokens.pt")
     torch.save({"tokens": tr_codes, "labels": enc_y}, tok_path)
-    try:
-        from ..drafter import train_drafter
-    except ImportError:
-        train_drafter = None
-    if train_drafter is None:
-        log(f"drafter: vvs_engine.drafter.train_drafter not available; training tokens saved to {tok_path}")
-        report["drafter"] = "not trained (train_drafter missing)"
-    elif not (resume and _exists(out_dir, "zoo-drafter")):
+    if not (resume and _exists(out_dir, "zoo-drafter")):
+        from .drafter import train_drafter
+
         t0 = time.perf_counter()
         torch.manual_seed(seed)
         dr = train_drafter(gpt, tr_codes, enc_y, steps=hp["drafter_steps"], batch_size=hp["drafter_batch"],
@@ -408,7 +403,7 @@ def train_all(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, data_
 
 
 def main(argv=None):
-    """``python -m vvs_engine.zoo.train OUT_DIR [--seed S] [--resume] [--data DIR] [--threads N] [--key value]``"""
+    """``python -m vvs_engine.training.zoo OUT_DIR [--seed S] [--resume] [--data DIR] [--threads N] [--key value]``"""
     import argparse
 
     p = argparse.ArgumentParser(description="Retrain the Zoo (tokenizer, classifier, target, drafter) from scratch")

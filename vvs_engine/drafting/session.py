@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, guided_logits, process_logits
+from ..sampling import SamplingParams, guided_logits, process_logits
 from .tree import DraftTree, static_layout, tree_structure
 
 
@@ -78,7 +78,7 @@ class DraftSession:
     def _topk(self, h: torch.Tensor, k: int):
         """drafter features [rows, F, D] -> (log-probs [B, F, k], tokens [B, F, k]) of the k best drafts
         under the guided, processed drafter distribution: the fused draft-sampling kernel's job."""
-        from . import kernels
+        from .. import kernels
 
         F_ = h.shape[1]
         lg = self.drafter.logits(h)
@@ -177,7 +177,7 @@ class DraftSession:
         logp = torch.zeros(B, N, device=dev)
         race = None
         if self.sample_drafts:  # K draws without replacement: the exponential race, top-K
-            from .rng import Streams
+            from ..rng import Streams
 
             # Exp(1) per node and token; u = 1 gives 0, clamped so a zero-probability token never wins
             race = (-torch.log(rng.uniform(step, Streams.TREE, (N, V)))).clamp(min=1e-30)

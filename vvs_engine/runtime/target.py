@@ -11,7 +11,7 @@ import torch
 
 from .kv_cache import StaticKVCache
 from .masks import LocalMask
-from .models.gpt import GPT
+from ..models.gpt import GPT
 
 
 class TargetSession:
@@ -45,7 +45,7 @@ class TargetSession:
                 local: torch.Tensor) -> torch.Tensor:
         """Run ``tokens`` [n, Q] at RoPE ``positions`` [Q] with their K/V written to slots
         ``[prefix_len, prefix_len + Q)``; each query sees the committed prefix and the local block
-        allowed by ``local`` [Q, Q] (see :class:`~vvs_engine.masks.LocalMask`). Returns features
+        allowed by ``local`` [Q, Q] (see :class:`~vvs_engine.runtime.masks.LocalMask`). Returns features
         [rows, Q, D]. ``prefix_len`` is a [1] device tensor: no host sync, one shape for all lengths."""
         Q = tokens.shape[1]
         slots = prefix_len + torch.arange(Q, device=self.device)

@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from .errors import VVSError
+from ..errors import VVSError
+from .registry import make, register_rule
 
 
 @dataclass
@@ -65,6 +66,12 @@ class ExactRule(AcceptanceRule):
     pass
 
 
+def default_lantern_k(codebook_size: int) -> int:
+    """LANTERN's neighbourhood size when none is given: 1/16 of the codebook (the paper used 1000 of
+    16384), at least 1."""
+    return max(1, codebook_size // 16)
+
+
 def neighbor_table(codebook: torch.Tensor, k: int) -> torch.Tensor:
     """[K, c] codebook vectors -> [K, k] nearest other codes by L2 distance (LANTERN's latent
     neighbourhoods; only the first k columns of the full sort are ever used)."""
@@ -89,12 +96,9 @@ class LanternRule(AcceptanceRule):
         self.name = "lantern++" if ratio else "lantern"
 
     def credit(self, r, x):
-        from . import kernels
+        from .. import kernels
 
-        if hasattr(kernels, "lantern_mass"):
-            relaxed, m_star = kernels.lantern_mass(r, x, self.nb, self.delta, self.ratio)
-        else:
-            relaxed, m_star = lantern_mass_reference(r, x, self.nb, self.delta, self.ratio)
+        relaxed, m_star = kernels.lantern_mass(r, x, self.nb, self.delta, self.ratio)
         nbx = self.nb[x]  # [M, k]
         k = nbx.shape[1]
         n_moved = torch.full_like(m_star, k) if self.ref else m_star
@@ -107,16 +111,6 @@ class LanternRule(AcceptanceRule):
     def accept(self, r, x, qx, u, ctx):
         relaxed, moved = self.credit(r, x)
         return u * qx < relaxed, moved
-
-
-def lantern_mass_reference(p, tokens, neighbors, delta: float, ratio: bool):
-    nb = neighbors[tokens]  # [M, k]
-    c = p.gather(1, nb).cumsum(1)  # c_m for m = 1..k
-    px = p.gather(1, tokens[:, None])[:, 0]
-    bound = (delta - 1.0) * px if ratio else torch.full_like(px, delta)
-    m_star = (c <= bound[:, None]).sum(1)
-    gathered = torch.where(m_star > 0, c.gather(1, (m_star - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(px))
-    return px + gathered, m_star
 
 
 # --- tree verification ----------------------------------------------------------------------------
@@ -177,7 +171,7 @@ def verify_tree(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: torch.Ten
     fused = _fused_rule_args(rule)
     if fused is None:
         return verify_tree_torch(tree, p, rule, u_accept, u_sample, greedy, logits, hidden, engine)
-    from . import kernels
+    from .. import kernels
 
     q = tree.q if (getattr(tree, "sampled", False) and getattr(tree, "q", None) is not None) else None
     out = kernels.tree_verify(tree.tokens, tree.children, p, q, u_accept, u_sample, *fused, greedy, _max_depth(tree))
@@ -239,7 +233,7 @@ def verify_tree_torch(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: tor
     if greedy:
         next_token = dist.argmax(-1)
     else:
-        from .rng import sample_inverse_cdf
+        from ..rng import sample_inverse_cdf
 
         next_token = sample_inverse_cdf(dist, u_sample.reshape(B))
     return VerifyResult(path, n_accepted, last, next_token)
@@ -272,16 +266,51 @@ def walk_accepted(accepted_child: torch.Tensor, max_depth: int):
     return path, n_accepted, last
 
 
-def make_rule(name: str, engine=None, lantern_k: int = 1000, lantern_delta: float = 0.2,
-              lantern_lambda: float = 2.0, reference_residual: bool = False, **kw) -> AcceptanceRule:
-    if name == "exact":
-        return ExactRule()
-    if name in ("lantern", "lantern++"):
-        k = min(lantern_k, engine.vq.config.codebook_size - 1 if engine and engine.vq is not None else lantern_k)
-        nb = engine.codebook_neighbors(k)
-        if name == "lantern":
-            return LanternRule(nb, lantern_delta, ratio=False, reference_residual=reference_residual)
-        return LanternRule(nb, lantern_lambda, ratio=True, reference_residual=reference_residual)
-    from . import rules_registry
+LANTERN_RULES = ("lantern", "lantern++")
 
-    return rules_registry.make(name, engine, **kw)
+
+def make_lantern_rule(engine, name: str = "lantern", lantern_k: Optional[int] = None, lantern_delta: float = 0.2,
+                      lantern_lambda: float = 2.0, reference_residual: bool = False) -> LanternRule:
+    V = engine.vq.config.codebook_size if engine.vq is not None else engine.config.vocab_size
+    k = lantern_k or default_lantern_k(V)
+    if engine.vq is not None:
+        k = min(k, V - 1)  # a codebook of V codes has V - 1 neighbours
+    nb = engine.codebook_neighbors(k)
+    if name == "lantern":
+        return LanternRule(nb, lantern_delta, ratio=False, reference_residual=reference_residual)
+    return LanternRule(nb, lantern_lambda, ratio=True, reference_residual=reference_residual)
+
+
+register_rule("exact", lambda engine, **options: ExactRule())  # exact takes no options
+register_rule("lantern", lambda engine, **kw: make_lantern_rule(engine, "lantern", **kw))
+register_rule("lantern++", lambda engine, **kw: make_lantern_rule(engine, "lantern++", **kw))
+
+
+def make_rule(name: str, engine=None, lantern_k: Optional[int] = None, lantern_delta: float = 0.2,
+              lantern_lambda: float = 2.0, reference_residual: bool = False, **kw) -> AcceptanceRule:
+    """The rule ``name`` from the registry; the LANTERN options go to the LANTERN rules only."""
+    if name in LANTERN_RULES:
+        kw = dict(lantern_k=lantern_k, lantern_delta=lantern_delta, lantern_lambda=lantern_lambda,
+                  reference_residual=reference_residual)
+    return make(name, engine, **kw)
+
+
+def _tree_verify_walk(tokens, children, p, q, u_accept, u_sample, neighbors, delta, ratio, reference_residual,
+                      greedy, max_depth):
+    """``kernels.reference.tree_verify``: the exact or LANTERN(++) rule through the torch walk."""
+    from types import SimpleNamespace
+
+    rule = ExactRule() if neighbors is None else LanternRule(neighbors, delta, ratio=ratio,
+                                                             reference_residual=reference_residual)
+    tree = SimpleNamespace(tokens=tokens, children=children, q=q, sampled=q is not None, max_depth=max_depth)
+    res = verify_tree_torch(tree, p, rule, u_accept, u_sample, greedy)
+    return res.path, res.n_accepted, res.last, res.next_token
+
+
+def _register_tree_walk():
+    from ..kernels import reference
+
+    reference.TREE_WALK["walk"] = _tree_verify_walk
+
+
+_register_tree_walk()

@@ -8,7 +8,7 @@ with p the target's processed distribution and q the draft distribution. Merging
 shrink the total variation between p and q, so acceptance never drops below plain speculative
 sampling's; the price is that the output is no longer exactly p (the rule is lossy).
 
-The dynamic cluster (the paper's method, spec ``gsd_sjd_cascade.md`` §2.3):
+The dynamic cluster (the paper's method, docs/methods.md §2):
 
 1. rank the vocabulary by the target distribution (one argsort per call, for all positions at once);
 2. take the ``group`` tokens ranked around x: ``group // 2`` less likely than x, x, and the rest more
@@ -42,9 +42,9 @@ import math
 
 import torch
 
-from .acceptance import AcceptanceRule
-from .errors import VVSError
-from .rules_registry import register_rule
+from .verify import AcceptanceRule
+from ..errors import VVSError
+from .registry import register_rule
 
 DEFAULT_GROUP = 14
 DEFAULT_PROB_THRESHOLD = 0.15
@@ -80,7 +80,7 @@ def unit_codebook(engine, vocab: int) -> torch.Tensor:
 
 
 class GroupedRule(AcceptanceRule):
-    """GSD's rule behind the core's :class:`~vvs_engine.acceptance.AcceptanceRule` interface."""
+    """GSD's rule behind the core's :class:`~vvs_engine.acceptance.verify.AcceptanceRule` interface."""
 
     name = "gsd"
     lossless = False
@@ -139,7 +139,7 @@ class GroupedRule(AcceptanceRule):
         qx (deterministic drafts)."""
         members = self.cluster(r, x)
         q = _draft_distribution(r, x, qx, ctx)
-        from . import kernels
+        from .. import kernels
 
         sum_p, sum_q = kernels.group_mass(r, q, members)
         return u * sum_q < sum_p, None

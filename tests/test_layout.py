@@ -1,0 +1,110 @@
+"""The package layout: dependency arrows point one way, and inference never loads training or evaluation."""
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import vvs_engine
+
+PKG_DIR = os.path.dirname(vvs_engine.__file__)
+
+# Lower rank = lower layer. A module may import its own layer and lower ranks only.
+RANK = {
+    "errors": 0,
+    "sampling": 1, "rng": 1, "checkpoint": 1, "zoo": 1,
+    "kernels": 2, "triton_kernels": 2,
+    "models": 3,
+    "runtime": 4,
+    "drafting": 5, "acceptance": 5,
+    "methods": 6,
+    "engine": 7,
+    "": 8,  # vvs_engine/__init__.py: the public API
+    "evaluation": 9,
+    "training": 10,
+    "cli": 11, "__main__": 12,
+}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def module_imports():
+    """{module: set of vvs_engine modules it imports}, lazy (function-level) imports included."""
+    found = {}
+    for root, _, files in os.walk(PKG_DIR):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(root, f)
+            rel = os.path.relpath(path, os.path.dirname(PKG_DIR))[:-3].replace(os.sep, ".")
+            mod = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+            pkg = mod if f == "__init__.py" else mod.rsplit(".", 1)[0]
+            targets = set()
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(node, ast.ImportFrom):
+                    if node.level:
+                        base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                        tgt = ".".join(base + ([node.module] if node.module else []))
+                    else:
+                        tgt = node.module or ""
+                    if tgt.split(".")[0] != "vvs_engine":
+                        continue
+                    for alias in node.names:  # `from .. import kernels` imports the module vvs_engine.kernels
+                        sub = f"{tgt}.{alias.name}"
+                        sub_path = os.path.join(os.path.dirname(PKG_DIR), *sub.split("."))
+                        targets.add(sub if os.path.isdir(sub_path) or os.path.exists(sub_path + ".py") else tgt)
+                elif isinstance(node, ast.Import):
+                    targets |= {a.name for a in node.names if a.name.split(".")[0] == "vvs_engine"}
+            found[mod] = targets
+    return found
+
+
+def test_every_layer_is_ranked():
+    layers = {layer_of(m) for m in module_imports()}
+    assert layers <= set(RANK), f"new top-level module(s) without a layer: {sorted(layers - set(RANK))}"
+
+
+def test_imports_point_down_the_layers():
+    wrong = []
+    for mod, targets in module_imports().items():
+        for tgt in targets:
+            a, b = layer_of(mod), layer_of(tgt)
+            if tgt != "vvs_engine" and a != b and RANK[b] >= RANK[a]:
+                wrong.append(f"{mod} -> {tgt}")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(sorted(wrong))
+
+
+def test_ranking_would_catch_an_upward_import():
+    # The check above is only as good as its parser: a known upward edge must be classified as wrong.
+    assert RANK[layer_of("vvs_engine.runtime.runner")] < RANK[layer_of("vvs_engine.drafting.session")]
+    assert RANK[layer_of("vvs_engine.engine")] < RANK[layer_of("vvs_engine.training.zoo")]
+    imports = module_imports()
+    assert "vvs_engine.kernels" in imports["vvs_engine.acceptance.verify"]  # `from .. import kernels`
+    assert "vvs_engine.training.drafter" in imports["vvs_engine.training.zoo"]  # lazy import inside a function
+
+
+GENERATE = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+import vvs_engine
+from vvs_engine import Engine
+engine = Engine.load()
+out = engine.generate(class_labels=[1], method="eagle", temperature=0.0, decode_images=True)
+assert out.tokens.shape[0] == 1 and len(out.images) == 1
+out = engine.generate(class_labels=[1], method="gsd", temperature=1.0, decode_images=False)
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("vvs_engine"))))
+"""
+
+
+def test_generate_imports_no_training_or_evaluation_module():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", GENERATE], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    loaded = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "vvs_engine.methods.speculative" in loaded and "vvs_engine.drafting.session" in loaded
+    leaked = [m for m in loaded if layer_of(m) in ("training", "evaluation", "cli")]
+    assert not leaked, f"inference imported {leaked}"

