@@ -14,7 +14,7 @@ from vvs_engine.acceptance.verify import ExactRule
 from vvs_engine.methods import jacobi
 from vvs_engine.methods.common import DecodeBatch
 from vvs_engine.rng import CounterRNG
-from vvs_engine.masks import causal_local
+from vvs_engine.runtime.masks import causal_local
 from vvs_engine.sampling import SamplingParams
 from vvs_engine.runtime.target import TargetSession
 
