@@ -2,10 +2,12 @@
 
 On a GPU every dispatched op is at least one kernel launch, so ops per committed token is the launch
 budget a method spends for what it saves in target forwards (TPF). Counted on the CPU by
-``vvs_engine.evaluation.opcount.OpCounter`` (aten + vvs:: ops below autograd; views, no-op casts and bare
+``vvs_engine.runtime.opcount.OpCounter`` (aten + vvs:: ops below autograd; views, no-op casts and bare
 allocations excluded), over one whole generation (prefill included) of one image, fp32, default
 sampling, so the counts are deterministic. A round is an AR step, a verify or skip round, or a Jacobi
-iteration; the AR step is the unit. The second table counts one call of ``verify_tree`` on a Zoo-sized
+iteration; the AR step is the unit. Each method is counted twice: as the CPU runs it (every kernel's
+torch reference inlined), and with ``VVS_KERNELS=reference``, which routes each kernel through its
+``vvs::`` custom op (one op, as one launch on a GPU) while still computing with the reference. The second table counts one call of ``verify_tree`` on a Zoo-sized
 tree: the vectorised torch walk against the fused ``vvs::tree_verify`` op.
 
     python benchmarks/op_count.py                       # writes benchmarks/results/op_count.{md,json}
@@ -26,7 +28,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vvs_engine.evaluation.opcount import OpCounter  # noqa: E402
+from vvs_engine.kernels.backends import ENV  # noqa: E402
+from vvs_engine.runtime.opcount import OpCounter  # noqa: E402
 
 # (row, method, options): the methods of the issue's table with their default options.
 ROWS = [
@@ -70,11 +73,23 @@ def count_method(engine, method, opts, label, seed, batch_size):
         kw["batch_size"] = batch_size
     with OpCounter() as ops:
         out = engine.generate(**kw)
+    previous = os.environ.get(ENV)
+    os.environ[ENV] = "reference"  # every kernel through its custom op: one op each
+    try:
+        with OpCounter() as kernel_ops:
+            again = engine.generate(**kw)
+    finally:
+        if previous is None:
+            os.environ.pop(ENV)
+        else:
+            os.environ[ENV] = previous
     st = out.stats
+    assert torch.equal(out.tokens, again.tokens), "routing through the custom ops changed the tokens"
     tokens = st["tokens_generated"]
     rounds = rounds_of(st)
     return dict(compute_ops=ops.compute, host_reads=ops.syncs, rounds=rounds, tokens=tokens,
                 ops_per_round=ops.compute / rounds, ops_per_token=ops.compute / tokens, tpf=st["tpf"],
+                kernel_ops_per_round=kernel_ops.compute / rounds, kernel_ops_per_token=kernel_ops.compute / tokens,
                 top_ops=ops.by_name.most_common(8))
 
 
@@ -83,17 +98,17 @@ def verify_call_ops(engine):
     node at most, the Zoo vocabulary), exact and LANTERN: the torch walk vs the fused op."""
     from types import SimpleNamespace
 
-    from vvs_engine.acceptance.verify import LanternRule, ExactRule, verify_tree_torch
+    from vvs_engine.acceptance.verify import ExactRule, LanternRule, verify_tree_torch
     from vvs_engine.kernels import ops as kernel_ops
     from vvs_engine.drafting.tree import children_table
-    from vvs_engine.kernels.reference import tree_meta as tree_meta_reference
+    from vvs_engine.kernels.reference import tree_meta
 
     gen = torch.Generator().manual_seed(0)
     N, C, D, V = 59, 10, 4, engine.config.vocab_size
     parents = [-1] + [int(torch.randint(max(0, (i - 1) // 3 - 4), max(1, (i - 1) // 3 + 1), (1,), generator=gen))
                       for i in range(1, N)]
     parents = torch.tensor(parents)
-    _, depth, paths, _ = tree_meta_reference(parents, N)
+    _, depth, paths, _ = tree_meta(parents, N)
     D = int(depth.max())
     tree = SimpleNamespace(tokens=torch.randint(0, V, (1, N), generator=gen), parents=parents[None],
                            depth=depth[None], paths=paths[None, :, : D + 1], children=children_table(parents, C)[None],
@@ -114,22 +129,28 @@ def verify_call_ops(engine):
 
 
 def render(results, verify_rows, batch_sizes, note) -> str:
-    unit = results[1]["AR"]["ops_per_round"] if "AR" in results.get(1, {}) else float("nan")
+    rows = results.get(1, {})
+    ar = rows.get("AR")
+    unit, unit_k = (ar["ops_per_round"], ar["kernel_ops_per_round"]) if ar else (float("nan"), float("nan"))
+    tok, tok_k = (ar["ops_per_token"], ar["kernel_ops_per_token"]) if ar else (float("nan"), float("nan"))
     lines = [f"<!-- written by: {COMMAND} {' '.join(sys.argv[1:])} -->", "",
              "# Compute ops per round (Zoo model, CPU, fp32, one image, default options)", "",
-             f"Unit: the AR step = {unit:.1f} compute ops (prefill amortised in). {note}", ""]
-    head = "| method | compute ops per round | x AR step | per committed token | x AR per token | TPF | host reads |"
-    lines += [head, "|---|---|---|---|---|---|---|"]
-    ar_tok = results[1]["AR"]["ops_per_token"] if "AR" in results.get(1, {}) else float("nan")
-    for name, r in results.get(1, {}).items():
+             f"Unit: the AR step = {unit:.1f} compute ops as the CPU runs it, {unit_k:.1f} with every kernel "
+             f"as one op (`VVS_KERNELS=reference`, the GPU's launch count). Prefill amortised in. {note}", "",
+             "| method | ops per round | x AR step | per committed token | x AR | kernels as ops: per round | x AR step "
+             "| per token | x AR | TPF | host reads |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
         lines.append(f"| {name} | {r['ops_per_round']:.0f} | {r['ops_per_round'] / unit:.2f} | {r['ops_per_token']:.0f} | "
-                     f"{r['ops_per_token'] / ar_tok:.2f} | {r['tpf']:.2f} | {r['host_reads']} |")
+                     f"{r['ops_per_token'] / tok:.2f} | {r['kernel_ops_per_round']:.0f} | "
+                     f"{r['kernel_ops_per_round'] / unit_k:.2f} | {r['kernel_ops_per_token']:.0f} | "
+                     f"{r['kernel_ops_per_token'] / tok_k:.2f} | {r['tpf']:.2f} | {r['host_reads']} |")
     extra = [b for b in batch_sizes if b != 1 and b in results]
     if extra:
         lines += ["", "## Per batch size: compute ops per committed token (TPF)", "",
                   "| method | " + " | ".join(f"B={b}" for b in [1] + extra) + " |",
                   "|---|" + "---|" * (1 + len(extra))]
-        for name in results[1]:
+        for name in rows:
             cells = [f"{results[b][name]['ops_per_token']:.0f} ({results[b][name]['tpf']:.2f})"
                      if name in results[b] else "-" for b in [1] + extra]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -139,6 +160,16 @@ def render(results, verify_rows, batch_sizes, note) -> str:
         for v in verify_rows:
             lines.append(f"| {v['rule']} | {v['vocab']} | {v['torch_walk_ops']} | {v['fused_ops']} |")
     return "\n".join(lines) + "\n"
+
+
+def write(out_dir, results, verify_rows, batch_sizes, note, meta) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    md = render(results, verify_rows, batch_sizes, note)
+    with open(os.path.join(out_dir, "op_count.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out_dir, "op_count.json"), "w") as f:
+        json.dump(dict(meta=meta, results={str(b): r for b, r in results.items()}, verify_call=verify_rows), f, indent=1)
+    return md
 
 
 def main(argv=None, engine=None):
@@ -155,6 +186,11 @@ def main(argv=None, engine=None):
         note = "Engine.generate has no batch_size yet: B = 1 only."
         batch_sizes = [1]
     rows = QUICK_ROWS if args.quick else ROWS
+    meta = dict(command=f"{COMMAND} {' '.join(argv if argv is not None else sys.argv[1:])}".strip(),
+                torch=torch.__version__, python=platform.python_version(), label=args.label, seed=args.seed)
+    verify_rows = verify_call_ops(engine)
+    for v in verify_rows:
+        print(f"verify_tree {v['rule']}: torch walk {v['torch_walk_ops']} ops, fused {v['fused_ops']} ops")
     results = {}
     for b in batch_sizes:
         results[b] = {}
@@ -162,19 +198,10 @@ def main(argv=None, engine=None):
             r = count_method(engine, method, opts, args.label, args.seed, b)
             results[b][name] = r
             print(f"B={b} {name:16s} ops/round {r['ops_per_round']:8.1f}  ops/token {r['ops_per_token']:8.1f}  "
+                  f"kernels as ops: {r['kernel_ops_per_round']:8.1f} / {r['kernel_ops_per_token']:8.1f}  "
                   f"tpf {r['tpf']:.2f}  host reads {r['host_reads']}", flush=True)
-    verify_rows = verify_call_ops(engine)
-    for v in verify_rows:
-        print(f"verify_tree {v['rule']}: torch walk {v['torch_walk_ops']} ops, fused {v['fused_ops']} ops")
-    os.makedirs(args.out, exist_ok=True)
-    md = render(results, verify_rows, batch_sizes, note)
-    meta = dict(command=f"{COMMAND} {' '.join(argv if argv is not None else sys.argv[1:])}".strip(),
-                torch=torch.__version__, python=platform.python_version(), label=args.label, seed=args.seed)
-    with open(os.path.join(args.out, "op_count.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(args.out, "op_count.json"), "w") as f:
-        json.dump(dict(meta=meta, results={str(b): r for b, r in results.items()}, verify_call=verify_rows), f, indent=1)
-    print(md)
+            write(args.out, results, verify_rows, batch_sizes, note, meta)  # partial tables survive a stop
+    print(write(args.out, results, verify_rows, batch_sizes, note, meta))
     return results
 
 

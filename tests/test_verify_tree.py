@@ -139,3 +139,21 @@ def test_exact_rule_matches_slow_walk(sampled, greedy):
         assert got == path
         assert int(res.n_accepted[b]) == len(path) - 1 and int(res.last[b]) == path[-1]
         assert int(res.next_token[b]) == token
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("rule_name", ["exact", "lantern", "lantern++", "lantern-ref"])
+def test_fused_op_equals_the_rule_walk(rule_name, sampled, greedy):
+    """Exact and LANTERN(++) go through kernels.tree_verify; it must decide exactly as the rule
+    objects do in the generic walk."""
+    from vvs_engine.acceptance.verify import verify_tree_torch
+
+    B, N = 4, 15
+    tree, p, logits, hidden, u_accept, u_sample = random_trees(B, N, 4, seed=11, sampled=sampled)
+    rule = rules()[rule_name]()
+    fused = verify_tree(tree, p, rule, u_accept, u_sample, greedy)
+    walk = verify_tree_torch(tree, p, rule, u_accept, u_sample, greedy)
+    for a, b in zip((fused.path, fused.n_accepted, fused.last, fused.next_token),
+                    (walk.path, walk.n_accepted, walk.last, walk.next_token)):
+        assert torch.equal(a, b)

@@ -228,6 +228,8 @@ def verify_tree_torch(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: tor
         r = torch.where(rej[:, None], rule.residual(r, q_norm, x, moved), r)
         if q is not None:
             q = torch.where(rej[:, None], q.scatter(1, x[:, None], 0.0), q)
+    from ..kernels.reference import walk_accepted
+
     path, n_accepted, last = walk_accepted(accepted_child.view(B, N), flat.max_depth)
     dist = r.view(B, N, V).gather(1, last[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
     if greedy:
@@ -246,24 +248,6 @@ def _greedy_ok(rule, r, x, moved):
     relaxed = r.masked_fill(moved, 0.0)
     relaxed = relaxed.scatter(1, x[:, None], r.gather(1, x[:, None]) + (r * moved).sum(-1, keepdim=True))
     return relaxed.argmax(-1) == x
-
-
-def walk_accepted(accepted_child: torch.Tensor, max_depth: int):
-    """accepted_child [B, N] flat ids (node b*N + i) of each node's accepted child, -1 if none ->
-    (path [B, max_depth + 1] local ids, -1 padded; n_accepted [B]; last [B]). A loop over depth."""
-    B, N = accepted_child.shape
-    flat = torch.cat([accepted_child.reshape(-1), accepted_child.new_full((1,), -1)])  # spill slot for "ended"
-    cur = torch.arange(B, device=accepted_child.device) * N  # the roots
-    steps = [cur]
-    for _ in range(max_depth):
-        cur = flat[torch.where(cur >= 0, cur, B * N)]
-        steps.append(cur)
-    flat_path = torch.stack(steps, 1)  # [B, max_depth + 1]
-    offset = torch.arange(B, device=accepted_child.device)[:, None] * N
-    path = torch.where(flat_path >= 0, flat_path - offset, flat_path)
-    n_accepted = (path[:, 1:] >= 0).sum(1)
-    last = path.gather(1, n_accepted[:, None])[:, 0]
-    return path, n_accepted, last
 
 
 LANTERN_RULES = ("lantern", "lantern++")
@@ -293,24 +277,3 @@ def make_rule(name: str, engine=None, lantern_k: Optional[int] = None, lantern_d
         kw = dict(lantern_k=lantern_k, lantern_delta=lantern_delta, lantern_lambda=lantern_lambda,
                   reference_residual=reference_residual)
     return make(name, engine, **kw)
-
-
-def _tree_verify_walk(tokens, children, p, q, u_accept, u_sample, neighbors, delta, ratio, reference_residual,
-                      greedy, max_depth):
-    """``kernels.reference.tree_verify``: the exact or LANTERN(++) rule through the torch walk."""
-    from types import SimpleNamespace
-
-    rule = ExactRule() if neighbors is None else LanternRule(neighbors, delta, ratio=ratio,
-                                                             reference_residual=reference_residual)
-    tree = SimpleNamespace(tokens=tokens, children=children, q=q, sampled=q is not None, max_depth=max_depth)
-    res = verify_tree_torch(tree, p, rule, u_accept, u_sample, greedy)
-    return res.path, res.n_accepted, res.last, res.next_token
-
-
-def _register_tree_walk():
-    from ..kernels import reference
-
-    reference.TREE_WALK["walk"] = _tree_verify_walk
-
-
-_register_tree_walk()

@@ -15,22 +15,17 @@ import torch.nn.functional as F
 def local_visibility(prefix_len: torch.Tensor, local: torch.Tensor, n_slots: int,
                      key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Dense boolean visibility ``[B|1, Q, S]`` of the (prefix + local block) layout: query i sees
-    slot s if ``s < P`` (and ``key_valid[b, s]``), or if ``P <= s < P + Q`` and ``local[i, s - P]``.
-    ``prefix_len`` is ``[1]`` (every row) or ``[B]`` (one length per row); ``local`` is ``[Q, Q]`` or
-    ``[B, Q, Q]`` (one tree per row)."""
-    Q = local.shape[-1]
+    slot s if ``s < P`` (and ``key_valid[b, s]``), or if ``P <= s < P + Q`` and ``local[i, s - P]``."""
+    Q = local.shape[0]
     s = torch.arange(n_slots, device=local.device)
-    P = prefix_len.reshape(-1, 1)  # [B|1, 1]
-    in_prefix = (s[None, :] < P)[:, None, :]  # [B|1, 1, S]
-    rel = s[None, :] - P  # [B|1, S]
+    P = prefix_len.reshape(-1)[:1]
+    in_prefix = (s < P)[None, None, :]  # [1, 1, S]
+    rel = s - P  # [S]
     in_local = (rel >= 0) & (rel < Q)
-    local3 = local if local.dim() == 3 else local[None]
-    rows = max(local3.shape[0], rel.shape[0])
-    idx = rel.clamp(0, Q - 1)[:, None, :].expand(rows, Q, n_slots)
-    loc = local3.expand(rows, Q, Q).gather(2, idx) & in_local[:, None, :]  # [B|1, Q, S]
+    loc = local.index_select(1, rel.clamp(0, Q - 1)) & in_local[None, :]  # [Q, S]
     if key_valid is not None:
         in_prefix = in_prefix & key_valid[:, None, :]
-    return in_prefix | loc
+    return in_prefix | loc[None]
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor,
@@ -45,17 +40,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
 
 def kv_compact(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """In place, for K and V ``[L, B, H, S, D]``: slots ``dst`` take the values slots ``src`` held
-    before the call (every layer and row). ``src``/``dst`` are ``[n]`` (the same for every row) or
-    ``[B, n]`` (per row) device int64; the gather happens before any write, so overlapping ranges are
-    fine."""
-    if src.dim() == 2:
-        L, B, H, S, D = k.shape
-        n = src.shape[1]
-        src_i = src[None, :, None, :, None].expand(L, B, H, n, D)
-        dst_i = dst[None, :, None, :, None].expand(L, B, H, n, D)
-        for buf in (k, v):
-            buf.scatter_(3, dst_i, buf.gather(3, src_i))
-        return
+    before the call (every layer and row). ``src``/``dst`` are ``[n]`` device int64; the gather happens
+    before any write, so overlapping ranges are fine."""
     for buf in (k, v):
         buf.index_copy_(3, dst, buf.index_select(3, src))
 
@@ -229,21 +215,106 @@ def sibling_links(children: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first_child.long(), next_sibling[:N]
 
 
+
 def tree_verify(tokens: torch.Tensor, children: torch.Tensor, p: torch.Tensor, q: Optional[torch.Tensor],
                 u_accept: torch.Tensor, u_sample: torch.Tensor, neighbors: Optional[torch.Tensor], delta: float,
                 ratio: bool, reference_residual: bool, greedy: bool, max_depth: int):
     """Verify B draft trees with the exact rule (``neighbors`` None) or LANTERN(++) (neighbour table
-    [V, K], budget ``delta``, ``ratio`` for LANTERN++): tokens [B, N], children [B, N, C] in rank order,
-    p [B, N, V], q [B, N, V] or None, u_accept [B, N], u_sample [B] -> (path [B, max_depth + 1],
-    n_accepted [B], last [B], next_token [B]) int64. The vectorised torch walk of
-    ``vvs_engine.acceptance.verify.verify_tree_torch`` (every rule's CPU path); the acceptance layer,
-    which sits above the kernels, registers it in :data:`TREE_WALK` when it is imported."""
-    if "walk" not in TREE_WALK:
-        import importlib
+    [V, K], budget ``delta``, ``ratio`` for LANTERN++; ``reference_residual``: drop all K neighbours
+    from the residual as the published code does): tokens [B, N], children [B, N, C] in rank order,
+    p [B, N, V], q [B, N, V] (sampled drafts) or None, u_accept [B, N], u_sample [B] in (0, 1] ->
+    (path [B, max_depth + 1] -1 padded, n_accepted [B], last [B], next_token [B]) int64.
 
-        importlib.import_module("vvs_engine.acceptance.verify")  # registers the walk (by name: no upward import)
-    return TREE_WALK["walk"](tokens, children, p, q, u_accept, u_sample, neighbors, delta, ratio,
-                             reference_residual, greedy, max_depth)
+    The B trees are one forest of B*N nodes; a loop over sibling ranks tests every node's rank-th
+    child at once against the node's residual r (accept iff u * q(x) < r(x) + credit; greedy: x is
+    the argmax of the credited r), rejections update r to norm(max(0, r' - q)) with r' = r minus the
+    credited mass; then a loop over depth follows the accepted children, and the next token is drawn
+    from the last node's r by inverse CDF."""
+    B, N, V = p.shape
+    M, C = B * N, children.shape[2]
+    dev = p.device
+    offset = (torch.arange(B, device=dev) * N).view(B, 1, 1)
+    kids = torch.where(children >= 0, children + offset, children).reshape(M, C)
+    node_tokens = tokens.reshape(M)
+    r = p.reshape(M, V).clone()
+    q = None if q is None else q.reshape(M, V).clone()
+    u_node = u_accept.reshape(M)
+    ones = torch.ones(M, dtype=r.dtype, device=dev)
+    accepted_child = torch.full((M,), -1, dtype=torch.long, device=dev)
+    for rank in range(C):
+        child = kids[:, rank]
+        valid = (child >= 0) & (accepted_child < 0)
+        child_ids = child.clamp(min=0)
+        x = node_tokens[child_ids]
+        q_norm = None if q is None else q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+        q_x = ones if q is None else q_norm.gather(1, x[:, None])[:, 0]
+        moved = None
+        if neighbors is None:
+            score = r.gather(1, x[:, None])[:, 0]
+        else:
+            score, m_star = lantern_mass(r, x, neighbors, delta, ratio)
+            nb = neighbors[x]
+            n_moved = torch.full_like(m_star, nb.shape[1]) if reference_residual else m_star
+            cols = torch.arange(nb.shape[1], device=dev)[None] < n_moved[:, None]
+            if reference_residual:
+                cols = cols & (m_star[:, None] > 0)
+            moved = torch.zeros_like(r, dtype=torch.bool).scatter_(1, nb, cols)
+        if greedy:
+            ok = credited_argmax(r, x, moved) == x
+        else:
+            ok = u_node[child_ids] * q_x < score
+        accept = valid & ok
+        reject = valid & ~accept
+        accepted_child = torch.where(accept, child, accepted_child)
+        r = torch.where(reject[:, None], residual_distribution(r, q_norm, x, moved), r)
+        if q is not None:
+            q = torch.where(reject[:, None], q.scatter(1, x[:, None], 0.0), q)
+    path, n_accepted, last = walk_accepted(accepted_child.view(B, N), max_depth)
+    dist = r.view(B, N, V).gather(1, last.view(B, 1, 1).expand(B, 1, V))[:, 0]
+    if greedy:
+        next_token = dist.argmax(-1)
+    else:
+        from ..rng import sample_inverse_cdf
+
+        next_token = sample_inverse_cdf(dist, u_sample.reshape(B))
+    return path, n_accepted, last, next_token
 
 
-TREE_WALK: dict = {}  # "walk": the acceptance layer's torch tree walk (see tree_verify)
+def credited_argmax(r: torch.Tensor, x: torch.Tensor, moved: Optional[torch.Tensor]) -> torch.Tensor:
+    """Argmax of r [M, V] after the ``moved`` mass is credited to x (greedy relaxed acceptance)."""
+    if moved is None:
+        return r.argmax(-1)
+    relaxed = r.masked_fill(moved, 0.0)
+    relaxed = relaxed.scatter(1, x[:, None], r.gather(1, x[:, None]) + (r * moved).sum(-1, keepdim=True))
+    return relaxed.argmax(-1)
+
+
+def residual_distribution(r: torch.Tensor, q: Optional[torch.Tensor], x: torch.Tensor,
+                          moved: Optional[torch.Tensor]) -> torch.Tensor:
+    """norm(max(0, r' - q)) with r' = r without the ``moved`` mass; q None = one-hot(x) (deterministic
+    drafts). If nothing is left, r' renormalised (never NaN)."""
+    if moved is not None:
+        r = r.masked_fill(moved, 0.0)
+    res = r.scatter(1, x[:, None], 0.0) if q is None else (r - q).clamp(min=0)
+    total = res.sum(-1, keepdim=True)
+    fallback = r / r.sum(-1, keepdim=True).clamp(min=1e-30)
+    return torch.where(total > 1e-12, res / total.clamp(min=1e-30), fallback)
+
+
+def walk_accepted(accepted_child: torch.Tensor, max_depth: int):
+    """accepted_child [B, N] of flat ids (node b*N + i) of each node's accepted child, -1 if none ->
+    (path [B, max_depth + 1] local ids, -1 padded; n_accepted [B]; last [B]). A loop over depth."""
+    B, N = accepted_child.shape
+    dev = accepted_child.device
+    table = torch.cat([accepted_child.reshape(-1), accepted_child.new_full((1,), -1)])  # spill slot: walk ended
+    cur = torch.arange(B, device=dev) * N  # the roots
+    steps = [cur]
+    for _ in range(max_depth):
+        cur = table[torch.where(cur >= 0, cur, B * N)]
+        steps.append(cur)
+    flat_path = torch.stack(steps, 1)
+    offset = (torch.arange(B, device=dev) * N)[:, None]
+    path = torch.where(flat_path >= 0, flat_path - offset, flat_path)
+    n_accepted = (path[:, 1:] >= 0).sum(1)
+    last = path.gather(1, n_accepted[:, None])[:, 0]
+    return path, n_accepted, last
