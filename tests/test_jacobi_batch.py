@@ -15,8 +15,8 @@ from vvs_engine.methods import jacobi
 from vvs_engine.methods.common import DecodeBatch
 from vvs_engine.rng import CounterRNG
 from vvs_engine.runtime.masks import causal_local
-from vvs_engine.sampling import SamplingParams
 from vvs_engine.runtime.target import TargetSession
+from vvs_engine.sampling import SamplingParams
 
 GPU = torch.cuda.is_available()
 NO_GPU = "no CUDA device: Jacobi-iteration graph capture and its sync check need a GPU"

@@ -2,9 +2,10 @@
 
 SJD (Teng et al., ICLR 2025, arXiv 2410.01699) is speculative sampling whose drafts are the target's
 own predictions from the previous Jacobi iteration; GSD (So et al., ICCV 2025, arXiv 2508.07747) is the
-same loop with the grouped acceptance rule of :mod:`vvs_engine.acceptance.gsd`. B images decode together
-(both CFG rows of each in the same batch); every image has its own window, accepted prefix, committed
-count and prefix length, all in static-shape ``[B, ...]`` device buffers. One iteration, per image:
+same loop with the grouped acceptance rule of :mod:`vvs_engine.acceptance.gsd` (spec: ``docs/methods.md``
+§1-2). B images decode together (both CFG rows of each in the same batch); every image has its own
+window, accepted prefix, committed count and prefix length, all in static-shape ``[B, ...]`` device
+buffers. One iteration, per image:
 
     one target forward over the window W[0..L-1] at positions P..P+L-1 (causal inside the window);
       p[j] = processed target distribution of the token after W[j]
@@ -37,10 +38,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..acceptance.verify import ExactRule
-from ..errors import VVSError
 from ..acceptance.gsd import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
                               make_grouped_rule)
+from ..acceptance.verify import ExactRule
+from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits

@@ -193,7 +193,7 @@ class GraphRunner:
     def ar_decode(self, first: torch.Tensor, rng) -> torch.Tensor:
         """first [n] (the token sampled after prefill) -> tokens [n, T]. ``rng``: the batch's
         :class:`~vvs_engine.rng.CounterRNG`; its keys are copied into the step's static key buffer."""
-        from .rng import CounterRNG, Streams
+        from ..rng import CounterRNG, Streams
 
         s, params = self.session, self.params
         if "ar_step" not in self.calls:
