@@ -192,7 +192,7 @@ def throughput_setting(engine, setting: Setting, batch_size: int, n_images: int,
     if setting.method != "ar" and "lantern_k" not in opts and engine.vq is None:
         opts["lantern_k"] = lantern_k(engine)
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale, decode_images=False,
-              batch_size=batch_size, **graphs_kwargs(engine, args.graphs), **opts)
+              batch_size=batch_size, cuda_graphs=args.graphs, **opts)
     engine.generate(class_labels=[label_of(i) for i in range(batch_size)], seed=10_000, **kw)  # warm-up
     _sync(engine.device)
     t0 = time.perf_counter()
