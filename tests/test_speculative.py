@@ -86,9 +86,9 @@ def _exact_joint(eng, label, n_tok, cfg):
 @pytest.mark.parametrize("tree", ["dynamic", "static"])
 def test_exact_sampling_matches_target_distribution(tree, monkeypatch):
     """Chi-square goodness of fit of the first two tokens (V=4: 16 cells) from speculative sampling
-    (batches of 16) against the target's exact joint. Power: with 1200 samples the test rejects a
-    sampler whose distribution is 0.1 away in total variation with probability > 0.99 (checked by the
-    negative control below, which accepts every draft)."""
+    (batches of 16) against the target's exact joint. Power: with 1200 samples the test rejects a sampler whose
+    distribution is 0.1 away in total variation with probability > 0.99 (checked by the negative
+    control below, which accepts every draft in the fused verification op the exact rule runs on)."""
     eng = tiny_engine(vocab=4, block=4, seed=1, peak=25.0, with_vq=False)
     seqs, probs = _exact_joint(eng, 1, 2, 2.0)
     opts = dict(tree=tree, tree_total=5, tree_depth=2, tree_topk=2)
@@ -99,18 +99,15 @@ def test_exact_sampling_matches_target_distribution(tree, monkeypatch):
                        decode_images=False, batch_size=16, **opts)
     stat, dof = _chi2(out.tokens[:, :2], seqs, probs)
     assert stat < _chi2_crit(dof), (stat, dof)
-    # The test has power: accepting every draft (no verification) is rejected. The loop's verify_tree
-    # is replaced by the rule walk under a rule that accepts everything (the fused op takes no rule).
-    from vvs_engine.acceptance.verify import verify_tree_torch
+    # The test has power: acceptance uniforms of 0 accept every draft (no verification) and are rejected.
+    from vvs_engine import kernels
 
-    class AcceptAll(ExactRule):
-        def accept(self, r, x, qx, u, ctx):
-            return torch.ones_like(x, dtype=torch.bool), None
-
-    monkeypatch.setattr(speculative, "verify_tree",
-                        lambda tree, p, rule, *a, **k: verify_tree_torch(tree, p, AcceptAll(), *a, **k))
+    fused = kernels.tree_verify
+    monkeypatch.setattr(kernels, "tree_verify", lambda tokens, children, p, q, u_accept, *rest:
+                        fused(tokens, children, p, q, torch.zeros_like(u_accept), *rest))
     bad = eng.generate(class_labels=[1] * n, temperature=1.0, cfg_scale=2.0, method="eagle", seed=5,
                        decode_images=False, batch_size=16, **opts)
+    monkeypatch.undo()
     stat_bad, _ = _chi2(bad.tokens[:, :2], seqs, probs)
     assert stat_bad > _chi2_crit(dof)
 
