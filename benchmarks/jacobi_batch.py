@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout
 
 from vvs_engine import Engine  # noqa: E402
-from vvs_engine.acceptance import ExactRule  # noqa: E402
+from vvs_engine.acceptance.verify import ExactRule  # noqa: E402
 from vvs_engine.methods import jacobi  # noqa: E402
 from vvs_engine.methods.common import DecodeBatch  # noqa: E402
 from vvs_engine.rng import CounterRNG  # noqa: E402

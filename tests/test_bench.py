@@ -81,3 +81,20 @@ def test_replay_setting_turns_dynamic_skips_into_uniform():
     assert s.opts["accept"] == "trace_replay"
     ro = s.opts["rule_options"]
     assert ro["inner"] == "lantern" and ro["delta"] == 0.3 and ro["k"] == 16 and set(ro["lengths"]) == {0, 1}
+
+
+def test_batch_table_quick(tmp_path):
+    """--batch-sizes: one row per setting and batch size, images/s and TPF side by side; the command
+    is written into the table."""
+    settings = "ar;vvs:skip_interval=2,tree_total=8,tree_depth=2,tree_topk=3"
+    assert bench.main(["--quick", "--settings", settings, "--batch-sizes", "1,2", "--images", "2", "--out",
+                       str(tmp_path), "--threads", "1"]) == 0
+    rep = json.loads((tmp_path / "batch_quick_cpu.json").read_text())
+    rows = rep["rows"]
+    assert [(r["method"], r["batch_size"]) for r in rows] == [("ar", 1), ("ar", 2), ("vvs", 1), ("vvs", 2)]
+    for r in rows:
+        assert r["images_per_s"] > 0 and r["tpf"] >= 1.0 and r["images"] == 2
+    vvs1, vvs2 = rows[2], rows[3]
+    assert vvs1["tpf"] == pytest.approx(vvs2["tpf"])  # VVS-U: the same tokens and rounds per image
+    md = (tmp_path / "batch_quick_cpu.md").read_text()
+    assert "--batch-sizes 1,2" in md and "images/s" in md

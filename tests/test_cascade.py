@@ -63,7 +63,8 @@ def test_off_thresholds_equal_exact_with_other_trees_and_skipping(eng, opts):
 
 
 def test_relaxation_fires_and_raises_tpf(eng):
-    kw = dict(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=7)
+    # 8 images: on 3 the target-side sources' gain is within the noise of the random streams
+    kw = dict(class_labels=[0, 3, 4, 1, 2, 0, 3, 4], temperature=1.0, cfg_scale=3.0, seed=7)
     exact = _exact(eng, tree="static", **kw).stats["tpf"]
     for source in ("drafter", "target-logits", "target-hidden"):
         st = eng.generate(method="cascade", cascade_source=source, cascade_gate="none", decode_images=False,
@@ -75,7 +76,7 @@ def test_relaxation_fires_and_raises_tpf(eng):
 def _hand_tree():
     """root 0 (token 0) -> nodes 1, 2 (tokens 1, 2) at depth 1; node 1 -> node 3 (token 3). V = 4."""
     parents = torch.tensor([-1, 0, 0, 1])
-    mask, depth, paths, leaf, children = tree_structure(parents, 2, 2)
+    mask, depth, paths, leaf, children = (t[0] for t in tree_structure(parents[None], 2, 2))  # one tree
     q = torch.zeros(4, 4)
     q[1] = torch.tensor([0.0, 0.0, 0.0, 1.0])  # drafter predictions after nodes 1 and 2 ...
     q[2] = torch.tensor([0.0, 0.0, 0.1, 0.9])  # ... nearly the same: cos = 0.994

@@ -105,6 +105,22 @@ def test_generate_contract(ckpts, tmp_path, capsys):
     np.testing.assert_array_equal(api.tokens.numpy(), tokens)
 
 
+def test_generate_batch_size_flag(ckpts, tmp_path, capsys):
+    """--batch-size reaches the engine (stats) and the tokens do not depend on it."""
+    import json
+
+    outs = {}
+    for bs in ("1", "2"):
+        out = tmp_path / f"out{bs}"
+        assert main(contract_argv(ckpts, out, **{"--batch-size": bs, "--no-images": None})) == 0
+        stats = json.load(open(out / "stats.json"))
+        assert stats["batch_size"] == int(bs)
+        assert set(stats["tpf_per_image"]) == {"min", "median", "max"}
+        outs[bs] = np.load(out / "tokens.npz")["tokens"]
+    assert "tpf per image" in capsys.readouterr().out
+    np.testing.assert_array_equal(outs["1"], outs["2"])
+
+
 def test_generate_subprocess_python_m(ckpts, tmp_path):
     """Once through a real process: `python -m vvs_engine` and the exit code."""
     out = tmp_path / "out"
@@ -268,6 +284,7 @@ def test_unknown_vq_model(ckpts, tmp_path, capsys):
     ({"--prompts": "/nonexistent/prompts.txt", "--class-labels": False}, "prompts"),
     ({"--prompts": "x.txt"}, "not both"),
     ({"--class-labels": False}, "--class-labels"),
+    ({"--batch-size": "0"}, "batch-size"),
 ])
 def test_bad_values(ckpts, tmp_path, capsys, over, match):
     run_error(capsys, contract_argv(ckpts, tmp_path / "out", **over), match=match)

@@ -17,7 +17,6 @@ import torch
 from dataset_utils import failing_factory, read_all, write_tiny_checkpoints
 from vvs_engine import Engine, VVSError, dataset
 from vvs_engine.cli import main
-from vvs_engine.engine import image_seed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,12 +105,6 @@ def test_merge_stats():
 
 
 # --- identity -----------------------------------------------------------------------------------
-def test_image_seed_is_distinct_and_stable():
-    seeds = {image_seed(s, i) for s in range(3) for i in range(1000)}
-    assert len(seeds) == 3000 and all(0 <= x < 2 ** 63 for x in seeds)
-    assert image_seed(0, 5) == image_seed(0, 5) != image_seed(1, 5)
-
-
 @pytest.mark.parametrize("method", ["ar", "vvs"])
 def test_zoo_tokens_do_not_depend_on_sharding(tmp_path, method):
     """The same job as 1 shard of 2 (one batch) and as 2 shards of 1: identical tokens, equal to the

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spec_models import tiny_engine
-from vvs_engine.acceptance import ExactRule
+from vvs_engine.acceptance.verify import ExactRule
 from vvs_engine.methods import jacobi
 from vvs_engine.methods.common import DecodeBatch
 from vvs_engine.rng import CounterRNG
@@ -197,7 +197,7 @@ def test_gpu_graph_replay_equals_eager(method):
 @gpu
 def test_gpu_jacobi_steady_state_never_syncs():
     """After capture, replays and the one-iteration-late counter read run under sync-debug 'error'."""
-    from vvs_engine.methods.speculative import LateRead
+    from vvs_engine.methods.common import LateCounter
 
     e = tiny_engine(vocab=64, block=36, peak=8.0).to("cuda", torch.float32)
     params = SamplingParams(1.0, 0, 1.0, 3.0)
@@ -206,7 +206,7 @@ def test_gpu_jacobi_steady_state_never_syncs():
         dec = jacobi.JacobiDecoder(e, _batch(e, [1, 2, 3, 4], params), params, opts, opts.rule(e))
         st = dec.prefill()
         replay = jacobi.capture(lambda: dec.jacobi_iteration(st), st)
-        committed = LateRead(dec.device)
+        committed = LateCounter(dec.device)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

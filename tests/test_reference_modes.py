@@ -152,7 +152,8 @@ def _tree(q=None, draft_logits=None):
     from vvs_engine.drafting.tree import DraftTree, tree_structure
 
     parents = T([-1, 0, 0, 1])
-    mask, depth, paths, leaf, children = tree_structure(parents, 2, 2)
+    # one tree seen unbatched, as a rule sees the flattened forest
+    mask, depth, paths, leaf, children = (t[0] for t in tree_structure(parents[None], 2, 2))
     return DraftTree(T([0, 1, 2, 3]), parents, mask, depth, paths, leaf, children, q=q, draft_logits=draft_logits)
 
 

@@ -7,13 +7,11 @@ and the GPU-only tests check replay == eager and that steady-state rounds never 
 """
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from spec_models import tiny_engine
-from vvs_engine.methods import ar, speculative
+from vvs_engine.methods import ar
 from vvs_engine.rng import CounterRNG
 from vvs_engine.runtime.runner import StaticCall, batch_bucket, get_runner, pad_conditions
 from vvs_engine.sampling import SamplingParams
@@ -134,87 +132,6 @@ def test_static_call_aliases_outputs_and_restores_generator():
     assert torch.equal(gen.get_state(), ref.get_state())
 
 
-# --- the speculative loop through the runner ----------------------------------------------------
-def _loop_shapes(opts):
-    """N, Cmax, Dmax exactly as LoopState computes them."""
-    spec = opts.tree_spec()
-    N = spec.max_nodes
-    if spec.kind == "dynamic":
-        Dmax = spec.depth + 1
-    elif spec.kind == "chain":
-        Dmax = spec.depth
-    else:
-        from vvs_engine.drafting.tree import STATIC_TREES, static_layout
-
-        Dmax = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
-    return N, Dmax + 1, Dmax
-
-
-@contextlib.contextmanager
-def graphed_loop(monkeypatch, engine, method, method_opts, made):
-    """Emulate the lead's integration in LoopState.__init__ (see docs/gpu.md): the target and draft
-    sessions come from a cached GraphRunner, with graphs for the verify widths, both drafter extend
-    widths and the tree build."""
-    from vvs_engine.methods import get_method
-
-    _, opts = get_method(method, engine, dict(method_opts))
-    for default in ("accept", "tree"):  # the method fills these in before LoopState sees them
-        if getattr(opts, default) is None:
-            setattr(opts, default, {"accept": "lantern" if method in ("lantern", "vvs") else "exact",
-                                    "tree": "dynamic"}[default])
-    N, Cmax, Dmax = _loop_shapes(opts)
-
-    def target_session(model, cond, n, use_cfg, key_mask, extra_slots=0):
-        params = made["params"]
-        r = get_runner(model, cond, n, use_cfg, key_mask, params, use_graphs=True, extra_slots=extra_slots,
-                       drafter=engine.drafter, tree_spec=opts.tree_spec(), target_q=(N, Cmax + N),
-                       extend_m=(Dmax, Dmax + 1))
-        made["runner"] = r
-        return r.session
-
-    def draft_session(drafter, rows, n_slots, params, spec):
-        return made["runner"].draft
-
-    monkeypatch.setattr(speculative, "TargetSession", target_session)
-    monkeypatch.setattr(speculative, "DraftSession", draft_session)
-    yield
-    monkeypatch.undo()
-
-
-SPEC_CASES = [
-    ("eagle", {}),
-    ("eagle", {"tree": "static"}),
-    ("eagle", {"tree": "chain", "tree_depth": 3}),
-    ("lantern", {"lantern_delta": 0.2}),
-    ("vvs", {"skip_interval": 2}),
-    ("vvs", {"skip_interval": 2, "feature_reuse": "repeat", "select": "confidence"}),
-    ("vvs", {"skip_interval": 2, "post_verify": "reject"}),  # rollbacks: eager widths between graphs
-]
-
-
-@pytest.mark.parametrize("method,opts", SPEC_CASES, ids=lambda x: str(x))
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_speculative_through_runner_equals_plain_loop(eng, monkeypatch, method, opts, temperature):
-    kw = dict(class_labels=[0, 3], temperature=temperature, cfg_scale=3.0, seed=11, decode_images=False,
-              method=method, **opts)
-    plain = eng.generate(**kw)
-    made = {"params": SamplingParams(temperature, 0, 1.0, 3.0)}
-    with graphed_loop(monkeypatch, eng, method, opts, made):
-        graphed = eng.generate(**kw)
-        graphed2 = eng.generate(**kw)  # the cached runner's sessions are reused image after image
-    assert torch.equal(plain.tokens, graphed.tokens)
-    assert torch.equal(plain.tokens, graphed2.tokens)
-    for k in ("verified_steps", "skip_steps", "mean_accepted_length"):
-        assert plain.stats[k] == graphed.stats[k]
-    used = made["runner"].stats()
-    assert "build" in used and any(k.startswith("verify_q") for k in used)
-    if method == "vvs":
-        assert plain.stats["skip_steps"] > 0
-        if opts.get("post_verify") == "reject":
-            assert plain.stats["post_verify_rollbacks"] > 0
-        assert any(k.startswith("extend_m") for k in used)
-
-
 # --- GPU only -------------------------------------------------------------------------------------
 gpu = pytest.mark.skipif(not GPU, reason=NO_GPU)
 
@@ -225,39 +142,6 @@ def _print_skip_reason():
 
 
 _print_skip_reason()
-
-
-@gpu
-def test_gpu_graphs_were_captured(monkeypatch):
-    e = _engine("cuda", vocab=64, block=36, peak=8.0)
-    made = {"params": SamplingParams(1.0, 0, 1.0, 3.0)}
-    with graphed_loop(monkeypatch, e, "vvs", {"skip_interval": 2}, made):
-        e.generate(class_labels=[1], temperature=1.0, cfg_scale=3.0, method="vvs", skip_interval=2,
-                   decode_images=False)
-    st = made["runner"].stats()
-    assert all(v["graph"] for v in st.values()), st
-    assert st["build"]["replays"] > 0
-
-
-@pytest.mark.parametrize("forced", [0, 99], ids=["zero-accept", "full-accept"])
-def test_runner_equals_plain_loop_at_acceptance_extremes(eng, monkeypatch, forced):
-    """Every round rejects every draft, or accepts a whole path (the benchmark's trace-replay rule
-    forces the accepted length; exact acceptance still runs underneath). The runner (graph replay
-    on a GPU) must give the plain loop's tokens in both regimes."""
-    from vvs_engine.evaluation.bench import register_trace_rule
-
-    register_trace_rule()
-    opts = {"accept": "trace_replay", "rule_options": {"inner": "exact", "lengths": [forced]},
-            "tree_total": 12, "tree_depth": 3, "tree_topk": 3}
-    kw = dict(class_labels=[0, 4], temperature=1.0, cfg_scale=3.0, seed=2, decode_images=False, method="eagle",
-              **opts)
-    plain = eng.generate(**kw)
-    made = {"params": SamplingParams(1.0, 0, 1.0, 3.0)}
-    with graphed_loop(monkeypatch, eng, "eagle", opts, made):
-        graphed = eng.generate(**kw)
-    assert torch.equal(plain.tokens, graphed.tokens)
-    mal = plain.stats["mean_accepted_length"]
-    assert mal == 1.0 if forced == 0 else mal >= 3.0, mal
 
 
 @gpu
@@ -279,41 +163,6 @@ def test_gpu_ar_steady_state_never_syncs():
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert tokens.shape == (1, e.tokens_per_image)
-
-
-@gpu
-def test_gpu_speculative_steady_state_never_syncs(monkeypatch):
-    """Verify/skip rounds after capture: every graph replay and the eager glue between them run under
-    sync-debug 'error'. The committed-count read is one round late (LateRead: event + pinned copy),
-    which is not a synchronising call."""
-    e = _engine("cuda", vocab=64, block=36, peak=8.0)
-    kw = dict(class_labels=[1], temperature=1.0, cfg_scale=3.0, seed=0, decode_images=False, method="vvs",
-              skip_interval=2)
-    made = {"params": SamplingParams(1.0, 0, 1.0, 3.0)}
-    with graphed_loop(monkeypatch, e, "vvs", {"skip_interval": 2}, made):
-        e.generate(**kw)  # capture everything
-        torch.cuda.synchronize()
-        orig_round = speculative.verify_round
-
-        def strict(*a, **k):  # only the steady-state rounds run under the sync check
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return orig_round(*a, **k)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-
-        monkeypatch.setattr(speculative, "verify_round", strict)
-        orig_skip = speculative.skip_round
-
-        def strict_skip(*a, **k):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return orig_skip(*a, **k)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-
-        monkeypatch.setattr(speculative, "skip_round", strict_skip)
-        e.generate(**kw)
 
 
 @pytest.mark.skipif(GPU, reason="needs a machine where capture fails (no CUDA)")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from spec_models import tiny_engine
-from vvs_engine.acceptance.verify import ExactRule, LanternRule, neighbor_table, verify_tree
-from vvs_engine.kernels.reference import lantern_mass as lantern_mass_reference, tree_meta as tree_meta_reference
+from vvs_engine.acceptance.verify import ExactRule, LanternRule, neighbor_table
 from vvs_engine.drafting.session import DraftSession, TreeSpec
+from vvs_engine.kernels.reference import lantern_mass as lantern_mass_reference, tree_meta as tree_meta_reference
 from vvs_engine.methods import speculative
 from vvs_engine.sampling import SamplingParams, guided_logits, process_logits
 from vvs_engine.runtime.target import TargetSession
@@ -86,7 +86,7 @@ def _exact_joint(eng, label, n_tok, cfg):
 @pytest.mark.parametrize("tree", ["dynamic", "static"])
 def test_exact_sampling_matches_target_distribution(tree, monkeypatch):
     """Chi-square goodness of fit of the first two tokens (V=4: 16 cells) from speculative sampling
-    against the target's exact joint. Power: with 1200 samples the test rejects a sampler whose
+    (batches of 16) against the target's exact joint. Power: with 1200 samples the test rejects a sampler whose
     distribution is 0.1 away in total variation with probability > 0.99 (checked by the negative
     control below, which accepts every draft in the fused verification op the exact rule runs on)."""
     eng = tiny_engine(vocab=4, block=4, seed=1, peak=25.0, with_vq=False)
@@ -96,7 +96,7 @@ def test_exact_sampling_matches_target_distribution(tree, monkeypatch):
         opts = dict(tree="chain", tree_depth=2)
     n = 1200
     out = eng.generate(class_labels=[1] * n, temperature=1.0, cfg_scale=2.0, method="eagle", seed=5,
-                       decode_images=False, **opts)
+                       decode_images=False, batch_size=16, **opts)
     stat, dof = _chi2(out.tokens[:, :2], seqs, probs)
     assert stat < _chi2_crit(dof), (stat, dof)
     # The test has power: acceptance uniforms of 0 accept every draft (no verification) and are rejected.
@@ -106,7 +106,7 @@ def test_exact_sampling_matches_target_distribution(tree, monkeypatch):
     monkeypatch.setattr(kernels, "tree_verify", lambda tokens, children, p, q, u_accept, *rest:
                         fused(tokens, children, p, q, torch.zeros_like(u_accept), *rest))
     bad = eng.generate(class_labels=[1] * n, temperature=1.0, cfg_scale=2.0, method="eagle", seed=5,
-                       decode_images=False, **opts)
+                       decode_images=False, batch_size=16, **opts)
     monkeypatch.undo()
     stat_bad, _ = _chi2(bad.tokens[:, :2], seqs, probs)
     assert stat_bad > _chi2_crit(dof)
@@ -207,6 +207,15 @@ def test_tree_meta_against_slow_reference():
             assert ch[i, :len(kids)].tolist() == kids and (ch[i, len(kids):] == -1).all()
 
 
+def _tree_of(tree, b):
+    """Sequence b of a batched DraftTree with unbatched fields (tokens [N], mask [N, N], ...)."""
+    from vvs_engine.drafting.tree import DraftTree
+
+    pick = lambda t: None if t is None else t[b]
+    return DraftTree(pick(tree.tokens), pick(tree.parents), pick(tree.mask), pick(tree.depth), pick(tree.paths),
+                     pick(tree.is_leaf), pick(tree.children), pick(tree.q), pick(tree.draft_logp), None, tree.sampled)
+
+
 def _session_and_drafts(eng, label=2):
     params = SamplingParams(temperature=1.0, cfg_scale=3.0)
     cond, _ = eng.condition_rows([label], None, True)
@@ -215,7 +224,7 @@ def _session_and_drafts(eng, label=2):
     ds = DraftSession(eng.drafter, s.rows, s.S, params, spec)
     H0 = s.prefill()
     root = torch.tensor([5])
-    hd = ds.extend(H0, root, torch.zeros(1, dtype=torch.long))
+    hd = ds.extend(H0, root[None], torch.zeros(1, dtype=torch.long))
     return s, ds, H0, hd, root, params
 
 
@@ -224,7 +233,7 @@ def test_dynamic_tree_against_slow_eagle2(eng):
     causal run over the whole pair sequence of its path."""
     s, ds, H0, hd, root, params = _session_and_drafts(eng)
     P_d = torch.tensor([s.c])
-    tree = ds.build(root, hd[:, -1], P_d, None)
+    tree = _tree_of(ds.build(root, hd[:, -1], P_d), 0)
     d = eng.drafter
 
     def q_of(out):
@@ -263,7 +272,7 @@ def test_kv_after_compaction_equals_fresh_forward(eng):
     forward over the committed tokens."""
     s, ds, H0, hd, root, params = _session_and_drafts(eng)
     P = torch.tensor([s.c])
-    tree = ds.build(root, hd[:, -1], P, None)
+    tree = _tree_of(ds.build(root, hd[:, -1], P), 0)
     H = s.forward(tree.tokens[None], P + tree.depth, P, tree.mask)
     leaf = int(tree.is_leaf.nonzero()[-1])
     path = tree.paths[leaf]
@@ -281,42 +290,57 @@ def test_kv_after_compaction_equals_fresh_forward(eng):
     assert torch.allclose(H[:, path[:L]], Hf, atol=1e-10)
 
 
+def decode_rounds(eng, labels, params, seed=0, **opts):
+    """Run the speculative loop on one batch and return its rounds object (caches and state)."""
+    from vvs_engine.methods import get_method
+    from vvs_engine.methods import schedule as sched
+    from vvs_engine.methods.common import DecodeBatch
+    from vvs_engine.rng import CounterRNG
+
+    _, o = get_method("eagle", eng, opts)
+    with torch.inference_mode():
+        cond, km = eng.condition_rows(labels, None, params.use_cfg)
+        batch = DecodeBatch(cond, km, CounterRNG(seed, torch.arange(len(labels))), len(labels))
+        rounds = speculative.SpeculativeRounds(eng, batch, params, o, speculative.make_rule_for(eng, o))
+        result = speculative.decode(rounds, sched.make(o, eng), batch)
+    return rounds, result
+
+
 @pytest.mark.parametrize("opts", [
-    dict(method="eagle"),
-    dict(method="vvs", skip_interval=2),
-    dict(method="vvs", skip_policy="dynamic", skip_threshold=-1.0),
-    dict(method="vvs", skip_interval=2, post_verify="reject"),
-    dict(method="lantern++", skip_policy="uniform", skip_interval=2),
+    dict(accept="exact"),
+    dict(accept="lantern", skip_policy="uniform", skip_interval=2),
+    dict(accept="lantern", skip_policy="dynamic", skip_threshold=-1.0),
+    dict(accept="lantern", skip_policy="uniform", skip_interval=2, post_verify="reject"),
+    dict(accept="lantern++", tree="static", skip_policy="uniform", skip_interval=2),
 ])
 def test_cache_equals_fresh_forward_after_any_rounds(eng, opts):
-    """After any mix of skip and verify rounds, the target KV of every committed (verified) token
-    equals a fresh causal forward over the committed tokens."""
-    seen = {}
-
-    def hook(**kw):
-        seen.update(kw)
-
-    speculative.DEBUG_HOOK = hook
-    try:
-        out = eng.generate(class_labels=[1], temperature=1.0, cfg_scale=3.0, seed=4, decode_images=False, **opts)
-    finally:
-        speculative.DEBUG_HOOK = None
-    s, P_t = seen["session"], int(seen["P_t"])
-    P_t = min(P_t, s.c + s.T)  # positions past the image are clamped (and discarded)
-    toks = seen["out"][: P_t - s.c]  # tokens whose KV is committed
-    assert torch.equal(toks[: out.tokens.shape[1]], out.tokens[0, : toks.shape[0]])
-    with torch.inference_mode():  # the session's caches are inference tensors
-        fresh = TargetSession(eng.gpt, s.cond_rows, 1, True, None, extra_slots=8)
-        fresh.prefill()
-        L = toks.shape[0]
-        c = torch.tensor([s.c])
-        Hf = fresh.forward(toks[None], c + torch.arange(L), c, torch.ones(L, L, dtype=torch.bool).tril())
-    assert torch.allclose(s.kv.k[:, :, :, :P_t], fresh.kv.k[:, :, :, :P_t], atol=1e-9)
-    assert torch.allclose(s.kv.v[:, :, :, :P_t], fresh.kv.v[:, :, :, :P_t], atol=1e-9)
-    # the feature cache holds fresh target features for every committed position
-    assert torch.allclose(seen["feats"][:, s.c:P_t], Hf, atol=1e-9)
-    if opts["method"] == "vvs" and opts.get("post_verify") != "reject":
-        assert out.stats["skip_steps"] > 0 and out.stats["tokens_committed_unverified"] > 0
+    """After any mix of skip and verify rounds, for every sequence of a batch, the target KV of every
+    committed (verified) token equals a fresh causal forward over its committed tokens, and so do the
+    cached features."""
+    labels = [1, 3, 0]
+    params = SamplingParams(temperature=1.0, cfg_scale=3.0)
+    rounds, result = decode_rounds(eng, labels, params, seed=4, **opts)
+    s, st = rounds.target, rounds.state
+    B = len(labels)
+    for b in range(B):
+        P_t = min(int(st.target_len[b]), s.c + s.T)  # positions past the image are clamped (and discarded)
+        toks = st.out[b, : P_t - s.c]  # tokens whose KV is committed
+        assert torch.equal(toks, result.tokens[b, : toks.shape[0]])
+        with torch.inference_mode():
+            cond, _ = eng.condition_rows([labels[b]], None, True)
+            fresh = TargetSession(eng.gpt, cond, 1, True, None, extra_slots=8)
+            fresh.prefill()
+            L = toks.shape[0]
+            c = torch.tensor([s.c])
+            Hf = fresh.forward(toks[None], c + torch.arange(L), c, torch.ones(L, L, dtype=torch.bool).tril())
+        rows = [b, b + B]
+        assert torch.allclose(s.kv.k[:, rows, :, :P_t], fresh.kv.k[:, :, :, :P_t], atol=1e-9)
+        assert torch.allclose(s.kv.v[:, rows, :, :P_t], fresh.kv.v[:, :, :, :P_t], atol=1e-9)
+        assert torch.allclose(st.feats[rows, s.c:P_t], Hf, atol=1e-9)
+    if opts.get("skip_policy") == "uniform" and opts.get("post_verify") != "reject":
+        assert result.stats["skip_steps"] > 0 and result.stats["tokens_committed_unverified"] > 0
+    if opts.get("post_verify") == "reject":
+        assert result.stats["post_verify_rollbacks"] > 0
 
 
 def test_vvs_stats_and_tpf_counts_skipped_tokens(eng):
@@ -344,23 +368,35 @@ def test_bad_options_are_clear_errors(eng, bad):
 
 
 def test_schedules():
+    from types import SimpleNamespace
+
     from vvs_engine.methods.schedule import Dynamic, Uniform, path_similarity
+    from vvs_engine.drafting.tree import tree_structure
 
     u = Uniform(2)
-    assert [u.skip(s, 10, False, None) for s in range(6)] == [False, True, False, True, False, True]
-    assert not u.skip(1, 10, True, None)  # never two skips in a row
-    assert not u.skip(1, 5, False, None)  # not within the first 5 tokens
-    assert not any(Uniform(1).skip(s, 100, False, None) for s in range(10))
+    assert [u.skip(r, False, False) for r in range(4, 10)] == [False, True, False, True, False, True]
+    assert not u.skip(7, True, False)  # never two skips in a row
+    assert not any(u.skip(r, False, False) for r in range(5))  # not before 5 rounds (> 5 tokens)
+    assert not any(Uniform(1).skip(r, False, False) for r in range(20))
     u4 = Uniform(4)
-    assert [u4.skip(s, 10, False, None) for s in range(8)] == [False, True, False, False, False, True, False, False]
-    cb = torch.nn.functional.normalize(torch.randn(10, 4), dim=-1)
-    tokens = torch.tensor([0, 1, 1, 2, 2])
-    same = torch.tensor([[0, 1, 3], [0, 2, 4], [0, 1, 3]])  # kept paths: rows 0 and 2 (stride 2)
-    assert path_similarity(same, tokens, cb).item() == pytest.approx(1.0, abs=1e-6)
-    # unequal lengths: the missing depth counts as 0 similarity
-    uneq = torch.tensor([[0, 1, 3], [0, 2, -1], [0, 1, -1]])
-    w0 = 1 / (1 + 0.9)
-    assert path_similarity(uneq, tokens, cb).item() == pytest.approx(w0, abs=1e-6)
+    assert [u4.skip(r, False, False) for r in range(8, 16)] == [False, True, False, False, False, True, False, False]
+    assert Dynamic().skip(3, False, True) and not Dynamic().skip(3, True, True) and not Dynamic().skip(3, False, False)
+    cb = torch.nn.functional.normalize(torch.randn(10, 4, dtype=torch.float64), dim=-1).float()
+
+    def tree_of(parents, tokens):  # B trees of one shape
+        B = len(tokens)
+        mask, depth, paths, leaf, children = tree_structure(torch.tensor([parents] * B), 2, 3)
+        return SimpleNamespace(tokens=torch.tensor(tokens), paths=paths, is_leaf=leaf)
+
+    # leaves 3, 4, 5 in node order; kept (every other): 3 and 5. Tree 0: both (1, 3); tree 1: (1, 3), (1, 5)
+    trees = tree_of([-1, 0, 0, 1, 2, 1], [[0, 1, 2, 3, 3, 3], [0, 1, 2, 3, 3, 5]])
+    sim = path_similarity(trees, cb)
+    w0, w1 = 1 / 1.9, 0.9 / 1.9
+    assert sim[0].item() == pytest.approx(1.0, abs=1e-6)
+    assert sim[1].item() == pytest.approx(w0 + w1 * float(cb[3] @ cb[5]), abs=1e-6)
+    # kept leaves 3 (depth 2) and 2 (depth 1, token 1 like 3's first): the missing depth counts as 0
+    uneq = tree_of([-1, 0, 0, 1, 1], [[0, 1, 1, 3, 4]])
+    assert path_similarity(uneq, cb).item() == pytest.approx(w0, abs=1e-6)
 
 
 # --- the shipped Zoo model ---------------------------------------------------------------------------

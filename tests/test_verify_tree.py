@@ -30,7 +30,7 @@ def random_trees(B, N, max_depth, seed, sampled=False, peak=3.0):
             j = cands[int(torch.randint(0, len(cands), (1,), generator=g))]
             parents.append(j)
             depth.append(depth[j] + 1)
-        mask, dep, paths, _, children = tree_structure(torch.tensor(parents), max_depth, N)
+        mask, dep, paths, _, children = (t[0] for t in tree_structure(torch.tensor(parents)[None], max_depth, N))
         fields["parents"].append(torch.tensor(parents))
         fields["depth"].append(dep)
         fields["paths"].append(paths)

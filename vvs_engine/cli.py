@@ -112,6 +112,8 @@ def build_parser() -> Parser:
     s.add_argument("--top-k", type=int, default=0, help="top-k filter (default 0 = off)")
     s.add_argument("--top-p", type=float, default=1.0, help="top-p (nucleus) filter in (0, 1] (default 1.0 = off)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    s.add_argument("--batch-size", type=int, default=16, metavar="N",
+                   help="images decoded together, every method (default 16); tokens do not depend on it")
 
     # Generated from the method option dataclasses. All default to None ("not given"): the method
     # registry drops None so the method's own default applies.
@@ -253,6 +255,8 @@ def cmd_generate(args) -> int:
         check_seed(args.seed)
     except VVSError as e:
         raise VVSError(str(e).replace("seed", "--seed", 1)) from None
+    if args.batch_size < 1:
+        raise VVSError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     device = str(resolve_device(pick_device(args.device)))
     resolve_dtype(args.dtype)
     from .methods import method_names
@@ -283,7 +287,7 @@ def cmd_generate(args) -> int:
                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                    cfg_scale=args.cfg_scale, seed=args.seed, decode_images=not args.no_images,
                                    progress=not args.quiet, clean_captions=not args.no_clean_captions,
-                                   **method_options(args))
+                                   batch_size=args.batch_size, **method_options(args))
         except VVSError as e:
             raise VVSError(flag_names(str(e))) from None
 
@@ -375,6 +379,8 @@ def print_stats(stats: dict, out_dir: str, n_png: int) -> None:
             ("tokens generated", stats.get("tokens_generated")),
             ("target forward passes", stats.get("target_forward_passes")),
             ("tokens / forward (tpf)", _fmt(stats.get("tpf"))),
+            ("tpf per image min/median/max", "/".join(_fmt(stats["tpf_per_image"][k]) for k in ("min", "median", "max"))
+             if "tpf_per_image" in stats else "-"),
             ("wall time (s)", _fmt(wall)),
             ("tokens / s", _fmt(stats["tokens_generated"] / wall) if wall else "-")]
     shown = {"method", "n_images", "tokens_per_image", "tokens_generated", "target_forward_passes", "tpf",

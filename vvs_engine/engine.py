@@ -18,7 +18,7 @@ from .checkpoint import load_into, read_config, read_state_dict
 from .errors import VVSError, check
 from .models.gpt import GPT, GPTConfig, gpt_config
 from .models.vq import VQ_PRESETS, VQConfig, VQModel, to_uint8
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams
 from .runtime.target import TargetSession
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -73,7 +73,6 @@ class Engine:
         p = next(gpt.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._codebook_cache = {}
-        self.cuda_graphs = False
 
     # --- loading ------------------------------------------------------------------------------
     @classmethod
@@ -197,25 +196,24 @@ class Engine:
     def generate(self, class_labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
                  method: str = "ar", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
+                 batch_size: int = 16, image_indices: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, clean_captions: bool = True,
-                 image_indices: Optional[Sequence[int]] = None, batch_size: int = 16,
                  **method_opts) -> GenerationOutput:
-        """Generate one image per label (or prompt). Returns tokens, PIL images (when a tokenizer is
-        loaded) and stats. ``method_opts`` are the method's options (see ``vvs_engine.methods``).
-        ``clean_captions``: clean prompts as LlamaGen does before T5 (``models.t5.clean_caption``).
-        With ``image_indices`` (global image numbers), image i depends only on (seed, i, its condition),
-        not on the batch it is generated in."""
-        from .methods import get_method
-
-        if image_indices is not None:
-            return generate_by_index(self, class_labels, prompts, seed, image_indices, method=method,
-                                     temperature=temperature, top_k=top_k, top_p=top_p, cfg_scale=cfg_scale,
-                                     decode_images=decode_images, cuda_graphs=cuda_graphs, clean_captions=clean_captions,
-                                     **method_opts)
+        """Generate one image per label (or prompt), ``batch_size`` images per decode. Returns tokens,
+        PIL images (when a tokenizer is loaded) and stats. Image i draws its random numbers from
+        (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size or on
+        the other images of its batch. ``clean_captions``: clean prompts as LlamaGen does before T5
+        (``models.t5.clean_caption``). ``method_opts`` are the method's options (see
+        ``vvs_engine.methods``)."""
+        from .methods import get_method, run_method
+        from .methods.common import DecodeBatch
+        from .rng import CounterRNG
 
         params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
         run, opts = get_method(method, self, method_opts)
         check_seed(seed)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise VVSError(f"batch-size must be an integer >= 1, got {batch_size!r}")
         labels = self.check_labels(class_labels) if class_labels is not None else None
         if labels is None and prompts is None:
             raise VVSError("give class labels or prompts")
@@ -223,34 +221,65 @@ class Engine:
             raise VVSError("prompts must be a list of strings (one image each), e.g. [\"a cat\"]")
 
         n = len(labels) if labels is not None else len(prompts)
-        gen = make_generator(seed, self.device)
-        from .runtime.runner import graphs_default
-
-        # CUDA graphs: on by default on CUDA; on the CPU the same static-buffer path runs eagerly.
-        self.cuda_graphs = graphs_default(self.device) if cuda_graphs is None else bool(cuda_graphs)
+        if image_indices is None:
+            image_indices = list(range(n))
+        check(len(image_indices) == n, f"image_indices has {len(image_indices)} entries for {n} images")
+        for idx in image_indices:
+            check(isinstance(idx, numbers.Integral) and not isinstance(idx, bool) and 0 <= idx < 2 ** 62,
+                  f"image indices must be non-negative integers, got {idx!r}")
+        image_indices = [int(i) for i in image_indices]
         t0 = time.perf_counter()
+        tokens, passes, method_stats, wall_share = [], [], [], []
+        bar = _progress_bar(n, progress, method)
         with torch.inference_mode():
-            if getattr(run, "batched", False):  # runners taking a DecodeBatch
-                res = self._run_batched(run, labels, prompts, n, params, opts, seed, batch_size, progress,
-                                        clean_captions)
-            else:
-                cond, key_mask = self.condition_rows(labels, prompts, params.use_cfg, clean_captions)
-                res = run(self, cond, key_mask, n, params, gen, opts, progress)
-            tokens = res.tokens.cpu()  # the one host sync of the whole generation
+            for lo in range(0, n, batch_size):
+                hi = min(n, lo + batch_size)
+                size = batch_bucket(hi - lo)
+                pick = list(range(lo, hi)) + [lo] * (size - (hi - lo))  # bucket padding repeats the first image
+                cond, key_mask = self.condition_rows([labels[i] for i in pick] if labels is not None else None,
+                                                     [prompts[i] for i in pick] if labels is None else None,
+                                                     params.use_cfg, clean_captions)
+                index = torch.tensor([image_indices[i] for i in pick], dtype=torch.long, device=self.device)
+                batch = DecodeBatch(cond, key_mask, CounterRNG(seed, index), hi - lo,
+                                    on_tokens=bar.tokens if bar is not None else None, use_graphs=cuda_graphs)
+                batch_t0 = time.perf_counter()
+                res = run_method(run, self, batch, params, opts)
+                tokens.append(res.tokens[: hi - lo].cpu())  # one host sync per batch
+                # an image's share of its batch's decode time (images of a batch finish together)
+                wall_share += [(time.perf_counter() - batch_t0) / (hi - lo)] * (hi - lo)
+                image_passes = res.image_passes
+                if image_passes is None:  # runners that count forwards per batch only
+                    image_passes = torch.full((size,), res.stats["target_forward_passes"] / (hi - lo))
+                passes.append(image_passes[: hi - lo].double().cpu())
+                method_stats.append(res.stats)
+                if bar is not None:
+                    bar.images(hi - lo)
+        if bar is not None:
+            bar.close()
+        tokens = torch.cat(tokens)
         from .kernels.bounds import raise_if_set
 
         raise_if_set(self.device, f"{method} generation")  # bad indices met by a compiled kernel
         wall = time.perf_counter() - t0
-        stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image}
-        stats.update(res.stats)
+        stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image,
+                 "batch_size": batch_size}
+        merge = getattr(run, "merge_stats", None)  # a runner may say how its counters combine
+        stats.update(merge(method_stats) if merge is not None else _merge_stats(method_stats))
         stats["tokens_generated"] = n * self.tokens_per_image
         f = stats["target_forward_passes"]
         stats["tpf"] = stats["tokens_generated"] / f if f else float("inf")
+        per_image = self.tokens_per_image / torch.cat(passes).clamp(min=1e-9)  # TPF of each image
+        stats["tpf_per_image"] = {"min": float(per_image.min()), "median": float(per_image.median()),
+                                  "max": float(per_image.max())}
         stats["wall_time_s"] = wall
+        all_passes = torch.cat(passes)
+        stats["per_image"] = {"target_forward_passes": [int(x) if float(x).is_integer() else float(x)
+                                                        for x in all_passes.tolist()],
+                              "wall_time_s": wall_share}
         stats["sampling"] = params.to_dict()
         stats["seed"] = seed
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
-        stats["cuda_graphs"] = self.cuda_graphs
+        stats.setdefault("cuda_graphs", False)
         from .kernels.flash import describe
 
         # prompts are the conditions that carry a caption key mask
@@ -262,36 +291,6 @@ class Engine:
             with nvtx_range("vq_decode"):
                 images = self.decode_images(tokens)
         return GenerationOutput(tokens, labels, list(prompts) if prompts is not None else None, images, stats)
-
-    def _run_batched(self, run, labels, prompts, n, params, opts, seed, batch_size, show_progress,
-                     clean_captions=True):
-        """Batches of ``batch_size`` images; the last is padded to the next power of two (padding
-        repeats its last image and is dropped). Random draws are keyed by the global image index."""
-        from .methods.common import DecodeBatch, MethodResult, progress
-        from .rng import CounterRNG
-
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise VVSError(f"batch-size must be an integer >= 1, got {batch_size!r}")
-        tokens, stats, passes = [], [], []
-        for start in progress(range(0, n, batch_size), show_progress, "batches"):
-            index = list(range(start, min(start + batch_size, n)))
-            n_real = len(index)
-            index += index[-1:] * (min(batch_size, 1 << (n_real - 1).bit_length()) - n_real)
-            cond, key_mask = self.condition_rows([labels[i] for i in index] if labels is not None else None,
-                                                 [prompts[i] for i in index] if prompts is not None else None,
-                                                 params.use_cfg, clean_captions)
-            rng = CounterRNG(seed, torch.tensor(index, dtype=torch.long, device=self.device))
-            res = run(self, DecodeBatch(cond, key_mask, rng, n_real), params, opts)
-            tokens.append(res.tokens[:n_real])
-            stats.append(res.stats)
-            passes.append(res.image_passes[:n_real])
-        merge = getattr(run, "merge_stats", None)
-        merged = merge(stats) if merge is not None else dict(
-            stats[0], target_forward_passes=sum(st["target_forward_passes"] for st in stats))
-        tpf = (self.tokens_per_image / torch.cat(passes).double().clamp(min=1)).cpu()
-        merged["batch_size"] = batch_size
-        merged["tpf_per_image"] = {"min": float(tpf.min()), "median": float(tpf.median()), "max": float(tpf.max())}
-        return MethodResult(torch.cat(tokens), merged, torch.cat(passes))
 
     def session(self, cond, key_mask, n, params, extra_slots=0) -> TargetSession:
         return TargetSession(self.gpt, cond, n, params.use_cfg, key_mask, extra_slots)
@@ -353,39 +352,65 @@ class Engine:
         return self._codebook_cache[k]
 
 
-# --- batch-invariant generation ----------------------------------------------------------------
-def image_seed(seed: int, index: int) -> int:
-    """A 63-bit seed for image ``index`` of a run with ``seed`` (splitmix64 of the pair)."""
-    x = (int(seed) * 0x9E3779B97F4A7C15 + int(index) + 1) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+# --- batching -----------------------------------------------------------------------------------
+def batch_bucket(n: int) -> int:
+    """Static batch shapes: a batch of n images is padded to the next power of two."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
-def generate_by_index(engine: "Engine", class_labels, prompts, seed, image_indices, **kw) -> GenerationOutput:
-    """Image by image, each with its own seed from (seed, index): tokens do not depend on batching.
-    Slower than one batch; a batched counter-based version replaces it."""
-    from .stats import merge_stats
+def _merge_stats(per_batch: List[dict]) -> dict:
+    """Counters summed over batches; other entries (options, flags) taken from the first batch."""
+    out = {}
+    for st in per_batch:
+        for k, v in st.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float, dict)):
+                out.setdefault(k, v)
+            elif isinstance(v, dict):
+                d = out.setdefault(k, {})
+                if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()):
+                    for kk, vv in v.items():
+                        d[kk] = d.get(kk, 0) + vv
+            elif k in ("mean_accepted_length",):  # a mean over verified rounds: weighted by their count
+                rounds = st.get("verified_steps", st.get("target_forward_passes", 1))
+                out.setdefault("_" + k, []).append((v, rounds))
+            else:
+                out[k] = out.get(k, 0) + v
+    if "_mean_accepted_length" in out:
+        pairs = out.pop("_mean_accepted_length")
+        w = sum(n for _, n in pairs)
+        out["mean_accepted_length"] = sum(v * n for v, n in pairs) / w if w else 0.0
+    rates = out.get("acceptance_rate_by_depth")
+    if rates and len(per_batch) > 1:  # averaged over verified rounds, like one batch reports it
+        w = sum(st.get("verified_steps", 0) for st in per_batch)
+        out["acceptance_rate_by_depth"] = {
+            k: sum(st["acceptance_rate_by_depth"].get(k, 0.0) * st.get("verified_steps", 0) for st in per_batch)
+            / w if w else 0.0 for k in rates}
+    return out
 
-    n = len(class_labels) if class_labels is not None else len(prompts or [])
-    check(n > 0, "give class labels or prompts")
-    check(len(image_indices) == n, f"{len(image_indices)} image indices for {n} images")
-    check(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be an integer, got {seed!r}")
-    outs = []
-    for j, idx in enumerate(image_indices):
-        check(isinstance(idx, numbers.Integral) and not isinstance(idx, bool) and idx >= 0,
-              f"image indices must be non-negative integers, got {idx!r}")
-        outs.append(engine.generate(class_labels=None if class_labels is None else [class_labels[j]],
-                                    prompts=None if prompts is None else [prompts[j]],
-                                    seed=image_seed(seed, idx), **kw))
-    stats = merge_stats([o.stats for o in outs])
-    stats["seed"] = seed
-    stats["per_image"] = {"target_forward_passes": [o.stats["target_forward_passes"] for o in outs],
-                          "wall_time_s": [o.stats["wall_time_s"] for o in outs]}
-    labels = None if class_labels is None else [x for o in outs for x in o.labels]
-    texts = None if prompts is None else [x for o in outs for x in o.prompts]
-    return GenerationOutput(torch.cat([o.tokens for o in outs]), labels, texts, [x for o in outs for x in o.images],
-                            stats)
+
+class _progress_bar:
+    """Images finished (and tokens committed within the running batch) on one tqdm bar."""
+
+    def __new__(cls, n, show, method):
+        if not show:
+            return None
+        return super().__new__(cls)
+
+    def __init__(self, n, show, method):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=n, desc=f"{method} images", unit="img", dynamic_ncols=True, leave=False)
+        self.token_count = 0
+
+    def tokens(self, k: int) -> None:
+        self.token_count += int(k)
+        self.bar.set_postfix(tokens=self.token_count, refresh=False)
+
+    def images(self, k: int) -> None:
+        self.bar.update(k)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 # --- model loading --------------------------------------------------------------------------------

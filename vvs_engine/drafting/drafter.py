@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..checkpoint import load_into, read_config, read_state_dict
 from ..errors import VVSError
 from ..runtime.kv_cache import StaticKVCache
-from ..models.gpt import RMSNorm, apply_rope
+from ..models.gpt import RMSNorm, apply_rope, write_slots
 
 
 @dataclass
@@ -62,8 +62,8 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_proj(x).view(B, T, self.n_head, self.hd), rope).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2)
         if kv is not None:
-            kv[0].index_copy_(2, slots, k.to(kv[0].dtype))
-            kv[1].index_copy_(2, slots, v.to(kv[1].dtype))
+            write_slots(kv[0], slots, k)
+            write_slots(kv[1], slots, v)
             k, v = kv
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -134,14 +134,18 @@ class Drafter(nn.Module):
         return x
 
     def logits(self, h, position=None):
-        """Features -> target-head logits; with the drafter ``position`` [1] of the rows, tokens the
-        target family's layout forbids there (forced end-of-line tokens) get -1e9."""
+        """Features [rows, F, D] -> target-head logits; with the drafter ``position`` of each row
+        ([rows], or [1] for all rows), tokens the target family's layout forbids there (forced
+        end-of-line tokens) get -1e9."""
         lg = self.target.logits(h)
         forbid = getattr(self.target, "layout_forbidden", None)
         if forbid is None or position is None:
             return lg
         # Drafter position t predicts the token the target predicts at position t + 1.
-        return lg.masked_fill(forbid[(position + 1).clamp(max=forbid.shape[0] - 1)], -1e9)
+        banned = forbid[(position.reshape(-1) + 1).clamp(max=forbid.shape[0] - 1)]  # [rows or 1, V]
+        if lg.dim() == 3:
+            banned = banned[:, None]  # the same position for every node of a row
+        return lg.masked_fill(banned, -1e9)
 
     def new_cache(self, rows: int, n_slots: int) -> StaticKVCache:
         p = self.fc.weight

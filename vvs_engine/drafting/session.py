@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import local_visibility
 from ..sampling import SamplingParams, guided_logits, process_logits
 from .tree import DraftTree, static_layout, tree_structure
 
@@ -36,8 +35,12 @@ class TreeSpec:
 
 
 class DraftSession:
+    """The drafter's KV cache and tree building for B sequences (rows ``[cond_0..B-1; uncond_0..B-1]``
+    under CFG). Every length is a per-sequence device tensor [B]; every shape is static."""
+
     def __init__(self, drafter, rows: int, n_slots: int, params: SamplingParams, spec: TreeSpec):
         self.drafter, self.rows, self.spec = drafter, rows, spec
+        self.batch = rows // 2 if params.use_cfg else rows
         self.kv = drafter.new_cache(rows, n_slots)
         self.S = self.kv.n_slots
         self.device = drafter.fc.weight.device
@@ -53,136 +56,152 @@ class DraftSession:
             from .tree import STATIC_TREES, chain_choices
 
             choices = chain_choices(spec.depth) if spec.kind == "chain" else STATIC_TREES[spec.static_name]()
-            self.layout = static_layout(choices, self.device)
+            self.layout = L = static_layout(choices, self.device)
+            # One structure for every sequence: computed once, expanded per build (views).
+            self.static_structure = tree_structure(L["parents"][None], L["max_depth"], max(L["max_rank"], 1))
+
+    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-sequence [B, ...] -> per-row [rows, ...] (the unconditional half repeats the sequences)."""
+        return torch.cat([x, x]) if self.rows != self.batch else x
 
     # --- committed pairs ------------------------------------------------------------------------
     def extend(self, feats: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """Feed pairs ``(feats[:, j], tokens[j])`` at drafter positions ``start + j`` (causal).
-        feats [rows, M, D], tokens [M]. Returns the drafter outputs [rows, M, D]. Pairs past the
-        caller's valid count write scratch slots that later writes overwrite."""
-        M = tokens.shape[0]
-        pos = start + torch.arange(M, device=self.device)
-        local = torch.ones(M, M, dtype=torch.bool, device=self.device).tril()
-        vis = local_visibility(start, local, self.S)
-        return self.drafter(feats, tokens[None].expand(self.rows, M), pos, self.kv, pos, vis.unsqueeze(1))
+        """Feed pairs ``(feats[:, j], tokens[:, j])`` at drafter positions ``start + j`` (causal), per
+        sequence. feats [rows, M, D], tokens [B, M], start [B]. Returns the drafter outputs [rows, M, D].
+        Pairs past the caller's valid count write scratch slots that later writes overwrite."""
+        M = tokens.shape[1]
+        pos = start[:, None] + torch.arange(M, device=self.device)  # [B, M]
+        vis = self.slot_ids[None, None, :] <= pos[:, :, None]  # prefix + causal block: [B, M, S]
+        pos_rows = self.rows_of(pos)
+        return self.drafter(feats, self.rows_of(tokens), pos_rows, self.kv, pos_rows, self.rows_of(vis)[:, None])
 
     def _topk(self, h: torch.Tensor, k: int, position: torch.Tensor):
-        """drafter features [rows, F, D] at drafter ``position`` [1] -> (log-probs [F, k], tokens [F, k])
-        of the k best drafts under the guided, processed drafter distribution: the fused
+        """drafter features [rows, F, D] at drafter ``position`` [B] -> (log-probs [B, F, k], tokens
+        [B, F, k]) of the k best drafts under the guided, processed drafter distribution: the fused
         draft-sampling kernel's job."""
         from .. import kernels
 
-        lg = self.drafter.logits(h, position)
+        F_ = h.shape[1]
+        lg = self.drafter.logits(h, self.rows_of(position))
         tok, lp = kernels.draft_topk(lg.reshape(-1, lg.shape[-1]), self.dparams.cfg_scale if self.params.use_cfg
                                      else 1.0, self.dparams.temperature, self.dparams.top_k, self.dparams.top_p, k)
-        return lp.to(h.dtype if h.dtype == torch.float64 else torch.float32), tok
+        lp = lp.to(h.dtype if h.dtype == torch.float64 else torch.float32)
+        return lp.reshape(self.batch, F_, k), tok.reshape(self.batch, F_, k)
 
     def _q(self, h: torch.Tensor, position: torch.Tensor):
-        """drafter features [rows, F, D] at drafter ``position`` [1] -> (processed guided distribution
-        [F, V], guided logits [F, V])."""
-        lg = guided_logits(self.drafter.logits(h, position), self.dparams)[0]
+        """drafter features [rows, F, D] at drafter ``position`` [B] -> (processed guided distribution
+        [B, F, V], guided logits [B, F, V])."""
+        lg = guided_logits(self.drafter.logits(h, self.rows_of(position)), self.dparams)
         return process_logits(lg, self.dparams), lg
 
     def _run_nodes(self, feats, tokens, position, P_d, scratch_cols, anc):
-        """Run tree nodes: feats [rows, F, D], tokens [F], all at ``position``; node f's K/V go to
-        slot ``P_d + scratch_cols[f]``; it sees the prefix and the scratch slots ``anc[f]`` marks."""
-        F_ = tokens.shape[0]
-        slots = P_d + scratch_cols
-        vis = (self.slot_ids[None, :] < P_d).expand(F_, self.S).clone()
-        width = anc.shape[1]
-        vis.scatter_(1, (P_d + torch.arange(width, device=self.device))[None].expand(F_, width), anc)
-        pos = position.expand(F_)
-        return self.drafter(feats, tokens[None].expand(self.rows, F_), pos, self.kv, slots, vis[None, None])
+        """Run tree nodes: feats [rows, F, D], tokens [B, F], all of sequence b at ``position[b]``; node
+        f's K/V go to slot ``P_d[b] + scratch_cols[f]``; it sees the prefix and the scratch slots
+        ``anc[b, f]`` marks (``anc`` [B, F, width], width from ``P_d``)."""
+        B, F_ = tokens.shape
+        width = anc.shape[2]
+        slots = P_d[:, None] + scratch_cols[None, :]  # [B, F]
+        vis = (self.slot_ids[None, None, :] < P_d[:, None, None]).expand(B, F_, self.S).clone()
+        scratch = (P_d[:, None] + torch.arange(width, device=self.device))[:, None, :].expand(B, F_, width)
+        vis.scatter_(2, scratch, anc)
+        pos = position[:, None].expand(B, F_)
+        return self.drafter(feats, self.rows_of(tokens), self.rows_of(pos), self.kv, self.rows_of(slots),
+                            self.rows_of(vis)[:, None])
 
     # --- trees ------------------------------------------------------------------------------------
-    def build(self, root: torch.Tensor, h_root: torch.Tensor, P_d: torch.Tensor, gen) -> DraftTree:
-        """root [1] token; h_root [rows, D] the drafter output of the pair (f_{P_d-1}, root)."""
+    def build(self, root: torch.Tensor, h_root: torch.Tensor, P_d: torch.Tensor, rng=None, step=None) -> DraftTree:
+        """root [B] tokens; h_root [rows, D] the drafter outputs of the pairs (f_{P_d-1}, root); P_d [B].
+        Sampled static trees draw from ``rng`` (a CounterRNG) at ``step`` [B]."""
         if self.spec.kind == "dynamic":
             return self._dynamic(root, h_root, P_d)
-        return self._static(root, h_root, P_d, gen)
+        return self._static(root, h_root, P_d, rng, step)
 
     def _dynamic(self, root, h_root, P_d) -> DraftTree:
         K, depth, total = self.spec.topk, self.spec.depth, self.spec.total
+        B, rows, D = self.batch, self.rows, h_root.shape[-1]
         dev = self.device
         lp, tok = self._topk(h_root[:, None], K, P_d - 1)
-        lp, tok = lp[0], tok[0]
-        cand_tok, cand_score, cand_parent = [tok], [lp], [torch.full((K,), -1, device=dev, dtype=torch.long)]
-        cand_lp = [lp]
-        f_tok, f_score, f_gid = tok, lp, torch.arange(K, device=dev)
-        f_feat = h_root[:, None].expand(self.rows, K, h_root.shape[-1])
-        anc = torch.zeros(K, 0, dtype=torch.bool, device=dev)
-        eye = torch.eye(K, dtype=torch.bool, device=dev)
+        lp, tok = lp[:, 0], tok[:, 0]  # [B, K]
+        cand_tok, cand_score, cand_lp = [tok], [lp], [lp]
+        cand_parent = [torch.full((B, K), -1, device=dev, dtype=torch.long)]
+        f_tok, f_score, f_gid = tok, lp, torch.arange(K, device=dev).expand(B, K)
+        f_feat = h_root[:, None].expand(rows, K, D)
+        anc = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)
+        eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         offset = K
         for d in range(depth):
-            anc = torch.cat([anc, eye], 1)  # frontier f sees its ancestors' slots and its own
+            anc = torch.cat([anc, eye], 2)  # frontier f sees its ancestors' slots and its own
             cols = d * K + torch.arange(K, device=dev)
             out = self._run_nodes(f_feat, f_tok, P_d + d, P_d, cols, anc)
-            clp, ctok = self._topk(out, K, P_d + d)  # [K, K]
-            cum = f_score[:, None] + clp
-            cand_tok.append(ctok.flatten())
-            cand_score.append(cum.flatten())
-            cand_lp.append(clp.flatten())
-            cand_parent.append(f_gid.repeat_interleave(K))
-            best = cum.flatten().topk(K).indices
+            clp, ctok = self._topk(out, K, P_d + d)  # [B, K, K]
+            cum = (f_score[:, :, None] + clp).flatten(1)
+            ctok = ctok.flatten(1)
+            cand_tok.append(ctok)
+            cand_score.append(cum)
+            cand_lp.append(clp.flatten(1))
+            cand_parent.append(f_gid.repeat_interleave(K, dim=1))
+            best = cum.topk(K, dim=1).indices  # [B, K]
             par = best // K
-            f_tok, f_score = ctok.flatten()[best], cum.flatten()[best]
+            f_tok, f_score = ctok.gather(1, best), cum.gather(1, best)
             f_gid = offset + best
-            f_feat, anc = out[:, par], anc[par]
+            f_feat = out.gather(1, self.rows_of(par)[:, :, None].expand(rows, K, D))
+            anc = anc.gather(1, par[:, :, None].expand(B, K, anc.shape[2]))
             offset += K * K
-        tokens_all = torch.cat(cand_tok)
-        parent_all = torch.cat(cand_parent)
+        tokens_all = torch.cat(cand_tok, 1)
+        parent_all = torch.cat(cand_parent, 1)
         level = torch.cat([torch.full((K,), 1, device=dev)] + [torch.full((K * K,), d + 2, device=dev)
                                                                 for d in range(depth)])
         # A child's cumulative log-prob never exceeds its parent's; the tiny per-level penalty makes
         # that strict, so the best (total-1) candidates always include every selected node's parent.
-        score = torch.cat(cand_score) - 1e-6 * level
-        score = torch.nan_to_num(score, neginf=-1e30)
-        sel = score.topk(min(total - 1, score.shape[0])).indices.sort().values
-        par_gid = parent_all[sel]
+        score = torch.nan_to_num(torch.cat(cand_score, 1) - 1e-6 * level, neginf=-1e30)
+        sel = score.topk(min(total - 1, score.shape[1]), dim=1).indices.sort(dim=1).values
+        par_gid = parent_all.gather(1, sel)
         parents = torch.where(par_gid < 0, torch.zeros_like(par_gid),
                               torch.searchsorted(sel, par_gid.clamp(min=0)) + 1)
-        parents = torch.cat([torch.full((1,), -1, device=dev, dtype=torch.long), parents])
-        tokens = torch.cat([root.reshape(1), tokens_all[sel]])
+        parents = torch.cat([torch.full((B, 1), -1, device=dev, dtype=torch.long), parents], 1)
+        tokens = torch.cat([root.reshape(B, 1), tokens_all.gather(1, sel)], 1)
         mask, dep, paths, leaf, children = tree_structure(parents, depth + 1, K)
-        logp = torch.cat([torch.zeros(1, device=dev), torch.cat(cand_lp)[sel]])
+        logp = torch.cat([torch.zeros(B, 1, device=dev, dtype=lp.dtype), torch.cat(cand_lp, 1).gather(1, sel)], 1)
         return DraftTree(tokens, parents, mask, dep, paths, leaf, children, draft_logp=logp)
 
-    def _static(self, root, h_root, P_d, gen) -> DraftTree:
+    def _static(self, root, h_root, P_d, rng, step) -> DraftTree:
         L = self.layout
-        dev = self.device
+        B, dev = self.batch, self.device
         K = max(L["max_rank"], 1)
         N = L["n"]
         V = self.drafter.target.config.vocab_size
         parents, ranks = L["parents"], L["ranks"]
-        tokens = torch.zeros(N, dtype=torch.long, device=dev)
-        tokens[0] = root.reshape(())
-        q_nodes = torch.zeros(N, V, device=dev)
-        logit_nodes = torch.zeros(N, V, device=dev)  # guided drafter logits (CASCADE's LlamaGen breadth)
+        tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+        tokens[:, 0] = root
+        q_nodes = torch.zeros(B, N, V, device=dev)
+        logit_nodes = torch.zeros(B, N, V, device=dev)  # guided drafter logits (CASCADE's LlamaGen breadth)
         feats = torch.zeros(self.rows, N, h_root.shape[-1], device=dev, dtype=h_root.dtype)
         feats[:, 0] = h_root
-        mask_full, dep, paths, leaf, children = tree_structure(parents, L["max_depth"], K)
-        logp = torch.zeros(N, device=dev)
+        mask, dep, paths, leaf, children = (t.expand(B, *t.shape[1:]) for t in self.static_structure)
+        logp = torch.zeros(B, N, device=dev)
+        race = None
+        if self.sample_drafts:  # K draws without replacement: the exponential race, top-K
+            from ..rng import Streams
+
+            # Exp(1) per node and token; u = 1 gives 0, clamped so a zero-probability token never wins
+            race = (-torch.log(rng.uniform(step, Streams.TREE, (N, V)))).clamp(min=1e-30)
         for d in range(L["max_depth"]):
             lvl = L["by_level"][d]  # nodes at depth d: already have tokens; get their q
             if d == 0:
                 q, lg = self._q(h_root[:, None], P_d - 1)
             else:
-                cols = lvl - 1
-                anc = mask_full[lvl][:, 1:]  # scratch column of node i is i - 1
-                out = self._run_nodes(feats[:, parents[lvl]], tokens[lvl], P_d + d - 1, P_d, cols, anc)
+                anc = mask[0][lvl][:, 1:]  # scratch column of node i is i - 1
+                out = self._run_nodes(feats[:, parents[lvl]], tokens[:, lvl], P_d + d - 1, P_d, lvl - 1,
+                                      anc.expand(B, *anc.shape))
                 feats[:, lvl] = out
-                q, lg = self._q(out, P_d + d - 1)
-            q_nodes[lvl] = q
-            logit_nodes[lvl] = lg.float()
-            if self.sample_drafts:  # K draws without replacement: the exponential race, top-K
-                e = torch.empty_like(q).exponential_(generator=gen)
-                draws = (q / e).topk(K, dim=-1).indices
-            else:
-                draws = q.topk(K, dim=-1).indices
+                q, lg = self._q(out, P_d + d - 1)  # [B, F, V]
+            q_nodes[:, lvl] = q
+            logit_nodes[:, lvl] = lg.float()
+            score = q / race[:, lvl] if race is not None else q
+            draws = score.topk(K, dim=-1).indices  # [B, F, K]
             kids = L["by_level"][d + 1]
-            # child = (parent's row among this level, rank)
-            row = torch.searchsorted(lvl, parents[kids])
-            tokens[kids] = draws[row, ranks[kids]]
-            logp[kids] = torch.log(q[row].gather(1, tokens[kids][:, None])[:, 0])
-        return DraftTree(tokens, parents, mask_full, dep, paths, leaf, children, q=q_nodes, draft_logp=logp,
+            row = torch.searchsorted(lvl, parents[kids])  # child = (parent's row among this level, rank)
+            tokens[:, kids] = draws[:, row, ranks[kids]]
+            logp[:, kids] = torch.log(q[:, row].gather(2, tokens[:, kids][:, :, None])[:, :, 0])
+        return DraftTree(tokens, parents.expand(B, N), mask, dep, paths, leaf, children, q=q_nodes, draft_logp=logp,
                          draft_feats=feats, sampled=self.sample_drafts, draft_logits=logit_nodes)

@@ -1,6 +1,6 @@
 """Draft trees: the shape a drafter's guesses take before one target pass verifies them all.
 
-A :class:`DraftTree` has ``N`` nodes; node 0 is the root (the last committed-but-unverified token:
+A :class:`DraftTree` holds one tree per sequence of a batch, ``N`` nodes each; node 0 is the root (the last committed-but-unverified token:
 EAGLE's bonus token), ``parents[i] < i``. Everything is a fixed-shape device tensor so the verify
 step can be captured in a CUDA graph: tokens, parents, the ancestor mask (the target's ``N x N``
 local attention mask), depths (RoPE position offsets), every root-to-node path, and a children table
@@ -21,54 +21,81 @@ from ..errors import VVSError
 
 @dataclass
 class DraftTree:
-    tokens: torch.Tensor  # [N] int64, node 0 = root
-    parents: torch.Tensor  # [N] int64, -1 for the root
-    mask: torch.Tensor  # [N, N] bool: node i sees node j iff j is i or an ancestor of i
-    depth: torch.Tensor  # [N] int64, root 0
-    paths: torch.Tensor  # [N, max_depth + 1] node ids of the root -> i path, -1 padded
-    is_leaf: torch.Tensor  # [N] bool
-    children: torch.Tensor  # [N, max_children] child ids in sibling order, -1 padded
-    q: Optional[torch.Tensor] = None  # [N, V] drafter distribution at each node (for its children)
-    draft_logp: Optional[torch.Tensor] = None  # [N] drafter log-prob of each node given its parent
+    """B draft trees of N nodes each (one per sequence of a batch), every field batched."""
+
+    tokens: torch.Tensor  # [B, N] int64, node 0 = root
+    parents: torch.Tensor  # [B, N] int64, -1 for the root
+    mask: torch.Tensor  # [B, N, N] bool: node i sees node j iff j is i or an ancestor of i
+    depth: torch.Tensor  # [B, N] int64, root 0
+    paths: torch.Tensor  # [B, N, max_depth + 1] node ids of the root -> i path, -1 padded
+    is_leaf: torch.Tensor  # [B, N] bool
+    children: torch.Tensor  # [B, N, max_children] child ids in sibling order, -1 padded
+    q: Optional[torch.Tensor] = None  # [B, N, V] drafter distribution at each node (for its children)
+    draft_logp: Optional[torch.Tensor] = None  # [B, N] drafter log-prob of each node given its parent
     draft_feats: Optional[torch.Tensor] = None  # [rows, N, D] drafter features (CASCADE, ablations)
     sampled: bool = False  # drafts were sampled from q (static trees): acceptance divides by q(x)
-    draft_logits: Optional[torch.Tensor] = None  # [N, V] guided drafter logits at each node (static trees)
+    draft_logits: Optional[torch.Tensor] = None  # [B, N, V] guided drafter logits at each node (static trees)
 
     @property
-    def n(self) -> int:
+    def batch(self) -> int:
         return self.tokens.shape[0]
 
     @property
-    def max_depth(self) -> int:
-        return self.paths.shape[1] - 1
+    def n(self) -> int:
+        return self.tokens.shape[-1]
 
-    def leaf_paths(self):
-        """[P, max_depth + 1] root-to-leaf paths (host-side selection; tests and VVS-D only)."""
-        return self.paths[self.is_leaf]
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[-1] - 1
 
 
 def tree_structure(parents: torch.Tensor, max_depth: int, max_children: int):
-    """parents [N] -> (mask, depth, paths, is_leaf, children). Vectorised: loops over depth levels
-    and sibling ranks only, never over nodes (the CUDA kernel does the same)."""
-    from .. import kernels
+    """parents [B, N] -> (mask [B, N, N], depth [B, N], paths [B, N, max_depth + 1], is_leaf [B, N],
+    children [B, N, max_children]). Vectorised over sequences and nodes: loops over depth levels only."""
+    mask, depth, paths, is_leaf = tree_meta_batched(parents, max_depth)
+    return mask, depth, paths, is_leaf, children_table_batched(parents, max_children)
 
-    mask, depth, paths, is_leaf = kernels.tree_meta(parents, max_depth)
-    children = children_table(parents, max_children)
-    return mask, depth, paths, is_leaf, children
+
+def tree_meta_batched(parents: torch.Tensor, max_depth: int):
+    """``kernels.tree_meta`` for B trees at once (parents [B, N], ``parents[b, i] < i``): ancestor
+    masks, depths, root -> node paths and leaf flags."""
+    B, N = parents.shape
+    dev = parents.device
+    eye = torch.eye(N, dtype=torch.bool, device=dev)[None]
+    has_parent = (parents >= 0)[:, :, None]
+    par = parents.clamp(min=0)[:, :, None].expand(B, N, N)
+    anc = eye.expand(B, N, N)
+    for _ in range(max_depth):  # after t steps every ancestor within distance t is set
+        anc = eye | (anc.gather(1, par) & has_parent)
+    depth = anc.sum(2) - 1
+    # parents[i] < i: an ancestor's column is its rank among i's ancestors by index (root -> node order).
+    col = anc.long().cumsum(2) - 1
+    spill = max_depth + 1
+    col = torch.where(anc & (col <= max_depth), col, torch.full_like(col, spill))
+    nodes = torch.arange(N, device=dev).expand(B, N, N)
+    paths = torch.full((B, N, max_depth + 2), -1, dtype=torch.long, device=dev).scatter_(2, col, nodes)
+    paths = paths[:, :, : max_depth + 1]
+    n_children = torch.zeros(B, N, dtype=torch.long, device=dev).scatter_add_(1, parents.clamp(min=0),
+                                                                             has_parent[:, :, 0].long())
+    return anc, depth, paths, n_children == 0
+
+
+def children_table_batched(parents: torch.Tensor, max_children: int) -> torch.Tensor:
+    """[B, N] parents -> [B, N, max_children] children ids in increasing id order, -1 padded."""
+    B, N = parents.shape
+    ids = torch.arange(N, device=parents.device)
+    is_child = parents[:, None, :] == ids[None, :, None]  # [B, N parent, N child]
+    rank = is_child.long().cumsum(2) - 1
+    out = torch.full((B, N, max_children + 1), -1, dtype=torch.long, device=parents.device)
+    col = torch.where(is_child & (rank < max_children), rank, torch.full_like(rank, max_children))
+    out.scatter_(2, col, torch.where(is_child, ids.expand(B, N, N), torch.full_like(rank, -1)))
+    return out[:, :, :max_children]
 
 
 def children_table(parents: torch.Tensor, max_children: int) -> torch.Tensor:
     """[N] parents -> [N, max_children] children ids in increasing id order (= sibling rank order,
     since builders number nodes by rank), -1 padded."""
-    N = parents.shape[0]
-    dev = parents.device
-    ids = torch.arange(N, device=dev)
-    is_child = parents[None, :] == ids[:, None]  # [N parent, N child]
-    rank = is_child.long().cumsum(1) - 1  # rank of child j among parent i's children
-    out = torch.full((N, max_children + 1), -1, dtype=torch.long, device=dev)
-    col = torch.where(is_child & (rank < max_children), rank, torch.full_like(rank, max_children))
-    out.scatter_(1, col, torch.where(is_child, ids[None, :].expand(N, N), torch.full_like(rank, -1)))
-    return out[:, :max_children]
+    return children_table_batched(parents[None], max_children)[0]
 
 
 # --- static trees ------------------------------------------------------------------------------

@@ -17,6 +17,11 @@ Two modes.
 
 Writes ``e2e_<tag>.md``, ``.json`` and ``.png`` under ``--out`` (default ``benchmarks/results``).
 ``--quick``: tiny shapes, CPU-friendly, finishes in well under a minute.
+
+``--batch-sizes 1,4,16`` (measure mode) adds a throughput table: per setting and batch size, one
+untimed warm-up batch, then ``--images`` images (default: the largest batch size) generated in one
+call -> images per second, TPF and the per-image TPF spread, side by side in one run
+(``batch_<tag>.md``, with the command that wrote it).
 """
 from __future__ import annotations
 
@@ -189,6 +194,55 @@ def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> d
            "cuda_graphs": s0.get("cuda_graphs", kw.get("cuda_graphs", False)),
            "acceptance_rate_by_depth": _mean_depth_rates(stats)}
     return row
+
+
+def throughput_setting(engine, setting: Setting, batch_size: int, n_images: int, args, label_of) -> dict:
+    """One warm-up batch, then ``n_images`` images in batches of ``batch_size`` -> images/s and TPF."""
+    opts = dict(setting.opts)
+    if setting.method != "ar" and "lantern_k" not in opts and engine.vq is None:
+        opts["lantern_k"] = lantern_k(engine)
+    kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale, decode_images=False,
+              batch_size=batch_size, cuda_graphs=args.graphs, **opts)
+    engine.generate(class_labels=[label_of(i) for i in range(batch_size)], seed=10_000, **kw)  # warm-up
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    out = engine.generate(class_labels=[label_of(i) for i in range(n_images)], seed=0, **kw)
+    _sync(engine.device)
+    wall = time.perf_counter() - t0
+    spread = out.stats.get("tpf_per_image", {})
+    return {"setting": setting.label, "method": setting.method, "batch_size": batch_size, "images": n_images,
+            "wall_s": wall, "images_per_s": n_images / wall, "tpf": out.stats["tpf"],
+            "tpf_per_image": spread, "skip_steps": out.stats.get("skip_steps", 0), "tokens": out.tokens}
+
+
+def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, command: str) -> List[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"batch_{tag}")
+    first = {r["setting"]: r["tokens"] for r in rows if r["batch_size"] == 1}
+    rows = [dict(r) for r in rows]
+    for r in rows:  # the same seed and labels at every batch size: how many images came out the same
+        if r["setting"] in first:
+            r["identical_to_batch1"] = float((r["tokens"] == first[r["setting"]]).all(1).double().mean())
+        r.pop("tokens")
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows, "command": command}, f, indent=2, default=str)
+    lines = [f"# Batched throughput ({tag})", "", f"Written by `{command}`.", ""]
+    for k in ("device", "hardware", "dtype", "model", "cfg_scale", "temperature"):
+        if k in meta:
+            lines.append(f"- {k}: {meta[k]}")
+    lines += ["", "| setting | batch | images | images/s | vs batch 1 | TPF | per-image TPF min / median / max "
+                  "| images identical to batch 1 |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+    base_ips = {r["setting"]: r["images_per_s"] for r in rows if r["batch_size"] == 1}
+    for r in rows:
+        sp = r["tpf_per_image"]
+        rel = r["images_per_s"] / base_ips[r["setting"]] if r["setting"] in base_ips else float("nan")
+        spread = " / ".join(f"{sp[k]:.2f}" for k in ("min", "median", "max")) if sp else "-"
+        same = r.get("identical_to_batch1")
+        lines.append(f"| {r['setting']} | {r['batch_size']} | {r['images']} | {r['images_per_s']:.3f} | {rel:.2f}x | "
+                     f"{r['tpf']:.2f} | {spread} | {'-' if same is None else f'{same:.0%}'} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return [base + ".json", base + ".md"]
 
 
 def _mean_depth_rates(stats: List[dict]) -> dict:
@@ -403,6 +457,10 @@ def parse_args(argv):
     p.add_argument("--torch-trace", default=None, metavar="DIR",
                    help="also write one torch.profiler Chrome trace per setting here (untimed run)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--batch-sizes", default=None, metavar="B1,B2,...",
+                   help="measure mode: images/s and TPF at these batch sizes (a batch table) instead of latency")
+    p.add_argument("--images", type=int, default=None,
+                   help="images per setting for --batch-sizes (default: the largest batch size)")
     a = p.parse_args(argv)
     if a.repeats < 1:
         raise VVSError("--repeats must be >= 1")
@@ -461,6 +519,28 @@ def main(argv=None) -> int:
                            "rows": rows, "recorded_tpf": {row["setting"]: row["tpf"] for row in rec
                                                           if not math.isnan(row["tpf"])}})
             _release(eng)
+    elif args.batch_sizes:
+        meta["mode"] = "batch"
+        eng, desc = load_model("tiny" if args.quick and args.model == "zoo" else args.model, device, dtype, args.quick)
+        meta["model"] = desc
+        sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+        if not sizes or sizes[0] < 1:
+            raise VVSError("--batch-sizes must list integers >= 1")
+        n_images = args.images or sizes[-1]
+        n_cls = eng.config.num_classes
+        runnable = [s for s in settings if not (eng.vq is None and s.opts.get("skip_policy") == "dynamic")]
+        rows = []
+        from tqdm import tqdm
+
+        tag = args.tag or f"{'quick_' if args.quick else ''}{device.type}"
+        command = "vvs-engine bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+        for s, b in tqdm([(s, b) for s in runnable for b in sizes], desc="batch table", leave=False):
+            rows.append(throughput_setting(eng, s, b, n_images, args, lambda i: (7 * i) % n_cls))
+            files = write_batch_report(rows, meta, args.out, tag, command)  # rewritten after every row
+        with open(files[1]) as f:
+            print(f.read())
+        print("wrote " + ", ".join(files))
+        return 0
     else:
         meta["mode"] = "measure"
         if args.model_dir:

@@ -34,8 +34,10 @@ def _reference_fast_path(t: torch.Tensor) -> bool:
 
 def tree_attention(q, k, v, prefix_len, local, key_valid=None):
     """q [B, H, Q, D] over the prefix ``[0, P)`` of k, v [B, H, S, D] plus the local block
-    ``[P, P + Q)`` under ``local`` [Q, Q] -> [B, H, Q, D]. See ``reference.tree_attention``."""
-    if _reference_fast_path(q):
+    ``[P, P + Q)`` under ``local`` [Q, Q] -> [B, H, Q, D]. See ``reference.tree_attention``.
+    Per-row layouts (``prefix_len`` [B], ``local`` [B, Q, Q]: batched speculative decoding) run the
+    torch reference on every device (the Triton/CUDA kernels take one layout for all rows)."""
+    if _reference_fast_path(q) or prefix_len.numel() > 1 or local.dim() == 3:
         return reference.tree_attention(q, k, v, prefix_len, local, key_valid)
     return ops.tree_attention(q, k, v, prefix_len, local, key_valid)
 
@@ -88,8 +90,9 @@ def tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, delta: fl
 
 
 def kv_compact(k, v, src, dst) -> None:
-    """In place on K and V [L, B, H, S, D]: slots ``dst`` take what slots ``src`` held (overlap-safe)."""
-    if _reference_fast_path(k):
+    """In place on K and V [L, B, H, S, D]: slots ``dst`` take what slots ``src`` held (overlap-safe).
+    ``src``/``dst`` [n] for every row, or [B, n] per row (torch reference on every device)."""
+    if _reference_fast_path(k) or src.dim() == 2:
         return reference.kv_compact(k, v, src, dst)
     ops.kv_compact(k, v, src, dst)
 

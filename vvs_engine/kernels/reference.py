@@ -15,17 +15,22 @@ import torch.nn.functional as F
 def local_visibility(prefix_len: torch.Tensor, local: torch.Tensor, n_slots: int,
                      key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Dense boolean visibility ``[B|1, Q, S]`` of the (prefix + local block) layout: query i sees
-    slot s if ``s < P`` (and ``key_valid[b, s]``), or if ``P <= s < P + Q`` and ``local[i, s - P]``."""
-    Q = local.shape[0]
+    slot s if ``s < P`` (and ``key_valid[b, s]``), or if ``P <= s < P + Q`` and ``local[i, s - P]``.
+    ``prefix_len`` is ``[1]`` (every row) or ``[B]`` (one length per row); ``local`` is ``[Q, Q]`` or
+    ``[B, Q, Q]`` (one tree per row)."""
+    Q = local.shape[-1]
     s = torch.arange(n_slots, device=local.device)
-    P = prefix_len.reshape(-1)[:1]
-    in_prefix = (s < P)[None, None, :]  # [1, 1, S]
-    rel = s - P  # [S]
+    P = prefix_len.reshape(-1, 1)  # [B|1, 1]
+    in_prefix = (s[None, :] < P)[:, None, :]  # [B|1, 1, S]
+    rel = s[None, :] - P  # [B|1, S]
     in_local = (rel >= 0) & (rel < Q)
-    loc = local.index_select(1, rel.clamp(0, Q - 1)) & in_local[None, :]  # [Q, S]
+    local3 = local if local.dim() == 3 else local[None]
+    rows = max(local3.shape[0], rel.shape[0])
+    idx = rel.clamp(0, Q - 1)[:, None, :].expand(rows, Q, n_slots)
+    loc = local3.expand(rows, Q, Q).gather(2, idx) & in_local[:, None, :]  # [B|1, Q, S]
     if key_valid is not None:
         in_prefix = in_prefix & key_valid[:, None, :]
-    return in_prefix | loc[None]
+    return in_prefix | loc
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor,
@@ -40,8 +45,17 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
 
 def kv_compact(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """In place, for K and V ``[L, B, H, S, D]``: slots ``dst`` take the values slots ``src`` held
-    before the call (every layer and row). ``src``/``dst`` are ``[n]`` device int64; the gather happens
-    before any write, so overlapping ranges are fine."""
+    before the call (every layer and row). ``src``/``dst`` are ``[n]`` (the same for every row) or
+    ``[B, n]`` (per row) device int64; the gather happens before any write, so overlapping ranges are
+    fine."""
+    if src.dim() == 2:  # one slot list per row
+        L, B, H, S, D = k.shape
+        n = src.shape[1]
+        src_i = src[None, :, None, :, None].expand(L, B, H, n, D)
+        dst_i = dst[None, :, None, :, None].expand(L, B, H, n, D)
+        for buf in (k, v):
+            buf.scatter_(3, dst_i, buf.gather(3, src_i))
+        return
     for buf in (k, v):
         buf.index_copy_(3, dst, buf.index_select(3, src))
 

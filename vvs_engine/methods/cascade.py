@@ -62,10 +62,10 @@ class CascadeOptions(SpecOptions):
 
 
 @register("cascade", CascadeOptions)
-def run_cascade(engine, cond, key_mask, n, params, gen, opts: CascadeOptions, progress):
+def run_cascade(engine, batch, params, opts: CascadeOptions):
     accept = opts.accept or "cascade"
     rule_options = dict(opts.rule_options)
     if accept == "cascade":  # other rules do not take CASCADE's options
         rule_options = {**opts.rule_kwargs(), **rule_options}
     opts = dataclasses.replace(opts, accept=accept, tree=opts.tree or "static", rule_options=rule_options)
-    return run(engine, cond, key_mask, n, params, gen, opts, progress)
+    return run(engine, batch, params, opts)

@@ -24,6 +24,7 @@ class DecodeBatch:
     rng: CounterRNG
     n_real: int
     on_tokens: Optional[Callable[[int], None]] = None  # progress: called with newly committed tokens (host-side counts only)
+    use_graphs: Optional[bool] = None  # CUDA graphs for the decode rounds; None = on for CUDA, off elsewhere
 
     @property
     def size(self) -> int:
@@ -43,3 +44,27 @@ def progress(it, show: bool, desc: str):
     from tqdm import tqdm
 
     return tqdm(it, desc=desc, leave=False, dynamic_ncols=True)
+
+
+class LateCounter:
+    """Host view of one device counter that only decides when to stop (Jacobi). On CUDA it is read one
+    iteration late (copy to pinned memory + event), so the host never stalls the GPU; on the CPU at
+    once. ``push(t)`` starts the copy of ``t`` [1] and returns the last value read (also ``value``)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.buf = torch.zeros(1, dtype=torch.long, pin_memory=self.cuda)
+        self.event = None
+        self.value = 0
+
+    def push(self, t: torch.Tensor) -> int:
+        if not self.cuda:
+            self.value = int(t)
+            return self.value
+        if self.event is not None:
+            self.event.synchronize()
+            self.value = int(self.buf)
+        self.buf.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+        return self.value

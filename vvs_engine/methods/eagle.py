@@ -27,15 +27,15 @@ class EagleOptions(SpecOptions):
 
 
 @register("eagle", EagleOptions)
-def run_eagle(engine, cond, key_mask, n, params, gen, opts, progress):
-    return run(engine, cond, key_mask, n, params, gen, _with_defaults(opts, "exact", "dynamic"), progress)
+def run_eagle(engine, batch, params, opts):
+    return run(engine, batch, params, _with_defaults(opts, "exact", "dynamic"))
 
 
 @register("lantern", EagleOptions)
-def run_lantern(engine, cond, key_mask, n, params, gen, opts, progress):
-    return run(engine, cond, key_mask, n, params, gen, _with_defaults(opts, "lantern", "dynamic"), progress)
+def run_lantern(engine, batch, params, opts):
+    return run(engine, batch, params, _with_defaults(opts, "lantern", "dynamic"))
 
 
 @register("lantern++", EagleOptions)
-def run_lantern_pp(engine, cond, key_mask, n, params, gen, opts, progress):
-    return run(engine, cond, key_mask, n, params, gen, _with_defaults(opts, "lantern++", "static"), progress)
+def run_lantern_pp(engine, batch, params, opts):
+    return run(engine, batch, params, _with_defaults(opts, "lantern++", "static"))

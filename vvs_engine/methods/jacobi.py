@@ -46,7 +46,7 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from . import register
-from .common import DecodeBatch, MethodResult
+from .common import DecodeBatch, LateCounter, MethodResult
 from .options import option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
@@ -112,16 +112,17 @@ def _grid_width(T: int) -> int:
 
 @register("sjd", SJDOptions)
 def run_sjd(engine, batch: DecodeBatch, params, opts: SJDOptions) -> MethodResult:
-    return decode(engine, batch, params, opts, ExactRule(), _graphs_for(engine))
+    return decode(engine, batch, params, opts, ExactRule(), _graphs_for(engine, batch))
 
 
 @register("gsd", GSDOptions)
 def run_gsd(engine, batch: DecodeBatch, params, opts: GSDOptions) -> MethodResult:
-    return decode(engine, batch, params, opts, opts.rule(engine), _graphs_for(engine))
+    return decode(engine, batch, params, opts, opts.rule(engine), _graphs_for(engine, batch))
 
 
-def _graphs_for(engine) -> bool:
-    return engine.device.type == "cuda" and getattr(engine, "cuda_graphs", True)
+def _graphs_for(engine, batch: DecodeBatch) -> bool:
+    """The caller's explicit choice (``Engine.generate(cuda_graphs=...)``), else on for CUDA."""
+    return engine.device.type == "cuda" and (batch.use_graphs is None or bool(batch.use_graphs))
 
 
 @dataclass
@@ -334,14 +335,12 @@ def capture(fn, state: JacobiState):
 def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graphs: bool) -> MethodResult:
     """Decode the batch: eager prefill, then one :meth:`JacobiDecoder.jacobi_iteration` (or its graph
     replay) per iteration until every image has its tokens."""
-    from .speculative import LateRead
-
     dec = JacobiDecoder(engine, batch, params, opts, rule)
     st = dec.prefill()
     iteration = lambda: dec.jacobi_iteration(st)
     if use_graphs:
         iteration = capture(iteration, st)
-    committed = LateRead(dec.device)
+    committed = LateCounter(dec.device)
     n_iterations, reported = 0, 1
     while committed.push(st.min_committed) < dec.T:  # the one host read (one iteration late on CUDA)
         iteration()

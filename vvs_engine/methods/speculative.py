@@ -1,41 +1,39 @@
-"""The draft -> (skip | verify) loop shared by EAGLE, LANTERN(++), VVS and CASCADE.
+"""The draft -> (skip | verify) loop shared by EAGLE, LANTERN(++), VVS and CASCADE, for B images at once.
 
-One image at a time (batch 1, both CFG rows), gpt-fast style: static caches, device-side lengths.
+Each sequence of the batch has its own draft tree, acceptance length, residual sample, KV layout,
+feature cache, pending chain and committed count, all in static-shape [B, ...] device buffers
+(:class:`DecodeState`). A round is one function that updates those buffers in place:
 
-    prefill target; root ~ p; drafter eats the condition features; tree = draft(root)
-    loop:
-      if schedule says skip:                          # VVS, no target forward
-          commit a truncated random tree path unverified; its last token becomes the root;
-          drafter eats stale cached target features; tree = draft(root)
-      else:                                           # verify (with the pending chain, if any)
-          one target forward over [pending chain | tree]; p = processed target distributions
-          accept a path with the rule; next token from the residual; compact KV; cache features
-          drafter eats the fresh features; tree = draft(next)
+    prefill: target over the condition; root ~ p; drafter eats the condition features; tree = draft(root)
+    verify_round:  one target forward over [pending chain | tree] per sequence; p = processed target
+                   distributions; accept a path with the rule; next token from the residual; compact KV;
+                   cache features; drafter eats the fresh features; tree = draft(next)
+    skip_round:    (VVS) commit a truncated random tree path unverified; its last token becomes the root;
+                   drafter eats stale cached target features; tree = draft(root)
 
-The only host read per round is the committed-token count (termination and VVS's "not in the first
-5 tokens" rule), and on CUDA it is read one round late (``LateRead``) so the GPU never waits for the
-host; a round that runs after the image is complete writes into slack slots and is discarded.
-VVS-D's similarity decision and ``post_verify=reject`` each add one synchronous read per round.
+The host loop (:func:`decode`) only picks the next round kind and reads small device counters
+(all finished, the batch wants to skip, tokens committed) one round late, so it never waits for the
+device. Sequences that finish stop committing (their lengths freeze) while the batch runs on.
+Every random draw comes from the batch's :class:`~vvs_engine.rng.CounterRNG` keyed by the image
+index and the round number, so an image's tokens do not depend on its batch-mates.
 """
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from ..acceptance.verify import VerifyResult, default_lantern_k, make_rule, verify_tree
-from ..kernels import gather_rows, scatter_rows_
+from ..acceptance.verify import default_lantern_k, make_rule, verify_tree
 from ..drafting.session import DraftSession, TreeSpec
+from ..drafting.tree import STATIC_TREES, DraftTree
 from ..errors import VVSError
-from ..runtime.profiling import nvtx_range
-from ..sampling import guided_logits, process_logits, sample
+from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
-from ..drafting.tree import STATIC_TREES
-from .common import MethodResult, progress
+from ..sampling import guided_logits, process_logits
+from .common import DecodeBatch, MethodResult
 from .options import option
 from . import schedule as sched
 
@@ -55,7 +53,7 @@ class SpecOptions:
     static_tree: str = "naive_extend_57"
     skip_policy: str = option("never", "VVS: never, uniform (skip every interval-th round) or dynamic "
                                        "(skip when the draft paths agree)")
-    skip_interval: int = option(2, "VVS uniform: skip when step % interval == 1 (1 = never)")
+    skip_interval: int = option(2, "VVS uniform: skip on rounds r >= 5 with r % interval == 1 (1 = never)")
     skip_threshold: float = option(0.65, "VVS dynamic: path-agreement threshold in [-1, 1]")
     select: str = option("random", "VVS: tree path a skipped round commits: random or confidence")
     post_verify: str = option("fill", "VVS: skipped chain at the next verification: fill (keep) or reject "
@@ -117,305 +115,406 @@ class SpecOptions:
         return TreeSpec(self.tree or "dynamic", self.tree_total, self.tree_depth, self.tree_topk, self.static_tree)
 
 
-def run(engine, cond, key_mask, n, params, gen, opts: SpecOptions, show_progress=False) -> MethodResult:
+def run(engine, batch: DecodeBatch, params, opts: SpecOptions) -> MethodResult:
+    """Decode one batch with the configured tree, rule and skip schedule."""
     gsd_keys = ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold", "gsd_window_edge")
     if opts.accept == "gsd":
         gsd = {k: getattr(opts, k) for k in gsd_keys if getattr(opts, k) is not None}
         opts.rule_options = {**gsd, **opts.rule_options}
     elif any(getattr(opts, k) is not None for k in gsd_keys):
         raise VVSError("--gsd-* options need --accept gsd (or --method gsd)")
-    rule = make_rule(opts.accept or "exact", engine,
+    rounds = SpeculativeRounds(engine, batch, params, opts, make_rule_for(engine, opts))
+    return decode(rounds, sched.make(opts, engine), batch, batch.use_graphs)
+
+
+def make_rule_for(engine, opts: SpecOptions):
+    return make_rule(opts.accept or "exact", engine,
                      lantern_k=opts.lantern_k or default_lantern_k(_codebook(engine)),
                      lantern_delta=opts.lantern_delta, lantern_lambda=opts.lantern_lambda,
                      reference_residual=opts.lantern_reference_residual, **opts.rule_options)
-    out, st = [], Stats()
-    for i in progress(range(n), show_progress, "images"):
-        idx = torch.tensor([i, i + n] if params.use_cfg else [i], device=cond.device)
-        c_i = cond.index_select(0, idx)
-        km = key_mask.index_select(0, idx) if key_mask is not None else None
-        out.append(decode_one(engine, c_i, km, params, gen, opts, rule, st))
-    return MethodResult(torch.stack(out), st.summary(n, engine.tokens_per_image))
 
 
 def _codebook(engine):
     return engine.vq.config.codebook_size if engine.vq is not None else engine.config.vocab_size
 
 
-class Stats:
-    def __init__(self):
-        self.verified = 0
-        self.skipped = 0
-        self.accepted = []  # device [1] tensors: accepted drafts per verified round
-        self.skip_lengths = []  # device [1] tensors: tokens committed unverified per skip
-        self.t = {"draft": 0.0, "verify": 0.0, "accept": 0.0}
-        self.rolled_back = 0
+@dataclass
+class DecodeState:
+    """Everything a round reads and writes, as device buffers updated in place (static shapes)."""
 
-    def summary(self, n, T):
-        acc = torch.cat(self.accepted).cpu() if self.accepted else torch.zeros(0, dtype=torch.long)
-        depth_rate = {}
-        if acc.numel():
-            for d in range(1, int(acc.max()) + 2):
-                depth_rate[str(d)] = float((acc >= d).float().mean())
-        # A skip that commits a tokens feeds the drafter features a positions older than fresh ones.
-        skips = torch.cat(self.skip_lengths).cpu() if self.skip_lengths else torch.zeros(0, dtype=torch.long)
-        hist = {str(int(v)): int(c) for v, c in zip(*torch.unique(skips, return_counts=True))}
-        return {
-            "target_forward_passes": self.verified,
-            "verified_steps": self.verified,
-            "skip_steps": self.skipped,
-            "mean_accepted_length": float(acc.float().mean() + 1) if acc.numel() else 0.0,
-            "acceptance_rate_by_depth": depth_rate,
-            "tokens_committed_unverified": int(skips.sum()),
-            "staleness_histogram": hist,
-            "post_verify_rollbacks": self.rolled_back,
-            "time_split_s": {k: round(v, 4) for k, v in self.t.items()},
-        }
+    out: torch.Tensor  # [B, T + slack] committed tokens (slack absorbs overruns past the image)
+    n_out: torch.Tensor  # [B] tokens in out (pending chain and root included)
+    target_len: torch.Tensor  # [B] committed target KV length (condition included)
+    draft_len: torch.Tensor  # [B] drafter KV length (= target_len + pending chain length)
+    feats: torch.Tensor  # [rows, S, D] target features of every committed position
+    tree: DraftTree  # the tree the next round verifies or skips along
+    chain_tokens: torch.Tensor  # [B, Cmax] the skipped chain (old root + drafts) awaiting post-verification
+    chain_len: torch.Tensor  # [B] its length (0: nothing pending or the sequence had finished)
+    round: torch.Tensor  # [B] round counter: the random-number step of every draw
+    flags: torch.Tensor  # [3] all real sequences finished, the batch wants to skip, tokens committed
+    # statistics, per sequence
+    target_passes: torch.Tensor  # [B] verify rounds while the sequence was unfinished
+    skipped: torch.Tensor  # [B] skip rounds while unfinished
+    accepted_hist: torch.Tensor  # [B, Dmax + 1] verify rounds by accepted drafts
+    skip_hist: torch.Tensor  # [B, Dmax + 1] skip rounds by tokens committed unverified
+    rolled_back: torch.Tensor  # [B] post_verify=reject rollbacks
+
+    def buffers(self):
+        """Every tensor a round writes (saved and restored around CUDA-graph warm-up)."""
+        tree = [getattr(self.tree, f) for f in TREE_BUFFERS]
+        own = [self.out, self.n_out, self.target_len, self.draft_len, self.feats, self.chain_tokens, self.chain_len,
+               self.round, self.flags, self.target_passes, self.skipped, self.accepted_hist, self.skip_hist,
+               self.rolled_back]
+        return own + [t for t in tree if t is not None]
 
 
-class LoopState:
-    """Device-side state of one image's decode: caches, lengths, the current tree, a pending chain."""
+# The tensors of a DraftTree that rounds rewrite in place (optional ones may be None).
+TREE_BUFFERS = ("tokens", "parents", "mask", "depth", "paths", "is_leaf", "children", "q", "draft_logp",
+                "draft_feats", "draft_logits")
 
-    def __init__(self, engine, cond, key_mask, params, o: SpecOptions, gen):
-        dev = engine.device
-        spec = o.tree_spec()
-        self.N = spec.max_nodes
+
+def _copy_tree_(dst: DraftTree, src: DraftTree) -> None:
+    for f in TREE_BUFFERS:
+        d = getattr(dst, f)
+        if d is not None:
+            d.copy_(getattr(src, f))
+
+
+def _own_tree(tree: DraftTree) -> DraftTree:
+    """A tree whose fields are fresh dense buffers (static trees share expanded structure views)."""
+    c = lambda t: None if t is None else t.contiguous().clone()
+    return DraftTree(**{f: c(getattr(tree, f)) for f in TREE_BUFFERS}, sampled=tree.sampled)
+
+
+class SpeculativeRounds:
+    """The caches, buffers and round functions of one batch. ``verify_round``, ``verify_after_skip``
+    and ``skip_round`` take no arguments, update :attr:`state` in place and never read the host."""
+
+    def __init__(self, engine, batch: DecodeBatch, params, opts: SpecOptions, rule):
+        self.engine, self.params, self.opts, self.rule, self.rng = engine, params, opts, rule, batch.rng
+        self.n_real = batch.n_real
+        B = self.batch = batch.size
+        spec = opts.tree_spec()
+        self.nodes = spec.max_nodes
         if spec.kind == "dynamic":
-            self.Dmax = spec.depth + 1
+            self.max_depth = spec.depth + 1
         elif spec.kind == "chain":
-            self.Dmax = spec.depth
+            self.max_depth = spec.depth
         else:
             from ..drafting.tree import static_layout
 
-            self.Dmax = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
-        self.Cmax = self.Dmax + 1  # a pending chain: old root + up to Dmax - 1 drafts (+ slack)
-        extra = 2 * (self.N + self.Cmax) + 8
-        if getattr(engine, "cuda_graphs", False):  # static buffers replayed as CUDA graphs
-            from ..runtime.runner import get_runner
+            self.max_depth = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
+        self.chain_width = self.max_depth + 1  # a pending chain: old root + up to max_depth drafts
+        extra = 2 * (self.nodes + self.chain_width) + 8
+        self.target = s = TargetSession(engine.gpt, batch.cond, B, params.use_cfg, batch.key_mask, extra_slots=extra)
+        self.draft = DraftSession(engine.drafter, s.rows, s.S, params, spec)
+        self.c, self.T, self.dev = s.c, s.T, s.device
+        self.skip_codebook = None
+        if opts.skip_policy == "dynamic":
+            self.skip_codebook = torch.nn.functional.normalize(engine.codebook_vectors().float(), dim=-1)
+        self.state = self._prefill()
 
-            r = get_runner(engine.gpt, cond, 1, params.use_cfg, key_mask, params, use_graphs=True,
-                           extra_slots=extra, drafter=engine.drafter, tree_spec=spec,
-                           target_q=(self.N, self.Cmax + self.N), extend_m=(self.Dmax, self.Dmax + 1))
-            self.s = s = r.session
-            self.ds = r.draft
+    # --- helpers ---------------------------------------------------------------------------------------
+    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        return self.target.rows_of(x)
+
+    def _gather_positions(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [rows, S, D], idx [B, n] -> x at each sequence's positions [rows, n, D]."""
+        r = self.rows_of(idx)
+        return x.gather(1, r[:, :, None].expand(r.shape[0], r.shape[1], x.shape[2]))
+
+    def _scatter_positions_(self, x: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+        r = self.rows_of(idx.clamp(max=x.shape[1] - 1))
+        x.scatter_(1, r[:, :, None].expand(r.shape[0], r.shape[1], x.shape[2]), src.to(x.dtype))
+
+    def _write_out_(self, idx: torch.Tensor, tokens: torch.Tensor) -> None:
+        out = self.state.out
+        out.scatter_(1, idx.clamp(max=out.shape[1] - 1), tokens)
+
+    # --- prefill (eager) -------------------------------------------------------------------------------
+    def _prefill(self) -> DecodeState:
+        s, B, dev = self.target, self.batch, self.dev
+        Dmax = self.max_depth
+        step = torch.full((B,), -1, dtype=torch.long, device=dev)  # round -1: before the first round
+        H0 = s.prefill()  # [rows, c, D]
+        root = self.rng.sample(process_logits(guided_logits(s.logits(H0[:, -1]), self.params), self.params),
+                               step, Streams.SAMPLE)  # [B]
+        out = torch.zeros(B, self.T + 3 * (Dmax + 1) + self.chain_width, dtype=torch.long, device=dev)
+        out[:, 0] = root
+        feats = torch.zeros(s.rows, s.S, H0.shape[-1], dtype=H0.dtype, device=dev)
+        feats[:, : s.c] = H0
+        drafter_tokens = torch.cat([torch.zeros(B, s.c - 1, dtype=torch.long, device=dev), root[:, None]], 1)
+        start = torch.zeros(B, dtype=torch.long, device=dev)
+        h_draft = self.draft.extend(H0, drafter_tokens, start)
+        length = torch.full((B,), s.c, dtype=torch.long, device=dev)
+        round0 = torch.zeros(B, dtype=torch.long, device=dev)
+        tree = _own_tree(self.draft.build(root, h_draft[:, -1], length, self.rng, round0))
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
+        st = DecodeState(out=out, n_out=torch.ones(B, dtype=torch.long, device=dev), target_len=length.clone(),
+                         draft_len=length.clone(), feats=feats, tree=tree, chain_tokens=zeros(B, self.chain_width),
+                         chain_len=zeros(B), round=round0, flags=zeros(3), target_passes=zeros(B), skipped=zeros(B),
+                         accepted_hist=zeros(B, Dmax + 1), skip_hist=zeros(B, Dmax + 1), rolled_back=zeros(B))
+        self._update_flags(st)
+        return st
+
+    def _update_flags(self, st: DecodeState) -> None:
+        """[all real sequences finished, every unfinished real sequence wants to skip, tokens committed]."""
+        n = self.n_real
+        # A sequence that a skip carried past the end is not finished until post-verification keeps it.
+        active = (st.n_out - st.chain_len)[:n] < self.T
+        wants = torch.zeros((), dtype=torch.bool, device=self.dev)
+        if self.skip_codebook is not None:  # VVS-D: per-sequence decision, the batch skips only if all agree
+            similar = sched.path_similarity(st.tree, self.skip_codebook)[:n] >= self.opts.skip_threshold
+            agree = (similar & (st.n_out[:n] > sched.MIN_TOKENS_BEFORE_SKIP)) | ~active
+            wants = agree.all() & active.any()
+        flags = torch.stack([(~active).all().long(), wants.long(), st.n_out[:n].clamp(max=self.T).sum()])
+        st.flags.copy_(flags)
+
+    # --- rounds ----------------------------------------------------------------------------------------
+    def verify_round(self) -> None:
+        self._verify(with_chain=False)
+
+    def verify_after_skip(self) -> None:
+        """The verify round right after a skip: the skipped chain rides along, causal, for post-verification."""
+        self._verify(with_chain=True)
+
+    def _verify(self, with_chain: bool) -> None:
+        st, s, tree, params = self.state, self.target, self.state.tree, self.params
+        B, N, Dmax, Cmax, T = self.batch, self.nodes, self.max_depth, self.chain_width, self.T
+        P_t = st.target_len
+        path_slots = torch.arange(Dmax + 1, device=self.dev)
+        if with_chain:
+            a = st.chain_len
+            active = st.n_out - a < T
+            chain_slots = torch.arange(Cmax, device=self.dev)
+            tokens = torch.cat([st.chain_tokens, tree.tokens], 1)
+            positions = torch.cat([P_t[:, None] + chain_slots, (P_t + a)[:, None] + tree.depth], 1)
+            local, off = post_verify_mask(tree.mask, a, Cmax), Cmax
         else:
-            self.s = s = TargetSession(engine.gpt, cond, 1, params.use_cfg, key_mask, extra_slots=extra)
-            self.ds = DraftSession(engine.drafter, s.rows, s.S, params, spec)
-        self.c, self.T, self.dev = s.c, s.T, dev
-        with nvtx_range("prefill"):
-            H0 = s.prefill()  # [rows, c, D]
-            root = sample(process_logits(guided_logits(s.logits(H0[:, -1]), params), params), gen)  # [1]
-        self.out = torch.zeros(self.T + 2 * self.Cmax + self.N, dtype=torch.long, device=dev)
-        self.out[:1] = root
-        self.n_out = torch.ones(1, dtype=torch.long, device=dev)  # tokens in out (chain + root included)
-        self.P_t = torch.full((1,), s.c, dtype=torch.long, device=dev)  # target KV length
-        self.feats = torch.zeros(s.rows, s.S, H0.shape[-1], dtype=H0.dtype, device=dev)  # target features
-        self.feats[:, : s.c] = H0
-        with nvtx_range("draft"):
-            dtok = torch.cat([torch.zeros(s.c - 1, dtype=torch.long, device=dev), root])
-            hd = self.ds.extend(H0, dtok, torch.zeros(1, dtype=torch.long, device=dev))
-            self.P_d = self.P_t.clone()  # drafter length (= P_t + pending chain length)
-            self.tree = self.ds.build(root, hd[:, -1], self.P_d, gen)
-        self.pending = None  # (chain tokens [Cmax], length [1]) awaiting post-verification
+            a = torch.zeros_like(P_t)
+            active = st.n_out < T
+            tokens, positions, local, off = tree.tokens, P_t[:, None] + tree.depth, tree.mask, 0
+        positions = positions.clamp(max=self.c + T - 1)  # overrun past the last image token is discarded
+        H = s.forward_per_sequence(tokens, positions, P_t, local)  # [rows, Q, D]
+        logits = guided_logits(s.logits(H), params)  # [B, Q, V]
+        p = process_logits(logits[:, off:], params)
+        u_accept = self.rng.uniform(st.round, Streams.ACCEPT, (N,))
+        u_sample = self.rng.uniform(st.round, Streams.SAMPLE)
+        res = verify_tree(tree, p, self.rule, u_accept, u_sample, params.greedy, logits=logits[:, off:],
+                          hidden=H[:B, off:], engine=self.engine)  # the conditional rows' features
+        path, n_acc, next_token = res.path, res.n_accepted, res.next_token
+        node = off + path.clamp(min=0)  # [B, Dmax + 1] query index of each accepted node
+        dst = (P_t + a)[:, None] + path_slots
+        s.kv.move(self.rows_of(P_t[:, None] + node), self.rows_of(dst))  # accepted path -> after the chain
+        if with_chain:  # the skipped chain's fresh features replace the stale ones it was drafted from
+            self._scatter_positions_(st.feats, P_t[:, None] + chain_slots, H[:, :Cmax])
+        path_feats = self._gather_positions(H, node)
+        self._scatter_positions_(st.feats, dst, path_feats)
+        accepted = tree.tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, Dmax]
+        self._write_out_(st.n_out[:, None] + path_slots[:Dmax], accepted)
+        self._write_out_((st.n_out + n_acc)[:, None], next_token[:, None])
+        n_out = st.n_out + torch.where(active, n_acc + 1, 0)
+        target_len = P_t + torch.where(active, a + n_acc + 1, 0)
+        draft_len = st.draft_len + torch.where(active, n_acc + 1, 0)
+        # Drafter pairs: (fresh feature at each accepted node, the token after it); the last is the new root.
+        pair_tokens = torch.cat([accepted, next_token[:, None]], 1).scatter(1, n_acc[:, None], next_token[:, None])
+        pair_feats, extend_start, root_index, root = path_feats, st.draft_len, n_acc, next_token
+        if with_chain and self.opts.post_verify == "reject":
+            rollback, keep, token = self._check_chain(logits[:, :Cmax], a, active)
+            restart = st.n_out - a + keep - 1  # out index of the rejected skipped token
+            self._write_out_(torch.where(rollback, restart, n_out + Dmax + 1)[:, None], token[:, None])
+            n_out = torch.where(rollback, restart + 1, n_out)
+            target_len = torch.where(rollback, P_t + keep, target_len)
+            draft_len = torch.where(rollback, P_t + keep, draft_len)
+            # One drafter pair (fresh feature at the rejected position, the resampled token).
+            chain_feat = self._gather_positions(H, (keep - 1)[:, None])
+            row_rollback = self.rows_of(rollback)[:, None, None]
+            pair_feats = torch.where(row_rollback, torch.cat([chain_feat, path_feats[:, 1:]], 1), path_feats)
+            pair_tokens = torch.where(rollback[:, None], torch.cat([token[:, None], pair_tokens[:, 1:]], 1),
+                                      pair_tokens)
+            extend_start = torch.where(rollback, P_t + keep - 1, extend_start)
+            root_index = torch.where(rollback, 0, root_index)
+            root = torch.where(rollback, token, root)
+            n_acc = torch.where(rollback, 0, n_acc)
+            st.rolled_back.add_(rollback.long())
+        h_draft = self.draft.extend(pair_feats, pair_tokens, extend_start)
+        h_root = self._gather_positions(h_draft, root_index[:, None])[:, 0]
+        st.target_passes.add_(active.long())
+        st.accepted_hist.scatter_add_(1, n_acc[:, None], active.long()[:, None])
+        st.n_out.copy_(n_out)
+        st.target_len.copy_(target_len)
+        st.draft_len.copy_(draft_len)
+        st.chain_len.zero_()
+        st.round.add_(1)
+        _copy_tree_(st.tree, self.draft.build(root, h_root, draft_len, self.rng, st.round))
+        self._update_flags(st)
 
-    def ar(self, k):
-        return torch.arange(k, device=self.dev)
+    def _check_chain(self, chain_logits, a, active):
+        """post_verify=reject: test the a tokens committed unverified (chain[1:a] and the new root)
+        against the chain's fresh logits. -> (rollback [B], keep [B] chain entries that stay, the
+        resampled token [B])."""
+        st, B, Cmax = self.state, self.batch, self.chain_width
+        j = torch.arange(Cmax, device=self.dev)
+        skipped = torch.where(j[None] + 1 < a[:, None], st.chain_tokens.roll(-1, 1), st.tree.tokens[:, :1])
+        p = process_logits(chain_logits, self.params)  # [B, Cmax, V]
+        u = self.rng.uniform(st.round, Streams.CHAIN, (Cmax + 1,))
+        if self.params.greedy:
+            ok = p.argmax(-1) == skipped
+        else:
+            ok, _ = self.rule.accept(p.flatten(0, 1), skipped.flatten(), torch.ones(B * Cmax, device=self.dev),
+                                     u[:, :Cmax].flatten(), None)
+            ok = ok.view(B, Cmax)
+        bad = ~ok & (j[None] < a[:, None])
+        rollback = bad.any(1) & active
+        k = torch.where(bad, j[None], Cmax - 1).min(1).values  # first rejected chain position
+        p_k = p.gather(1, k[:, None, None].expand(B, 1, p.shape[-1]))[:, 0]
+        residual = self.rule.residual(p_k, None, skipped.gather(1, k[:, None])[:, 0], None)
+        token = residual.argmax(-1) if self.params.greedy else sample_inverse_cdf(residual, u[:, Cmax])
+        return rollback, k + 1, token
+
+    def skip_round(self) -> None:
+        """VVS: commit a truncated tree path without the target; draft the next tree from stale features."""
+        st, tree = self.state, self.state.tree
+        B, Dmax = self.batch, self.max_depth
+        active = st.n_out < self.T
+        choice = self._select_path(tree)  # [B] leaf node
+        leaf = tree.is_leaf
+        mean_len = ((tree.depth + 1) * leaf).sum(1) // leaf.sum(1)  # floor of the mean path length, root incl.
+        a = torch.minimum(tree.depth.gather(1, choice[:, None])[:, 0], mean_len - 1).clamp(min=1)  # truncation
+        path = tree.paths.gather(1, choice[:, None, None].expand(B, 1, Dmax + 1))[:, 0]  # [B, Dmax + 1]
+        drafted = tree.tokens.gather(1, path[:, 1:].clamp(min=0))  # path[a] is the next root
+        self._write_out_(st.n_out[:, None] + torch.arange(Dmax, device=self.dev), drafted)
+        committed = torch.where(active, a, 0)
+        st.chain_tokens.copy_(tree.tokens.gather(1, path.clamp(min=0)))  # old root + a - 1 drafts: no KV yet
+        st.chain_len.copy_(committed)
+        # Stale features: the a most recent cached target features ("latest"), or the last one repeated.
+        if self.opts.feature_reuse == "latest":
+            positions = ((st.target_len - a)[:, None] + torch.arange(Dmax, device=self.dev)).clamp(min=0)
+        else:
+            positions = (st.target_len - 1)[:, None].expand(B, Dmax)
+        h_draft = self.draft.extend(self._gather_positions(st.feats, positions), drafted, st.draft_len)
+        h_root = self._gather_positions(h_draft, (a - 1)[:, None])[:, 0]
+        root = tree.tokens.gather(1, path.gather(1, a[:, None]))[:, 0]
+        st.skipped.add_(active.long())
+        st.skip_hist.scatter_add_(1, a[:, None], active.long()[:, None])
+        st.n_out.add_(committed)
+        st.draft_len.add_(committed)
+        st.round.add_(1)
+        _copy_tree_(st.tree, self.draft.build(root, h_root, st.draft_len, self.rng, st.round))
+        self._update_flags(st)
+
+    def _select_path(self, tree: DraftTree) -> torch.Tensor:
+        """A root-to-leaf path per sequence: uniform over leaves (VVS default), or the most confident."""
+        leaf = tree.is_leaf
+        if self.opts.select == "random":
+            score = self.rng.uniform(self.state.round, Streams.SKIP, (tree.n,)).to(torch.float64)
+        else:  # confidence: highest cumulative draft log-prob along the path
+            lp = tree.draft_logp if tree.draft_logp is not None else torch.zeros(leaf.shape, device=leaf.device)
+            on_path = tree.paths >= 0
+            B, N, W = tree.paths.shape
+            score = (lp.gather(1, tree.paths.clamp(min=0).flatten(1)).view(B, N, W) * on_path).sum(2)
+        return torch.where(leaf, score, torch.full_like(score, -float("inf"))).argmax(1)
+
+    # --- results ---------------------------------------------------------------------------------------
+    def result(self) -> MethodResult:
+        st, n = self.state, self.n_real
+        acc_hist = st.accepted_hist[:n].sum(0).cpu()
+        skip_hist = st.skip_hist[:n].sum(0).cpu()
+        verified = int(acc_hist.sum())
+        depth_rate = {}
+        if verified:
+            longest = int(torch.nonzero(acc_hist).max())
+            for d in range(1, longest + 2):
+                depth_rate[str(d)] = float(acc_hist[d:].sum()) / verified
+        lengths = torch.arange(acc_hist.shape[0], dtype=torch.float64)
+        stats = {
+            "target_forward_passes": verified,
+            "verified_steps": verified,
+            "skip_steps": int(skip_hist.sum()),
+            "mean_accepted_length": float((acc_hist * lengths).sum() / verified + 1) if verified else 0.0,
+            "acceptance_rate_by_depth": depth_rate,
+            "tokens_committed_unverified": int((skip_hist * torch.arange(skip_hist.shape[0])).sum()),
+            "staleness_histogram": {str(i): int(c) for i, c in enumerate(skip_hist.tolist()) if c},
+            "post_verify_rollbacks": int(st.rolled_back[:n].sum()),
+        }
+        return MethodResult(st.out[:, : self.T].clone(), stats, st.target_passes.clone())
+
+
+def post_verify_mask(tree_mask: torch.Tensor, chain_len: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width + N]^2 local masks: a causal valid chain (first ``chain_len[b]`` of ``width`` slots),
+    padded chain slots that see only themselves, and the tree seeing the valid chain plus its own
+    ancestor mask."""
+    B, N, _ = tree_mask.shape
+    dev = tree_mask.device
+    j = torch.arange(width, device=dev)
+    valid = j[None] < chain_len[:, None]  # [B, width]
+    chain = ((j[None, :] <= j[:, None])[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=dev)
+    top = torch.cat([chain, torch.zeros(B, width, N, dtype=torch.bool, device=dev)], 2)
+    bottom = torch.cat([valid[:, None, :].expand(B, N, width), tree_mask], 2)
+    return torch.cat([top, bottom], 1)
 
 
 class LateRead:
-    """Host view of a device counter. On CUDA it is read one round late (copy to pinned memory +
-    event), so the host never stalls the GPU; on the CPU it is read at once."""
+    """Host view of the device flags, always one round late (on every device, so CPU and CUDA make the
+    same decisions): the flags written by round r are read before round r + 2, by then long copied
+    (pinned memory + event on CUDA), so the host never waits for the device."""
 
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.buf = torch.zeros(1, dtype=torch.long, pin_memory=self.cuda)
-        self.event = None
-        self.value = 0
+    def __init__(self, flags: torch.Tensor):
+        self.flags = flags
+        self.cuda = flags.device.type == "cuda"
+        self.slots = [torch.zeros_like(flags, device="cpu").pin_memory() if self.cuda
+                      else torch.zeros_like(flags, device="cpu") for _ in range(2)]
+        self.events = [None, None]
+        self.pushes = 0
 
-    def push(self, t: torch.Tensor) -> int:
-        if not self.cuda:
-            self.value = int(t)
-            return self.value
-        if self.event is not None:
-            self.event.synchronize()
-            self.value = int(self.buf)
-        self.buf.copy_(t, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
-        return self.value
+    def push(self) -> None:
+        i = self.pushes % 2
+        self.slots[i].copy_(self.flags, non_blocking=self.cuda)
+        if self.cuda:
+            self.events[i] = torch.cuda.Event()
+            self.events[i].record()
+        self.pushes += 1
+
+    def read(self) -> Optional[list]:
+        """The flags of the push before the latest one, or None while there is none."""
+        if self.pushes < 2:
+            return None
+        i = self.pushes % 2  # the older of the two slots
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        return self.slots[i].tolist()
 
 
-def decode_one(engine, cond, key_mask, params, gen, o: SpecOptions, rule, st: Stats) -> torch.Tensor:
-    t0 = time.perf_counter()
-    L = LoopState(engine, cond, key_mask, params, o, gen)
-    st.t["draft"] += time.perf_counter() - t0
-    schedule = sched.make(o, engine)
-    committed = LateRead(L.dev)
-    step, last_skip = 0, False
-    while committed.push(L.n_out) < L.T:  # one (late on CUDA) host read per round
-        if schedule.skip(step, committed.value, last_skip, L.tree):
-            with nvtx_range("skip"):
-                skip_round(L, o, gen, st)
-            last_skip = True
+def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: Optional[bool] = None) -> MethodResult:
+    """The thin host loop: choose the next round kind, run it (a graph replay on CUDA), read the
+    one-round-late counters. Nothing else happens between rounds."""
+    from ..runtime.runner import RoundGraphs
+
+    run_round = RoundGraphs({"verify": rounds.verify_round, "verify_after_skip": rounds.verify_after_skip,
+                             "skip": rounds.skip_round}, rounds.state.buffers(),
+                            use_graphs=rounds.dev.type == "cuda" if use_graphs is None else use_graphs)
+    counters = LateRead(rounds.state.flags)
+    counters.push()
+    last_kind, reported = None, 0
+    for round_index in itertools.count():
+        flags = counters.read()  # [all finished, the batch wants to skip, tokens committed], one round late
+        if flags is not None and flags[0]:
+            break
+        if round_index > 2 * rounds.T + 4:  # every round of an unfinished sequence commits >= 1 token
+            raise VVSError("speculative decoding made no progress (internal error)")
+        if schedule.skip(round_index, last_kind == "skip", flags is not None and bool(flags[1])):
+            kind = "skip"
         else:
-            verify_round(L, o, params, rule, gen, engine, st)
-            last_skip = False
-        step += 1
-    if DEBUG_HOOK is not None:  # tests inspect the final caches
-        DEBUG_HOOK(session=L.s, out=L.out, n_out=L.n_out, P_t=L.P_t, pending=L.pending, feats=L.feats)
-    return L.out[: L.T]
-
-
-DEBUG_HOOK = None
-
-
-def skip_round(L: LoopState, o: SpecOptions, gen, st: Stats) -> None:
-    """VVS: commit a truncated tree path without the target; draft the next tree from stale features."""
-    t0 = time.perf_counter()
-    tree, Dmax = L.tree, L.Dmax
-    b = _select_path(tree, o.select, gen)
-    leaf = tree.is_leaf
-    mean_len = ((tree.depth + 1) * leaf).sum() // leaf.sum()  # floor of the mean path length, root incl.
-    a = torch.minimum(tree.depth[b], mean_len - 1).clamp(min=1).reshape(1)  # dynamic truncation
-    path = tree.paths[b]  # [Dmax + 1]
-    drafted = tree.tokens[path[1:].clamp(min=0)]  # path[a] is the next root
-    L.out.index_copy_(0, L.n_out + L.ar(Dmax), drafted)
-    L.n_out = L.n_out + a
-    L.pending = (tree.tokens[path.clamp(min=0)], a)  # old root + a - 1 drafts: no target KV yet
-    # Stale features: the a most recent cached target features ("latest"), or the last one repeated.
-    if o.feature_reuse == "latest":
-        fidx = (L.P_t - a + L.ar(Dmax)).clamp(min=0)
-    else:
-        fidx = (L.P_t - 1).expand(Dmax)
-    hd = L.ds.extend(gather_rows(L.feats, fidx), drafted, L.P_d)
-    h_root = hd.index_select(1, a - 1)[:, 0]
-    L.P_d = L.P_d + a
-    L.tree = L.ds.build(tree.tokens[path[a]], h_root, L.P_d, gen)
-    st.skipped += 1
-    st.skip_lengths.append(a)
-    st.t["draft"] += time.perf_counter() - t0
-
-
-def _verify_one(tree, p, rule, gen, greedy, logits, hidden, engine):
-    """The batched verify_tree on this single-image loop's tree (B = 1 views; uniforms from ``gen``)."""
-    batched = dataclasses.replace(tree, tokens=tree.tokens[None], parents=tree.parents[None],
-                                  depth=tree.depth[None], paths=tree.paths[None], children=tree.children[None],
-                                  q=None if tree.q is None else tree.q[None],
-                                  draft_logits=None if tree.draft_logits is None else tree.draft_logits[None])
-    u_accept = 1.0 - torch.rand(1, tree.n, device=p.device, generator=gen)  # (0, 1]
-    u_sample = 1.0 - torch.rand(1, device=p.device, generator=gen)
-    res = verify_tree(batched, p[None], rule, u_accept, u_sample, greedy, logits=logits[None], hidden=hidden,
-                      engine=engine)
-    return VerifyResult(res.path[0], res.n_accepted, res.last, res.next_token)
-
-
-def verify_round(L: LoopState, o: SpecOptions, params, rule, gen, engine, st: Stats) -> None:
-    """One target forward over [pending chain | tree]; accept a path; compact; redraft."""
-    t0 = time.perf_counter()
-    s, tree, Dmax, Cmax = L.s, L.tree, L.Dmax, L.Cmax
-    with nvtx_range("verify"):
-        if L.pending is not None:  # post-verification: the skipped chain rides along, causal
-            chain, a = L.pending
-            toks = torch.cat([chain, tree.tokens])
-            pos = torch.cat([L.P_t + L.ar(Cmax), L.P_t + a + tree.depth])
-            local, off = _post_verify_mask(tree.mask, a, Cmax), Cmax
-        else:
-            a = torch.zeros(1, dtype=torch.long, device=L.dev)
-            toks, pos, local, off = tree.tokens, L.P_t + tree.depth, tree.mask, 0
-        pos = pos.clamp(max=L.c + L.T - 1)  # overrun past the last image token is discarded anyway
-        H = s.forward(toks[None], pos, L.P_t, local)  # [rows, Q, D]
-        logits = guided_logits(s.logits(H), params)[0]  # [Q, V]
-        p = process_logits(logits[off:], params)
-    st.t["verify"] += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with nvtx_range("accept"):
-        if L.pending is not None and o.post_verify == "reject":
-            k, drafted = _check_chain(logits[:off], params, rule, chain, a, tree, gen)
-            if k is not None:  # a skipped token was rejected: roll back to it
-                _rollback(L, H, logits, params, gen, drafted, a, k, rule)
-                L.pending = None
-                st.verified += 1
-                st.rolled_back += 1
-                st.accepted.append(torch.zeros(1, dtype=torch.long, device=L.dev))
-                st.t["accept"] += time.perf_counter() - t0
-                return
-        res = _verify_one(tree, p, rule, gen, params.greedy, logits[off:], H[:1, off:], engine)
-        path, n_acc = res.path, res.n_accepted
-        node = off + path.clamp(min=0)
-        dst = L.P_t + a + L.ar(Dmax + 1)
-        s.kv.move(L.P_t + node, dst)  # accepted path -> contiguous slots after the chain
-        if L.pending is not None:  # the skipped chain's fresh features replace nothing: they are new
-            scatter_rows_(L.feats, (L.P_t + L.ar(Cmax)).clamp(max=s.S - 1), H[:, :Cmax])
-        scatter_rows_(L.feats, dst.clamp(max=s.S - 1), gather_rows(H, node))
-        L.out.index_copy_(0, L.n_out + L.ar(Dmax), tree.tokens[path[1:].clamp(min=0)])
-        L.out.index_copy_(0, L.n_out + n_acc, res.next_token)
-        L.n_out = L.n_out + n_acc + 1
-        L.P_t = L.P_t + a + n_acc + 1
-    st.t["accept"] += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with nvtx_range("draft"):
-        # Drafter pairs (fresh f at each accepted node, the token after it); the last is the new root.
-        nxt = torch.cat([tree.tokens[path[1:].clamp(min=0)], res.next_token]).index_copy(0, n_acc, res.next_token)
-        hd = L.ds.extend(H[:, node], nxt, L.P_d)
-        L.P_d = L.P_d + n_acc + 1
-        L.tree = L.ds.build(res.next_token, hd.index_select(1, n_acc)[:, 0], L.P_d, gen)
-    st.t["draft"] += time.perf_counter() - t0
-    st.verified += 1
-    st.accepted.append(n_acc)
-    L.pending = None
-
-
-def _select_path(tree, how, gen):
-    """A root-to-leaf path: uniform over leaves (VVS default), or the most confident one."""
-    leaf = tree.is_leaf
-    if how == "random":
-        score = torch.rand(leaf.shape, device=leaf.device, generator=gen)
-    else:  # confidence: highest cumulative draft log-prob along the path
-        lp = tree.draft_logp if tree.draft_logp is not None else torch.zeros(leaf.shape, device=leaf.device)
-        score = torch.where(tree.paths >= 0, lp[tree.paths.clamp(min=0)], torch.zeros_like(lp[tree.paths.clamp(min=0)])).sum(1)
-    return torch.where(leaf, score, torch.full_like(score, -float("inf"))).argmax()
-
-
-def _post_verify_mask(tree_mask, a, Cmax):
-    """[Cmax + N]^2 local mask: a causal valid chain (first a of Cmax slots), padded chain slots that
-    see only themselves, and the tree seeing the valid chain plus its own ancestor mask."""
-    N = tree_mask.shape[0]
-    dev = tree_mask.device
-    j = torch.arange(Cmax, device=dev)
-    valid = j < a
-    chain = (j[None, :] <= j[:, None]) & valid[None, :]
-    chain = chain | torch.eye(Cmax, dtype=torch.bool, device=dev)
-    top = torch.cat([chain, torch.zeros(Cmax, N, dtype=torch.bool, device=dev)], 1)
-    bottom = torch.cat([valid[None, :].expand(N, Cmax), tree_mask], 1)
-    return torch.cat([top, bottom], 0)
-
-
-def _check_chain(chain_logits, params, rule, chain, a, tree, gen):
-    """post_verify=reject: test the skipped tokens (chain[1:a] and the new root = tree root) with the
-    rule against the chain's own logits. Returns the first rejected chain index, or None."""
-    A = int(a)
-    drafted = torch.cat([chain[1:A], tree.tokens[:1]])  # the a tokens committed unverified
-    p = process_logits(chain_logits[:A], params)
-    u = torch.rand(A, device=p.device, generator=gen)
-    ok, _ = rule.accept(p, drafted, torch.ones(A, device=p.device), u, None)
-    if params.greedy:
-        ok = p.argmax(-1) == drafted
-    bad = (~ok).nonzero()
-    return (None, drafted) if bad.numel() == 0 else (int(bad[0, 0]), drafted)
-
-
-def _rollback(L: LoopState, H, logits, params, gen, drafted, a, k, rule) -> None:
-    """drafted[k] (predicted at chain position k) was rejected: keep chain[:k+1] (their KV is valid),
-    resample that token from the residual, and redraft from there."""
-    A = int(a)
-    p = process_logits(logits[k:k + 1], params)
-    r = rule.residual(p, None, drafted[k:k + 1], None)
-    tok = r.argmax(-1) if params.greedy else sample(r, gen)
-    keep = k + 1  # chain entries 0..k stay committed
-    start = L.n_out - A + k  # out index of drafted[k]; later skipped tokens are dropped
-    L.out.index_copy_(0, start, tok)
-    L.n_out = start + 1
-    scatter_rows_(L.feats, L.P_t + L.ar(keep), H[:, :keep])
-    L.P_t = L.P_t + keep
-    hd = L.ds.extend(H[:, k:k + 1], tok, L.P_t - 1)  # pair (fresh f at chain position k, tok)
-    L.P_d = L.P_t.clone()
-    L.tree = L.ds.build(tok, hd[:, 0], L.P_d, gen)
+            kind = "verify_after_skip" if last_kind == "skip" else "verify"
+        run_round(kind)
+        counters.push()
+        last_kind = kind
+        if batch.on_tokens is not None and flags is not None and flags[2] > reported:
+            batch.on_tokens(flags[2] - reported)
+            reported = flags[2]
+    if batch.on_tokens is not None:
+        batch.on_tokens(rounds.n_real * rounds.T - reported)
+    result = rounds.result()
+    result.stats["cuda_graphs"] = run_round.use_graphs
+    result.stats["batch_rounds"] = round_index
+    return result

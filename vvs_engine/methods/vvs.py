@@ -26,9 +26,9 @@ class VVSOptions(SpecOptions):
 
 
 @register("vvs", VVSOptions)
-def run_vvs(engine, cond, key_mask, n, params, gen, opts, progress):
+def run_vvs(engine, batch, params, opts):
     if opts.accept is None:
         opts.accept = "lantern"
     if opts.tree is None:
         opts.tree = "dynamic"
-    return run(engine, cond, key_mask, n, params, gen, opts, progress)
+    return run(engine, batch, params, opts)

@@ -107,6 +107,17 @@ def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int
     return torch.cat([torch.zeros(cls_token_num, half, 2, dtype=torch.float64), table]).float()
 
 
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` [B, H, T, D] into one layer's static cache [B, H, S, D] at ``slots``: [T] (the
+    same slots for every row) or [B, T] (per row: each sequence of a batch at its own length)."""
+    values = values.to(cache.dtype)
+    if slots.dim() == 1:
+        cache.index_copy_(2, slots, values)
+    else:
+        B, H, T, D = values.shape
+        cache.scatter_(2, slots[:, None, :, None].expand(B, H, T, D), values)
+
+
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """x: [B, T, H, hd]; rope: [T, hd/2, 2] or [B, T, hd/2, 2]. Rotates adjacent pairs, in fp32."""
     xs = x.float().reshape(*x.shape[:-1], -1, 2)
@@ -161,8 +172,8 @@ class Attention(nn.Module):
             k_cache, v_cache = kv
             # Static cache: write the new K/V at their slots, attend over the whole buffer; the mask
             # hides slots that are not (yet) part of this query's context.
-            k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
-            v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
+            write_slots(k_cache, slots, k)
+            write_slots(v_cache, slots, v)
             k, v = k_cache, v_cache
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

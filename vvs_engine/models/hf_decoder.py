@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gpt import RMSNorm
+from .gpt import RMSNorm, write_slots
 
 
 @dataclass
@@ -89,8 +89,8 @@ class DecoderAttention(nn.Module):
         k = apply_rope_half(k, rope).transpose(1, 2)
         if kv is not None:
             k_cache, v_cache = kv
-            k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
-            v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
+            write_slots(k_cache, slots, k)  # slots [T], or [B, T]: each sequence at its own length
+            write_slots(v_cache, slots, v)
             k, v = k_cache, v_cache
         rep = c.n_head // c.n_kv_head
         if rep > 1:  # the cache holds K/V heads only; attention sees them shared by their query groups

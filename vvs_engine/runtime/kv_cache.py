@@ -33,8 +33,8 @@ class StaticKVCache:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the K/V of slots ``src`` to slots ``dst`` in every layer and batch row (the compaction
-        after acceptance). ``src``/``dst``: [n] device int64, the same for every row. Gathering first
-        makes it correct when the source and destination ranges overlap."""
+        after acceptance). ``src``/``dst``: [n] device int64, the same for every row, or [batch, n] (one
+        list per row). Gathering first makes it correct when the source and destination ranges overlap."""
         from ..kernels import kv_compact  # dispatch: reference / triton / cuda
 
         kv_compact(self.k, self.v, src, dst)
@@ -42,3 +42,4 @@ class StaticKVCache:
     def reset(self) -> None:
         self.k.zero_()
         self.v.zero_()
+

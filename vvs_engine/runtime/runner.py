@@ -21,11 +21,8 @@ Design (nano-vllm / SGLang style):
   image. Runners are cached per (model, batch bucket, CFG, condition-mask, sampling, tree) and reused
   across ``generate`` calls. All graphs of all runners share one memory pool (``graph_pool_handle``).
 * Graphs: (1) the whole plain-AR step (forward, logits, CFG, processing, sampling, state advance);
-  (2) target verification, one graph per verify width: ``N`` (no pending chain) and ``Cmax + N`` (a
-  skipped chain pending post-verification; the chain part is already padded to ``Cmax`` with masked
-  no-op slots by the loop, so two buckets cover every pending length); (3) the drafter extend over
-  ``Dmax`` stale features (the skip path) and ``Dmax + 1`` fresh ones (after verification); (4) the
-  drafter's tree expansion (``DraftSession.build``). Other widths (prefill, rollback) run eagerly.
+  (2) :class:`RoundGraphs`: each round kind of the speculative loop (verify, verify after a skip,
+  skip) captured whole, one graph per kind and batch bucket. Prefill stays eager.
 * Random numbers: graph-safe Philox. The runner owns one generator registered with every graph; a
   call copies the caller's generator state in and back out (host-side seed/offset, no sync), so a
   replayed graph draws exactly the numbers eager code would draw from the caller's generator.
@@ -168,24 +165,13 @@ class GraphRunner:
     """Persistent sessions and their captured calls for one setting (see the module docstring)."""
 
     def __init__(self, model, cond, n_images: int, use_cfg: bool, key_mask, extra_slots: int,
-                 params: SamplingParams, use_graphs: bool, drafter=None, tree_spec=None,
-                 target_q: Sequence[int] = (), extend_m: Sequence[int] = ()):
+                 params: SamplingParams, use_graphs: bool):
         self.session = TargetSession(model, cond, n_images, use_cfg, key_mask, extra_slots)
         self.device, self.params = self.session.device, params
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.pool = shared_pool() if self.use_graphs else None
         self.gen = torch.Generator(device=self.device)
         self.calls = {}
-        self._eager_forward = self.session.forward
-        if target_q:  # verification widths run through graphs; every other width stays eager
-            self.session.forward = self.verify
-        self.target_q = set(target_q)
-        self.draft = None
-        if drafter is not None:
-            self.draft = drafter.new_session(self.session.rows, self.session.S, params, tree_spec)
-            self._eager_extend, self._eager_build = self.draft.extend, self.draft.build
-            self.extend_m = set(extend_m)
-            self.draft.extend, self.draft.build = self.draft_extend, self.draft_build
 
     # --- per image / per batch ----------------------------------------------------------------------
     def reset(self, cond, key_mask=None) -> TargetSession:
@@ -238,34 +224,6 @@ class GraphRunner:
             step()
         return out.clone()
 
-    # --- (2) target verification --------------------------------------------------------------------
-    def verify(self, tokens, positions, prefix_len, local):
-        """``TargetSession.forward`` through the graph of this width (installed as the persistent
-        session's ``forward``); returns the static features [rows, Q, D]."""
-        Q = tokens.shape[1]
-        if Q not in self.target_q:
-            return self._eager_forward(tokens, positions, prefix_len, local)
-        call = self._call(f"verify_q{Q}", self._eager_forward, (tokens, positions, prefix_len, local))
-        return call(tokens, positions, prefix_len, local)
-
-    # --- (3) drafter extend: Dmax stale features (skip path), Dmax + 1 fresh ones (verify path) -----
-    def draft_extend(self, feats, tokens, start):
-        """``DraftSession.extend`` through the graph of this width (installed on the persistent
-        draft session); returns the static drafter features [rows, M, D]."""
-        M = tokens.shape[0]
-        if M not in self.extend_m:
-            return self._eager_extend(feats, tokens, start)
-        call = self._call(f"extend_m{M}", self._eager_extend, (feats, tokens, start))
-        return call(feats, tokens, start)
-
-    # --- (4) drafter tree expansion ------------------------------------------------------------------
-    def draft_build(self, root, h_root, P_d, gen):
-        """``DraftSession.build`` through its graph; returns the static DraftTree (valid until the
-        next build). Random draws come from ``gen``'s stream (handed in and out)."""
-        call = self._call("build", lambda r, h, p: self._eager_build(r, h, p, self.gen),
-                          (root.reshape(1), h_root, P_d), self.gen)
-        return call(root.reshape(1), h_root, P_d, gen=gen)
-
     def stats(self) -> dict:
         return {name: {"graph": c.graph is not None, "replays": c.replays, "capture_error": c.capture_error}
                 for name, c in self.calls.items()}
@@ -276,17 +234,14 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> 
 
 
 def get_runner(model, cond, n_images: int, use_cfg: bool, key_mask, params: SamplingParams,
-               use_graphs: bool, extra_slots: int = 0, drafter=None, tree_spec=None,
-               target_q: Sequence[int] = (), extend_m: Sequence[int] = ()) -> GraphRunner:
+               use_graphs: bool, extra_slots: int = 0) -> GraphRunner:
     """The cached runner for this setting, reset to ``cond``/``key_mask`` (whose shapes fix the setting)."""
     p = next(model.parameters())
     key = (n_images, use_cfg, tuple(cond.shape), cond.dtype, key_mask is not None, extra_slots,
-           dataclasses.astuple(params), use_graphs, p.device, p.dtype, id(drafter),
-           dataclasses.astuple(tree_spec) if tree_spec is not None else None, tuple(target_q), tuple(extend_m))
+           dataclasses.astuple(params), use_graphs, p.device, p.dtype)
     per_model = _RUNNERS.setdefault(model, {})
     if key not in per_model:
-        per_model[key] = GraphRunner(model, cond, n_images, use_cfg, key_mask, extra_slots, params, use_graphs,
-                                     drafter, tree_spec, target_q, extend_m)
+        per_model[key] = GraphRunner(model, cond, n_images, use_cfg, key_mask, extra_slots, params, use_graphs)
     r = per_model[key]
     r.reset(cond, key_mask)
     return r
@@ -311,3 +266,43 @@ def pad_conditions(cond, key_mask, n: int, n_bucket: int, use_cfg: bool):
         return torch.cat([torch.cat([h, h[:1].expand(n_bucket - n, *h.shape[1:])]) for h in halves])
 
     return pad(cond), (pad(key_mask) if key_mask is not None else None)
+
+
+class RoundGraphs:
+    """Round functions that update device state in place, each captured whole as one CUDA graph
+    (``use_graphs``) or run eagerly on the same buffers. The choice is made here, once, explicitly.
+
+    ``rounds``: name -> a function of no arguments (it reads and writes only device buffers and never
+    the host). ``buffers``: every tensor the rounds write; capture runs one warm-up round on a side
+    stream (autotuning, allocator caching) and then restores them, so capturing changes nothing."""
+
+    def __init__(self, rounds: dict, buffers: Sequence[torch.Tensor], use_graphs: bool):
+        self.rounds, self.buffers = rounds, list(buffers)
+        self.use_graphs = bool(use_graphs)
+        self.graphs = {}
+        self.replays = {name: 0 for name in rounds}
+
+    def __call__(self, name: str) -> None:
+        if not self.use_graphs:
+            self.rounds[name]()
+        else:
+            if name not in self.graphs:
+                self.graphs[name] = self._capture(self.rounds[name])
+            self.graphs[name].replay()
+        self.replays[name] += 1
+
+    def _capture(self, fn) -> "torch.cuda.CUDAGraph":
+        saved = [b.clone() for b in self.buffers]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm-up: autotuning, workspaces and allocator caching happen outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        for b, s in zip(self.buffers, saved):
+            b.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=shared_pool()):
+            fn()
+        for b, s in zip(self.buffers, saved):  # capture records without running; restore all the same
+            b.copy_(s)
+        return graph

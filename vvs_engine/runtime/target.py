@@ -65,6 +65,18 @@ class TargetSession:
         self.last_positions = positions
         return self.model.forward_hidden(x, positions, self.kv, slots, mask)
 
+    def forward_per_sequence(self, tokens: torch.Tensor, positions: torch.Tensor, prefix_len: torch.Tensor,
+                             local: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`forward` with one layout per image: ``tokens`` and RoPE ``positions`` [n, Q],
+        ``prefix_len`` [n] (each image's committed length; its K/V go to ``[prefix_len, prefix_len + Q)``)
+        and ``local`` [n, Q, Q] (each image's own tree mask). Returns features [rows, Q, D]."""
+        Q = tokens.shape[1]
+        slots = prefix_len[:, None] + torch.arange(Q, device=self.device)
+        x = self.model.embed_tokens(self.rows_of(tokens))
+        mask = LocalMask(self.rows_of(prefix_len), self.rows_of(local), self.key_valid if self.has_key_mask else None)
+        self.last_positions = positions  # [n, Q]: the layout rules of each image's logits
+        return self.model.forward_hidden(x, self.rows_of(positions), self.kv, self.rows_of(slots), mask)
+
     # --- prefill ------------------------------------------------------------------------------
     def prefill(self) -> torch.Tensor:
         """Run the condition; returns the features of every condition position [rows, c, D] (the

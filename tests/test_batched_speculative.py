@@ -1,0 +1,250 @@
+"""Batched speculative decoding: an image's tokens do not depend on the batch it is decoded in,
+lossless modes stay lossless at any batch size, finished sequences stop committing while the batch
+runs on, and nothing but the round functions dispatches compute between rounds."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spec_models import tiny_engine
+from vvs_engine.methods import schedule as sched
+from vvs_engine.methods import speculative
+from vvs_engine.methods.common import DecodeBatch
+from vvs_engine.rng import CounterRNG
+from vvs_engine.sampling import SamplingParams
+
+GPU = torch.cuda.is_available()
+NO_GPU = "no CUDA device: whole-round CUDA-graph capture (replay == eager, no host sync) needs a GPU"
+if not GPU:
+    print(f"\n[test_batched_speculative] GPU tests skipped: {NO_GPU}")
+
+LABELS = [0, 3, 4, 1, 2]
+
+# Every drafter method with options that exercise its own machinery (trees, rules, skips, rollbacks).
+METHODS = [
+    ("eagle", {}),
+    ("eagle", {"tree": "static"}),
+    ("lantern", {}),
+    ("lantern++", {}),
+    ("vvs", {"skip_interval": 2}),
+    ("vvs", {"skip_interval": 2, "post_verify": "reject", "select": "confidence", "feature_reuse": "repeat"}),
+    ("cascade", {}),
+]
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return tiny_engine(vocab=64, block=36, peak=8.0)
+
+
+@pytest.fixture(scope="module")
+def greedy_ar(eng):
+    return eng.generate(class_labels=LABELS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+
+
+@pytest.mark.parametrize("method,opts", [
+    ("eagle", {}),
+    ("eagle", {"tree": "static"}),
+    ("lantern", {"lantern_delta": 0.0}),
+    ("vvs", {"skip_interval": 1}),  # a schedule that never fires
+], ids=str)
+def test_greedy_batch4_equals_batch1_equals_ar(eng, greedy_ar, method, opts):
+    kw = dict(class_labels=LABELS, temperature=0, cfg_scale=3.0, method=method, decode_images=False, **opts)
+    one = eng.generate(batch_size=1, **kw)
+    four = eng.generate(batch_size=4, **kw)  # a batch of 4 and a batch of 1
+    assert torch.equal(one.tokens, greedy_ar)
+    assert torch.equal(four.tokens, greedy_ar)
+    assert four.stats["batch_size"] == 4 and one.stats["batch_size"] == 1
+    assert four.stats["target_forward_passes"] == one.stats["target_forward_passes"]
+
+
+@pytest.mark.parametrize("method,opts", METHODS, ids=str)
+def test_sampled_tokens_identical_at_batch_sizes_1_3_8(eng, method, opts):
+    """fp64 on the CPU: every image's sampled tokens are the same whether it is decoded alone, in
+    batches of 3 (with bucket padding) or all 8 together; VVS-U's shared schedule included."""
+    labels = [0, 3, 4, 1, 2, 0, 3, 1]
+    kw = dict(class_labels=labels, temperature=1.0, cfg_scale=3.0, method=method, seed=4, decode_images=False,
+              **opts)
+    runs = {bs: eng.generate(batch_size=bs, **kw) for bs in (1, 3, 8)}
+    assert torch.equal(runs[1].tokens, runs[3].tokens)
+    assert torch.equal(runs[1].tokens, runs[8].tokens)
+    if method == "vvs":
+        assert runs[8].stats["skip_steps"] > 0
+    if opts.get("post_verify") == "reject":
+        assert runs[8].stats["post_verify_rollbacks"] > 0
+    # Per-image counts do not depend on the batch either.
+    assert runs[1].stats["tpf_per_image"] == runs[8].stats["tpf_per_image"]
+
+
+def test_image_indices_select_the_random_stream(eng):
+    """An image's draws are keyed by its global index: image 5 of a run equals image 0 of a run that
+    starts at index 5 (dataset sharding), and different indices give different tokens."""
+    kw = dict(temperature=1.0, cfg_scale=3.0, method="lantern", seed=9, decode_images=False)
+    full = eng.generate(class_labels=[1] * 6, **kw).tokens
+    shard = eng.generate(class_labels=[1, 1], image_indices=[5, 2], **kw).tokens
+    assert torch.equal(shard[0], full[5]) and torch.equal(shard[1], full[2])
+    assert not torch.equal(full[0], full[1])
+
+
+def test_vvs_dynamic_batch_policy(eng):
+    """VVS-D: the batch skips only when every unfinished real sequence wants to (similar paths and
+    more than 5 tokens); finished sequences and bucket padding do not vote."""
+    params = SamplingParams(temperature=1.0, cfg_scale=3.0)
+    T = eng.tokens_per_image
+    with torch.inference_mode():
+        rounds, _, _ = _rounds(eng, [0, 3, 4], params, skip_policy="dynamic", skip_threshold=-1.0)
+        rounds.n_real = 2  # row 2 is bucket padding
+        st = rounds.state
+
+        def flags(n_out):
+            st.n_out.copy_(torch.tensor(n_out))
+            rounds._update_flags(st)
+            return st.flags.tolist()
+
+        assert flags([10, 10, 1]) == [0, 1, 20]  # everyone wants to skip (threshold -1); padding ignored
+        assert flags([10, 3, 1]) == [0, 0, 13]  # sequence 1 has too few tokens: the batch verifies
+        assert flags([T, 10, 1]) == [0, 1, T + 10]  # a finished sequence does not vote
+        assert flags([T, T + 2, 1]) == [1, 0, 2 * T]  # all done: nobody left to skip
+        rounds.opts.skip_threshold = 1.0  # paths never agree perfectly in a random tree
+        assert flags([10, 10, 1])[1] == 0
+
+
+def _rounds(eng, labels, params, seed=0, **opts):
+    from vvs_engine.methods import get_method
+
+    _, o = get_method("eagle", eng, opts)
+    cond, km = eng.condition_rows(labels, None, params.use_cfg)
+    batch = DecodeBatch(cond, km, CounterRNG(seed, torch.arange(len(labels))), len(labels))
+    return speculative.SpeculativeRounds(eng, batch, params, o, speculative.make_rule_for(eng, o)), o, batch
+
+
+def test_early_finisher_in_a_batch_keeps_its_tokens(eng, monkeypatch):
+    """Image 0 finishes (every draft accepted) many rounds before image 1 (none accepted) of the same
+    batch: it stops committing and counting target forwards, and its tokens equal a solo decode."""
+    real_verify = speculative.verify_tree
+
+    def forced(tree, p, rule, u_accept, u_sample, greedy, **kw):  # chain trees: node j's child is j + 1
+        child = tree.tokens[:, 1:, None]
+        p = p.clone()
+        p[0, :-1] = torch.zeros_like(p[0, :-1]).scatter_(1, child[0], 1.0)  # the target agrees
+        if p.shape[0] > 1:
+            refuse = p[1, :-1].scatter(1, child[1], 0.0)  # the target never agrees
+            p[1, :-1] = refuse / refuse.sum(-1, keepdim=True)
+        return real_verify(tree, p, rule, u_accept, u_sample, greedy, **kw)
+
+    monkeypatch.setattr(speculative, "verify_tree", forced)
+    kw = dict(temperature=1.0, cfg_scale=3.0, seed=3, method="eagle", tree="chain", tree_depth=4,
+              decode_images=False)
+    T = eng.tokens_per_image
+    params = SamplingParams(temperature=1.0, cfg_scale=3.0)
+    with torch.inference_mode():
+        rounds, o, batch = _rounds(eng, [1, 1], params, seed=3, tree="chain", tree_depth=4, accept="exact")
+        result = speculative.decode(rounds, sched.make(o, eng), batch)
+    passes = result.image_passes.tolist()
+    assert passes == [-(-(T - 1) // 5), T - 1], passes
+    assert int(rounds.state.n_out[0]) < T + 5  # stopped committing long before the batch ended
+    assert result.stats["batch_rounds"] >= T - 1
+    solo = eng.generate(class_labels=[1], batch_size=1, **kw).tokens[0]
+    assert torch.equal(result.tokens[0], solo)
+
+
+class _OpsBetweenRounds(TorchDispatchMode):
+    """Counts compute ops (an output that shares no storage with an input) outside round functions."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_round = False
+        self.started = False
+        self.outside = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.started and not self.in_round:
+            ins = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)}
+            outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if any(t.untyped_storage().data_ptr() not in ins for t in outs):
+                self.outside.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("opts", [dict(accept="lantern"), dict(accept="lantern", skip_policy="uniform"),
+                                  dict(accept="lantern", skip_policy="dynamic", skip_threshold=0.0)], ids=str)
+def test_no_compute_op_between_round_calls(eng, opts):
+    """Steady state on the runner path: from the first round to the last, every compute op runs inside
+    a round function; the host loop only copies the flags it reads late."""
+    params = SamplingParams(temperature=1.0, cfg_scale=3.0)
+    mode = _OpsBetweenRounds()
+
+    class Watched(speculative.SpeculativeRounds):
+        def _watch(self, fn):
+            mode.started = mode.in_round = True
+            try:
+                fn()
+            finally:
+                mode.in_round = False
+
+        def verify_round(self):
+            self._watch(super().verify_round)
+
+        def verify_after_skip(self):
+            self._watch(super().verify_after_skip)
+
+        def skip_round(self):
+            self._watch(super().skip_round)
+
+    from vvs_engine.methods import get_method
+
+    _, o = get_method("eagle", eng, opts)
+    with torch.inference_mode():
+        cond, km = eng.condition_rows([0, 3], None, True)
+        batch = DecodeBatch(cond, km, CounterRNG(0, torch.arange(2)), 2)
+        rounds = Watched(eng, batch, params, o, speculative.make_rule_for(eng, o))
+        real_result = rounds.result
+        rounds.result = lambda: (setattr(mode, "started", False), real_result())[1]  # results: after the loop
+        with mode:
+            result = speculative.decode(rounds, sched.make(o, eng), batch)
+    assert mode.outside == [], mode.outside[:10]
+    assert result.stats["verified_steps"] > 0
+
+
+@pytest.mark.skipif(not GPU, reason=NO_GPU)
+def test_gpu_round_graphs_replay_equals_eager():
+    e = tiny_engine(vocab=64, block=36, peak=8.0)
+    e.to("cuda", torch.float32)
+    for method, opts in METHODS:
+        kw = dict(class_labels=[0, 3, 4], temperature=1.0, cfg_scale=3.0, seed=5, method=method, decode_images=False,
+                  batch_size=4, **opts)
+        eager = e.generate(cuda_graphs=False, **kw)
+        graphed = e.generate(cuda_graphs=True, **kw)
+        assert graphed.stats["cuda_graphs"] and not eager.stats["cuda_graphs"]
+        assert torch.equal(eager.tokens, graphed.tokens), (method, opts)
+
+
+@pytest.mark.skipif(not GPU, reason=NO_GPU)
+def test_gpu_steady_state_rounds_never_sync():
+    """After capture, replaying every round kind and reading the late counters never syncs."""
+    from vvs_engine.runtime.runner import RoundGraphs
+
+    e = tiny_engine(vocab=64, block=36, peak=8.0)
+    e.to("cuda", torch.float32)
+    params = SamplingParams(temperature=1.0, cfg_scale=3.0)
+    with torch.inference_mode():
+        rounds, o, batch = _rounds(e, [0, 3], params, accept="lantern", skip_policy="uniform")
+        graphs = RoundGraphs({"verify": rounds.verify_round, "verify_after_skip": rounds.verify_after_skip,
+                              "skip": rounds.skip_round}, rounds.state.buffers(), use_graphs=True)
+        for kind in ("verify", "skip", "verify_after_skip"):  # capture each kind
+            graphs(kind)
+        counters = speculative.LateRead(rounds.state.flags)
+        counters.push()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for kind in ("verify", "skip", "verify_after_skip", "verify"):
+                counters.read()
+                graphs(kind)
+                counters.push()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert all(graphs.replays[k] >= 2 for k in graphs.replays)
