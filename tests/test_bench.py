@@ -96,5 +96,9 @@ def test_batch_table_quick(tmp_path):
         assert r["images_per_s"] > 0 and r["tpf"] >= 1.0 and r["images"] == 2
     vvs1, vvs2 = rows[2], rows[3]
     assert vvs1["tpf"] == pytest.approx(vvs2["tpf"])  # VVS-U: the same tokens and rounds per image
+    # ops per committed token: a batched AR step is the same ops for twice the tokens
+    ar1, ar2 = rows[0]["ops_per_token"], rows[1]["ops_per_token"]
+    assert 0 < ar2 < 0.75 * ar1
+    assert vvs1["ops_per_token"] > 0 and vvs2["ops_per_token"] < vvs1["ops_per_token"]
     md = (tmp_path / "batch_quick_cpu.md").read_text()
-    assert "--batch-sizes 1,2" in md and "images/s" in md
+    assert "--batch-sizes 1,2" in md and "images/s" in md and "compute ops per committed token" in md

@@ -197,13 +197,22 @@ def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> d
 
 
 def throughput_setting(engine, setting: Setting, batch_size: int, n_images: int, args, label_of) -> dict:
-    """One warm-up batch, then ``n_images`` images in batches of ``batch_size`` -> images/s and TPF."""
+    """A one-image warm-up, one eager warm-up batch of ``batch_size`` images under the op counter
+    (compute ops per committed token), then ``n_images`` images in batches of ``batch_size`` timed
+    -> images/s and TPF."""
+    from ..runtime.opcount import OpCounter
+
     opts = dict(setting.opts)
     if setting.method != "ar" and "lantern_k" not in opts and engine.vq is None:
         opts["lantern_k"] = lantern_k(engine)
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale, decode_images=False,
               batch_size=batch_size, cuda_graphs=args.graphs, **opts)
-    engine.generate(class_labels=[label_of(i) for i in range(batch_size)], seed=10_000, **kw)  # warm-up
+    eager = {**kw, "cuda_graphs": False}
+    engine.generate(class_labels=[label_of(0)], seed=10_000, **{**eager, "batch_size": 1})  # one-off setup
+    with OpCounter() as ops:  # the warm-up batch, eager: compute ops per committed token at this batch size
+        counted = engine.generate(class_labels=[label_of(i) for i in range(batch_size)], seed=10_000, **eager)
+    if engine.device.type == "cuda" and kw["cuda_graphs"] is not False:
+        engine.generate(class_labels=[label_of(i) for i in range(batch_size)], seed=10_000, **kw)  # capture
     _sync(engine.device)
     t0 = time.perf_counter()
     out = engine.generate(class_labels=[label_of(i) for i in range(n_images)], seed=0, **kw)
@@ -212,7 +221,8 @@ def throughput_setting(engine, setting: Setting, batch_size: int, n_images: int,
     spread = out.stats.get("tpf_per_image", {})
     return {"setting": setting.label, "method": setting.method, "batch_size": batch_size, "images": n_images,
             "wall_s": wall, "images_per_s": n_images / wall, "tpf": out.stats["tpf"],
-            "tpf_per_image": spread, "skip_steps": out.stats.get("skip_steps", 0), "tokens": out.tokens}
+            "tpf_per_image": spread, "skip_steps": out.stats.get("skip_steps", 0), "tokens": out.tokens,
+            "ops_per_token": ops.compute / counted.stats["tokens_generated"], "ops_tpf": counted.stats["tpf"]}
 
 
 def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, command: str) -> List[str]:
@@ -230,8 +240,12 @@ def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, com
     for k in ("device", "hardware", "dtype", "model", "cfg_scale", "temperature"):
         if k in meta:
             lines.append(f"- {k}: {meta[k]}")
-    lines += ["", "| setting | batch | images | images/s | vs batch 1 | TPF | per-image TPF min / median / max "
-                  "| images identical to batch 1 |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+    lines += ["", "Images/s and TPF: the timed images (seed 0). Compute ops per committed token: "
+                  "`vvs_engine.runtime.opcount.OpCounter` over the untimed warm-up batch of `batch` images "
+                  "(seed 10000, eager, every kernel as the device runs it; on a GPU each op is at least one launch).",
+              "", "| setting | batch | images | images/s | vs batch 1 | TPF | per-image TPF min / median / max "
+                  "| images identical to batch 1 | compute ops per committed token |",
+              "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     base_ips = {r["setting"]: r["images_per_s"] for r in rows if r["batch_size"] == 1}
     for r in rows:
         sp = r["tpf_per_image"]
@@ -239,7 +253,8 @@ def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, com
         spread = " / ".join(f"{sp[k]:.2f}" for k in ("min", "median", "max")) if sp else "-"
         same = r.get("identical_to_batch1")
         lines.append(f"| {r['setting']} | {r['batch_size']} | {r['images']} | {r['images_per_s']:.3f} | {rel:.2f}x | "
-                     f"{r['tpf']:.2f} | {spread} | {'-' if same is None else f'{same:.0%}'} |")
+                     f"{r['tpf']:.2f} | {spread} | {'-' if same is None else f'{same:.0%}'} | "
+                     f"{r['ops_per_token']:.1f} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     return [base + ".json", base + ".md"]
