@@ -78,6 +78,12 @@ class CounterRNG:
         self.key = mix64(mix64(seed_t + GOLDEN) ^ (image_index * GOLDEN + MIX2))  # [B]
         self._lanes = {}
 
+    def rows(self, index: torch.Tensor) -> "CounterRNG":
+        """The generator of rows ``index`` of this batch (same keys, so the same draws)."""
+        sub = object.__new__(CounterRNG)
+        sub.device, sub.key, sub._lanes = self.device, self.key.index_select(0, index), self._lanes
+        return sub
+
     @property
     def batch(self) -> int:
         return self.key.shape[0]

@@ -551,6 +551,9 @@ def main(argv=None) -> int:
         command = "vvs-engine bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
         for s, b in tqdm([(s, b) for s in runnable for b in sizes], desc="batch table", leave=False):
             rows.append(throughput_setting(eng, s, b, n_images, args, lambda i: (7 * i) % n_cls))
+            r = rows[-1]
+            tqdm.write(f"{r['setting']} B={b}: {r['images_per_s']:.3f} images/s, TPF {r['tpf']:.2f}, "
+                       f"{r['ops_per_token']:.0f} compute ops per committed token")
             files = write_batch_report(rows, meta, args.out, tag, command)  # rewritten after every row
         with open(files[1]) as f:
             print(f.read())

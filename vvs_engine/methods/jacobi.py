@@ -46,7 +46,7 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from . import register
-from .common import DecodeBatch, LateCounter, MethodResult
+from .common import DecodeBatch, LateCounter, MethodResult, retire_finished, rows_to_keep
 from .options import option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
@@ -147,7 +147,7 @@ class JacobiState:
     passes: torch.Tensor  # [B] target forwards while the image was unfinished
     accepted_hist: torch.Tensor  # [B, L] iterations that accepted exactly k drafts
     accepted_carried: torch.Tensor  # [B] accepted drafts that were carried Jacobi samples
-    min_committed: torch.Tensor  # [1] the slowest image's count: the host's termination read
+    progress: torch.Tensor  # [2] the slowest image's count, unfinished real images: the host's one read
 
     def tensors(self):
         return [getattr(self, f.name) for f in fields(self)]
@@ -159,7 +159,7 @@ class JacobiDecoder:
     def __init__(self, engine, batch: DecodeBatch, params, opts: SJDOptions, rule):
         self.engine, self.params, self.rule, self.rng = engine, params, rule, batch.rng
         self.policy = opts.jacobi_init
-        self.B = batch.size
+        self.B, self.n_real = batch.size, batch.n_real
         self.L = L = opts.jacobi_window
         # slots [0, c + T + 2L): prefix and overshoot of every row; then the window's scratch slots
         self.session = s = TargetSession(engine.gpt, batch.cond, self.B, params.use_cfg, batch.key_mask,
@@ -192,7 +192,7 @@ class JacobiDecoder:
                          fresh=torch.zeros(B, L, dtype=torch.bool, device=dev), tokens=zeros(B, T + 2 * L),
                          n_committed=torch.ones(B, dtype=torch.long, device=dev), iteration=torch.ones_like(first),
                          passes=zeros(B), accepted_hist=zeros(B, L), accepted_carried=zeros(B),
-                         min_committed=torch.ones(1, dtype=torch.long, device=dev))
+                         progress=torch.tensor([1, self.n_real], dtype=torch.long, device=dev))
         st.tokens[:, 0] = first
         window = torch.where(self.lanes == 0, first[:, None], 0)
         u_init = self.rng.uniform(0, Streams.JACOBI_INIT, L) if self.policy == "random" else None
@@ -268,7 +268,22 @@ class JacobiDecoder:
         st.fresh.copy_(fresh)
         st.n_committed.copy_(n_new)
         st.iteration.add_(1)
-        st.min_committed.copy_(n_new.min().reshape(1))
+        st.progress.copy_(torch.stack([n_new.min(), (n_new < T)[: self.n_real].sum()]))
+
+    def retire(self, st: JacobiState, keep: torch.Tensor, n_real: int) -> JacobiState:
+        """Go on with rows ``keep`` [B'] only (their first ``n_real`` are real images): the per-row
+        buffers, both CFG halves of the KV cache and the RNG keys are gathered. Every row decodes on
+        its own, so the kept rows' tokens do not change; the rest stop costing compute."""
+        s, rows = self.session, torch.cat([keep, keep + self.B]) if self.params.use_cfg else keep
+        s.kv.k, s.kv.v = s.kv.k.index_select(1, rows), s.kv.v.index_select(1, rows)
+        s.key_valid, s.cond_rows = s.key_valid.index_select(0, rows), s.cond_rows.index_select(0, rows)
+        s.n, s.rows = keep.numel(), rows.numel()
+        self.rng = self.rng.rows(keep)
+        self.B, self.n_real = keep.numel(), n_real
+        per_row = {f.name: getattr(st, f.name).index_select(0, keep) for f in fields(st) if f.name != "progress"}
+        new = JacobiState(**per_row, progress=st.progress.clone())
+        new.progress[0] = new.n_committed.min()
+        return new
 
     def keep_window_kv(self, dst: torch.Tensor) -> None:
         """Copy the window's K/V from the scratch slots to slots ``dst`` [rows, L] of each row."""
@@ -336,22 +351,42 @@ def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graph
     """Decode the batch: eager prefill, then one :meth:`JacobiDecoder.jacobi_iteration` (or its graph
     replay) per iteration until every image has its tokens."""
     dec = JacobiDecoder(engine, batch, params, opts, rule)
-    st = dec.prefill()
-    iteration = lambda: dec.jacobi_iteration(st)
-    if use_graphs:
-        iteration = capture(iteration, st)
-    committed = LateCounter(dec.device)
+    st = full = dec.prefill()
+    origin = torch.arange(dec.B, device=dec.device)  # the batch row each current row decodes
+
+    def round_fn(state):
+        iteration = lambda: dec.jacobi_iteration(state)
+        return capture(iteration, state) if use_graphs else iteration
+
+    iteration = round_fn(st)
+    counters = LateCounter(dec.device, 2)
     n_iterations, reported = 0, 1
-    while committed.push(st.min_committed) < dec.T:  # the one host read (one iteration late on CUDA)
+    while counters.push(st.progress)[0] < dec.T:  # the one host read (one iteration late on CUDA)
         iteration()
         n_iterations += 1
-        if batch.on_tokens is not None and committed.value > reported:
-            batch.on_tokens((min(committed.value, dec.T) - reported) * batch.n_real)
-            reported = committed.value
-    stats = summary(st.accepted_hist[: batch.n_real].sum(0).tolist(), int(st.accepted_carried[: batch.n_real].sum()),
-                    n_iterations, dec.L)
+        slowest, unfinished = counters.value
+        if batch.on_tokens is not None and slowest > reported:
+            batch.on_tokens((min(slowest, dec.T) - reported) * batch.n_real)
+            reported = slowest
+        if retire_finished() and 0 < unfinished <= dec.B // 2:
+            # at most log2(B) times per batch: one host read of which rows are still decoding
+            keep, n_real = rows_to_keep(st.n_committed < dec.T, dec.n_real)
+            _store_rows(full, st, origin)
+            st, origin = dec.retire(st, keep, n_real), origin[keep]
+            iteration = round_fn(st)
+    _store_rows(full, st, origin)
+    n = batch.n_real
+    stats = summary(full.accepted_hist[:n].sum(0).tolist(), int(full.accepted_carried[:n].sum()), n_iterations, dec.L)
     stats["cuda_graphs"] = use_graphs
-    return MethodResult(tokens=st.tokens[:, : dec.T], stats=stats, image_passes=st.passes.clone())
+    return MethodResult(tokens=full.tokens[:, : dec.T], stats=stats, image_passes=full.passes.clone())
+
+
+def _store_rows(full: JacobiState, st: JacobiState, origin: torch.Tensor) -> None:
+    """Copy the results of the current rows back to their batch rows (no-op before any retirement)."""
+    if st is full:
+        return
+    for name in ("tokens", "passes", "accepted_hist", "accepted_carried"):
+        getattr(full, name).index_copy_(0, origin, getattr(st, name))
 
 
 def summary(hist, carried: int, batch_iterations: int, window: int) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -33,7 +34,7 @@ from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
-from .common import DecodeBatch, MethodResult
+from .common import DecodeBatch, MethodResult, retire_finished, rows_to_keep
 from .options import option
 from . import schedule as sched
 
@@ -151,7 +152,7 @@ class DecodeState:
     chain_tokens: torch.Tensor  # [B, Cmax] the skipped chain (old root + drafts) awaiting post-verification
     chain_len: torch.Tensor  # [B] its length (0: nothing pending or the sequence had finished)
     round: torch.Tensor  # [B] round counter: the random-number step of every draw
-    flags: torch.Tensor  # [3] all real sequences finished, the batch wants to skip, tokens committed
+    flags: torch.Tensor  # [4] all real sequences finished, the batch wants to skip, tokens committed, unfinished
     # statistics, per sequence
     target_passes: torch.Tensor  # [B] verify rounds while the sequence was unfinished
     skipped: torch.Tensor  # [B] skip rounds while unfinished
@@ -167,6 +168,9 @@ class DecodeState:
                self.rolled_back]
         return own + [t for t in tree if t is not None]
 
+
+# What result() reads, per sequence.
+RESULT_BUFFERS = ("out", "target_passes", "accepted_hist", "skip_hist", "rolled_back")
 
 # The tensors of a DraftTree that rounds rewrite in place (optional ones may be None).
 TREE_BUFFERS = ("tokens", "parents", "mask", "depth", "paths", "is_leaf", "children", "q", "draft_logp",
@@ -213,6 +217,8 @@ class SpeculativeRounds:
         if opts.skip_policy == "dynamic":
             self.skip_codebook = torch.nn.functional.normalize(engine.codebook_vectors().float(), dim=-1)
         self.state = self._prefill()
+        # after a retirement: the batch row of each current sequence, and the results of every row
+        self.origin, self.final, self.batch_n_real = torch.arange(B, device=self.dev), None, batch.n_real
 
     # --- helpers ---------------------------------------------------------------------------------------
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,13 +258,14 @@ class SpeculativeRounds:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
         st = DecodeState(out=out, n_out=torch.ones(B, dtype=torch.long, device=dev), target_len=length.clone(),
                          draft_len=length.clone(), feats=feats, tree=tree, chain_tokens=zeros(B, self.chain_width),
-                         chain_len=zeros(B), round=round0, flags=zeros(3), target_passes=zeros(B), skipped=zeros(B),
+                         chain_len=zeros(B), round=round0, flags=zeros(4), target_passes=zeros(B), skipped=zeros(B),
                          accepted_hist=zeros(B, Dmax + 1), skip_hist=zeros(B, Dmax + 1), rolled_back=zeros(B))
         self._update_flags(st)
         return st
 
     def _update_flags(self, st: DecodeState) -> None:
-        """[all real sequences finished, every unfinished real sequence wants to skip, tokens committed]."""
+        """[all real sequences finished, every unfinished real sequence wants to skip, tokens committed,
+        unfinished real sequences]."""
         n = self.n_real
         # A sequence that a skip carried past the end is not finished until post-verification keeps it.
         active = (st.n_out - st.chain_len)[:n] < self.T
@@ -267,7 +274,8 @@ class SpeculativeRounds:
             similar = sched.path_similarity(st.tree, self.skip_codebook)[:n] >= self.opts.skip_threshold
             agree = (similar & (st.n_out[:n] > sched.MIN_TOKENS_BEFORE_SKIP)) | ~active
             wants = agree.all() & active.any()
-        flags = torch.stack([(~active).all().long(), wants.long(), st.n_out[:n].clamp(max=self.T).sum()])
+        flags = torch.stack([(~active).all().long(), wants.long(), st.n_out[:n].clamp(max=self.T).sum(),
+                             active.sum()])
         st.flags.copy_(flags)
 
     # --- rounds ----------------------------------------------------------------------------------------
@@ -415,9 +423,47 @@ class SpeculativeRounds:
             score = (lp.gather(1, tree.paths.clamp(min=0).flatten(1)).view(B, N, W) * on_path).sum(2)
         return torch.where(leaf, score, torch.full_like(score, -float("inf"))).argmax(1)
 
+    # --- retiring finished sequences ------------------------------------------------------------------
+    def retire(self, keep: torch.Tensor, n_real: int) -> None:
+        """Go on with sequences ``keep`` [B'] only (the first ``n_real`` real ones): per-sequence buffers,
+        both CFG halves of the target and drafter caches and the RNG keys are gathered. Every sequence
+        decodes on its own, so the kept ones' tokens do not change; the rest stop costing compute."""
+        self._store_rows()
+        st, rows = self.state, torch.cat([keep, keep + self.batch]) if self.params.use_cfg else keep
+        for cache in (self.target.kv, self.draft.kv):
+            cache.k, cache.v = cache.k.index_select(1, rows), cache.v.index_select(1, rows)
+        t = self.target
+        t.key_valid, t.cond_rows, t.n, t.rows = t.key_valid.index_select(0, rows), t.cond_rows.index_select(0, rows), \
+            keep.numel(), rows.numel()
+        self.draft.rows, self.draft.batch = rows.numel(), keep.numel()
+        self.rng, self.batch, self.n_real = self.rng.rows(keep), keep.numel(), n_real
+        self.origin = self.origin.index_select(0, keep)
+        for name in ("out", "n_out", "target_len", "draft_len", "chain_tokens", "chain_len", "round", "target_passes",
+                     "skipped", "accepted_hist", "skip_hist", "rolled_back"):
+            setattr(st, name, getattr(st, name).index_select(0, keep))
+        st.feats = st.feats.index_select(0, rows)
+        for name in TREE_BUFFERS:
+            buf = getattr(st.tree, name)
+            if buf is not None:
+                setattr(st.tree, name, buf.index_select(0, rows if name == "draft_feats" else keep))
+
+    def unfinished(self) -> torch.Tensor:
+        """[B] bool: sequences still decoding (one carried past the end by a skip is not finished yet)."""
+        return (self.state.n_out - self.state.chain_len) < self.T
+
+    def _store_rows(self) -> None:
+        """Keep the current sequences' results in their batch rows of :attr:`final` (for :meth:`result`)."""
+        if self.final is None:  # the first retirement: the batch is still whole
+            self.final = SimpleNamespace(**{name: getattr(self.state, name).clone() for name in RESULT_BUFFERS})
+            return
+        for name in RESULT_BUFFERS:
+            getattr(self.final, name).index_copy_(0, self.origin, getattr(self.state, name))
+
     # --- results ---------------------------------------------------------------------------------------
     def result(self) -> MethodResult:
-        st, n = self.state, self.n_real
+        if self.final is not None:
+            self._store_rows()
+        st, n = self.final or self.state, self.batch_n_real
         acc_hist = st.accepted_hist[:n].sum(0).cpu()
         skip_hist = st.skip_hist[:n].sum(0).cpu()
         verified = int(acc_hist.sum())
@@ -490,16 +536,25 @@ def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: 
     one-round-late counters. Nothing else happens between rounds."""
     from ..runtime.runner import RoundGraphs
 
-    run_round = RoundGraphs({"verify": rounds.verify_round, "verify_after_skip": rounds.verify_after_skip,
-                             "skip": rounds.skip_round}, rounds.state.buffers(),
-                            use_graphs=rounds.dev.type == "cuda" if use_graphs is None else use_graphs)
+    graphs = rounds.dev.type == "cuda" if use_graphs is None else use_graphs
+    round_graphs = lambda: RoundGraphs({"verify": rounds.verify_round, "verify_after_skip": rounds.verify_after_skip,
+                                        "skip": rounds.skip_round}, rounds.state.buffers(), use_graphs=graphs)
+    run_round = round_graphs()
     counters = LateRead(rounds.state.flags)
     counters.push()
-    last_kind, reported = None, 0
+    last_kind, reported, retired_tokens = None, 0, 0
     for round_index in itertools.count():
-        flags = counters.read()  # [all finished, the batch wants to skip, tokens committed], one round late
+        flags = counters.read()  # [all finished, wants to skip, tokens committed, unfinished], one round late
         if flags is not None and flags[0]:
             break
+        if flags is not None and retire_finished() and 0 < flags[3] <= rounds.batch // 2:
+            # at most log2(B) times per batch: one host read of which sequences are still decoding
+            keep, n_real = rows_to_keep(rounds.unfinished(), rounds.n_real)
+            retired_tokens += (rounds.n_real - n_real) * rounds.T
+            rounds.retire(keep, n_real)
+            run_round = round_graphs()
+        if flags is not None:
+            flags[2] = max(flags[2] + retired_tokens, reported)
         if round_index > 2 * rounds.T + 4:  # every round of an unfinished sequence commits >= 1 token
             raise VVSError("speculative decoding made no progress (internal error)")
         if schedule.skip(round_index, last_kind == "skip", flags is not None and bool(flags[1])):
@@ -513,7 +568,7 @@ def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: 
             batch.on_tokens(flags[2] - reported)
             reported = flags[2]
     if batch.on_tokens is not None:
-        batch.on_tokens(rounds.n_real * rounds.T - reported)
+        batch.on_tokens(max(0, rounds.batch_n_real * rounds.T - reported))
     result = rounds.result()
     result.stats["cuda_graphs"] = run_round.use_graphs
     result.stats["batch_rounds"] = round_index
