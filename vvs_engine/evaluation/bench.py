@@ -225,6 +225,24 @@ def throughput_setting(engine, setting: Setting, batch_size: int, n_images: int,
             "ops_per_token": ops.compute / counted.stats["tokens_generated"], "ops_tpf": counted.stats["tpf"]}
 
 
+def _setting_rows(setting: Setting, sizes, n_images: int, args, device, dtype, engine=None) -> List[dict]:
+    """One setting at every batch size (in a worker process with ``--jobs``: its own model and threads)."""
+    from tqdm import tqdm
+
+    if engine is None:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        engine, _ = load_model("tiny" if args.quick and args.model == "zoo" else args.model, device, dtype, args.quick)
+    n_cls = engine.config.num_classes
+    rows = []
+    for b in sizes:
+        r = throughput_setting(engine, setting, b, n_images, args, lambda i: (7 * i) % n_cls)
+        tqdm.write(f"{r['setting']} B={b}: {r['images_per_s']:.3f} images/s, TPF {r['tpf']:.2f}, "
+                   f"{r['ops_per_token']:.0f} compute ops per committed token")
+        rows.append(r)
+    return rows
+
+
 def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, command: str) -> List[str]:
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"batch_{tag}")
@@ -237,7 +255,7 @@ def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, com
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "command": command}, f, indent=2, default=str)
     lines = [f"# Batched throughput ({tag})", "", f"Written by `{command}`.", ""]
-    for k in ("device", "hardware", "dtype", "model", "cfg_scale", "temperature"):
+    for k in ("device", "hardware", "dtype", "model", "cfg_scale", "temperature", "workers"):
         if k in meta:
             lines.append(f"- {k}: {meta[k]}")
     lines += ["", "Images/s and TPF: the timed images (seed 0). Compute ops per committed token: "
@@ -474,6 +492,8 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--batch-sizes", default=None, metavar="B1,B2,...",
                    help="measure mode: images/s and TPF at these batch sizes (a batch table) instead of latency")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="--batch-sizes: settings measured in this many worker processes side by side (default 1)")
     p.add_argument("--images", type=int, default=None,
                    help="images per setting for --batch-sizes (default: the largest batch size)")
     a = p.parse_args(argv)
@@ -542,19 +562,27 @@ def main(argv=None) -> int:
         if not sizes or sizes[0] < 1:
             raise VVSError("--batch-sizes must list integers >= 1")
         n_images = args.images or sizes[-1]
-        n_cls = eng.config.num_classes
         runnable = [s for s in settings if not (eng.vq is None and s.opts.get("skip_policy") == "dynamic")]
         rows = []
         from tqdm import tqdm
 
         tag = args.tag or f"{'quick_' if args.quick else ''}{device.type}"
         command = "vvs-engine bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-        for s, b in tqdm([(s, b) for s in runnable for b in sizes], desc="batch table", leave=False):
-            rows.append(throughput_setting(eng, s, b, n_images, args, lambda i: (7 * i) % n_cls))
-            r = rows[-1]
-            tqdm.write(f"{r['setting']} B={b}: {r['images_per_s']:.3f} images/s, TPF {r['tpf']:.2f}, "
-                       f"{r['ops_per_token']:.0f} compute ops per committed token")
-            files = write_batch_report(rows, meta, args.out, tag, command)  # rewritten after every row
+        if args.jobs > 1:  # one worker process per setting, each with --threads threads
+            meta["workers"] = f"{args.jobs} processes side by side, one setting each at a time"
+            import concurrent.futures as cf
+            import multiprocessing as mp
+
+            order = {(s.label, b): i for i, (s, b) in enumerate((s, b) for s in runnable for b in sizes)}
+            with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+                futures = [pool.submit(_setting_rows, s, sizes, n_images, args, device, dtype) for s in runnable]
+                for fut in tqdm(cf.as_completed(futures), total=len(futures), desc="batch table (settings)"):
+                    rows = sorted(rows + fut.result(), key=lambda r: order[(r["setting"], r["batch_size"])])
+                    files = write_batch_report(rows, meta, args.out, tag, command)
+        else:
+            for s in tqdm(runnable, desc="batch table (settings)", leave=False):
+                rows += _setting_rows(s, sizes, n_images, args, device, dtype, eng)
+                files = write_batch_report(rows, meta, args.out, tag, command)  # rewritten after every setting
         with open(files[1]) as f:
             print(f.read())
         print("wrote " + ", ".join(files))
