@@ -41,7 +41,8 @@ import torch
 from ..acceptance.verify import default_lantern_k
 from ..errors import VVSError
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+                       "results")  # the source checkout's benchmarks/results
 
 DEFAULT_SETTINGS = ["ar", "eagle", "lantern:lantern_delta=0.2", "vvs:skip_interval=2", "vvs:skip_policy=dynamic"]
 QUICK_SETTINGS = ["ar", "eagle:tree_total=16,tree_depth=3,tree_topk=4",
