@@ -36,8 +36,8 @@ def tree_attention(q, k, v, prefix_len, local, key_valid=None):
     """q [B, H, Q, D] over the prefix ``[0, P)`` of k, v [B, H, S, D] plus the local block
     ``[P, P + Q)`` under ``local`` [Q, Q] -> [B, H, Q, D]. See ``reference.tree_attention``.
     Per-row layouts (``prefix_len`` [B], ``local`` [B, Q, Q]: batched speculative decoding) run the
-    torch reference on every device (the Triton/CUDA kernels take one layout for all rows)."""
-    if _reference_fast_path(q) or prefix_len.numel() > 1 or local.dim() == 3:
+    same kernel (one program per row and head reads its row's length and mask)."""
+    if _reference_fast_path(q):
         return reference.tree_attention(q, k, v, prefix_len, local, key_valid)
     return ops.tree_attention(q, k, v, prefix_len, local, key_valid)
 

@@ -37,8 +37,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
                    local: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of Q queries (tree nodes, a pending chain, a Jacobi window) whose K/V already sit in
     slots ``[P, P+Q)`` of the cache, over the committed prefix ``[0, P)`` without a mask plus the local
-    ``Q x Q`` block under ``local``. q [B, H, Q, D]; k, v [B, H, S, D]; prefix_len [1] int64;
-    local [Q, Q] bool; key_valid [B, S] bool or None (hides padded condition slots)."""
+    ``Q x Q`` block under ``local``. q [B, H, Q, D]; k, v [B, H, S, D]; prefix_len [1] or [B] int64;
+    local [Q, Q] or [B, Q, Q] bool; key_valid [B, S] bool or None (hides padded condition slots)."""
     vis = local_visibility(prefix_len, local, k.shape[2], key_valid)  # [B|1, Q, S]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=vis.unsqueeze(1))
 
