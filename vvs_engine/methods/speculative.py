@@ -298,8 +298,7 @@ class SpeculativeRounds:
         H = s.forward_per_sequence(tokens, positions, P_t, local)  # [rows, Q, D]
         logits = guided_logits(s.logits(H), params)  # [B, Q, V]
         p = process_logits(logits[:, off:], params)
-        u_accept = self.rng.uniform(st.round, Streams.ACCEPT, (N,))
-        u_sample = self.rng.uniform(st.round, Streams.SAMPLE)
+        u_accept, u_sample = self.rng.uniforms(st.round, [(Streams.ACCEPT, (N,)), (Streams.SAMPLE, ())])
         res = verify_tree(tree, p, self.rule, u_accept, u_sample, params.greedy, logits=logits[:, off:],
                           hidden=H[:B, off:], engine=self.engine)  # the conditional rows' features
         path, n_acc, next_token = res.path, res.n_accepted, res.next_token
