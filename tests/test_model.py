@@ -176,3 +176,20 @@ def test_published_presets():
     assert gpt_config("GPT-XL", model_type="t2i").cls_token_num == 120
     with torch.device("meta"):
         assert abs(GPT(gpt_config("GPT-B")).num_params() - 110.9e6) < 0.1e6
+
+
+def test_apply_rope_is_the_pairwise_rotation():
+    from vvs_engine.models.gpt import apply_rope
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 8, generator=gen)
+    angle = torch.randn(2, 5, 4, generator=gen)
+    rope = torch.stack([angle.cos(), angle.sin()], -1)  # [B, T, hd/2, 2]
+    pairs = x.reshape(2, 5, 3, 4, 2)
+    c, s = angle.cos()[:, :, None], angle.sin()[:, :, None]
+    want = torch.stack([pairs[..., 0] * c - pairs[..., 1] * s, pairs[..., 1] * c + pairs[..., 0] * s], -1).flatten(3)
+    torch.testing.assert_close(apply_rope(x, rope), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(apply_rope(x, rope[0]), apply_rope(x, rope[:1].expand(2, 5, 4, 2)), rtol=0, atol=0)
+    half = apply_rope(x.bfloat16(), rope)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), want, rtol=2e-2, atol=2e-2)
