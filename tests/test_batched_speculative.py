@@ -209,13 +209,23 @@ def test_no_compute_op_between_round_calls(eng, opts):
     assert result.stats["verified_steps"] > 0
 
 
+# GPU-only extras: VVS-D (its skip decision read one round late), GSD's rule on a dynamic tree, greedy.
+GPU_METHODS = METHODS + [
+    ("vvs", {"skip_policy": "dynamic", "skip_threshold": -1.0}),
+    ("vvs", {"skip_policy": "dynamic", "skip_threshold": -1.0, "post_verify": "reject"}),
+    ("eagle", {"accept": "gsd"}),
+    ("lantern", {"temperature": 0.0}),
+]
+
+
 @pytest.mark.skipif(not GPU, reason=NO_GPU)
 def test_gpu_round_graphs_replay_equals_eager():
     e = tiny_engine(vocab=64, block=36, peak=8.0)
     e.to("cuda", torch.float32)
-    for method, opts in METHODS:
+    for method, opts in GPU_METHODS:
         kw = dict(class_labels=[0, 3, 4], temperature=1.0, cfg_scale=3.0, seed=5, method=method, decode_images=False,
-                  batch_size=4, **opts)
+                  batch_size=4)
+        kw.update(opts)
         eager = e.generate(cuda_graphs=False, **kw)
         graphed = e.generate(cuda_graphs=True, **kw)
         assert graphed.stats["cuda_graphs"] and not eager.stats["cuda_graphs"]
@@ -223,15 +233,24 @@ def test_gpu_round_graphs_replay_equals_eager():
 
 
 @pytest.mark.skipif(not GPU, reason=NO_GPU)
-def test_gpu_steady_state_rounds_never_sync():
+@pytest.mark.parametrize("temperature,opts", [
+    (1.0, dict(accept="lantern", skip_policy="uniform")),
+    (1.0, dict(skip_policy="uniform", post_verify="reject", select="confidence")),  # rollback on the device
+    (1.0, dict(accept="cascade")),  # the torch walk of a rule without the fused op
+    (1.0, dict(accept="gsd")),
+    (1.0, dict(skip_policy="dynamic", skip_threshold=-1.0)),  # VVS-D: path agreement in the flags
+    (1.0, dict(tree="static")),  # sampled static tree
+    (0.0, dict(accept="lantern", skip_policy="uniform")),  # greedy
+], ids=str)
+def test_gpu_steady_state_rounds_never_sync(temperature, opts):
     """After capture, replaying every round kind and reading the late counters never syncs."""
     from vvs_engine.runtime.runner import RoundGraphs
 
     e = tiny_engine(vocab=64, block=36, peak=8.0)
     e.to("cuda", torch.float32)
-    params = SamplingParams(temperature=1.0, cfg_scale=3.0)
+    params = SamplingParams(temperature=temperature, cfg_scale=3.0)
     with torch.inference_mode():
-        rounds, o, batch = _rounds(e, [0, 3], params, accept="lantern", skip_policy="uniform")
+        rounds, o, batch = _rounds(e, [0, 3], params, **opts)
         graphs = RoundGraphs({"verify": rounds.verify_round, "verify_after_skip": rounds.verify_after_skip,
                               "skip": rounds.skip_round}, rounds.state.buffers(), use_graphs=True)
         for kind in ("verify", "skip", "verify_after_skip"):  # capture each kind
