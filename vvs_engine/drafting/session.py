@@ -71,7 +71,7 @@ class DraftSession:
         sequence. feats [rows, M, D], tokens [B, M], start [B]. Returns the drafter outputs [rows, M, D].
         Pairs past the caller's valid count write scratch slots that later writes overwrite."""
         M = tokens.shape[1]
-        pos = start[:, None] + torch.arange(M, device=self.device)  # [B, M]
+        pos = start[:, None] + self.slot_ids[:M]  # [B, M]
         vis = self.slot_ids[None, None, :] <= pos[:, :, None]  # prefix + causal block: [B, M, S]
         pos_rows = self.rows_of(pos)
         return self.drafter(feats, self.rows_of(tokens), pos_rows, self.kv, pos_rows, self.rows_of(vis)[:, None])
