@@ -48,6 +48,11 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def lane_offsets(n: int, device) -> torch.Tensor:
+    """What lanes ``0..n-1`` of a draw add to its base hash: ``(lane + 1) * GOLDEN`` (wrapping)."""
+    return torch.arange(1, n + 1, dtype=torch.long, device=device) * GOLDEN
+
+
 def bits_to_uniform(h: torch.Tensor) -> torch.Tensor:
     """Top 24 bits of a hash -> float32 in (0, 1] (never 0, so inverse-CDF sampling never picks a
     zero-probability token)."""
@@ -88,8 +93,17 @@ class CounterRNG:
     def _lane_offsets(self, n: int) -> torch.Tensor:
         lanes = self._lanes.get(n)
         if lanes is None:  # constant per shape: not recomputed every round
-            lanes = self._lanes[n] = torch.arange(1, n + 1, dtype=torch.long, device=self.device) * GOLDEN
+            lanes = self._lanes[n] = lane_offsets(n, self.device)
         return lanes
+
+    def stream_offsets(self, streams) -> torch.Tensor:
+        """[len(streams)] int64: what each stream adds to a step's key (``kernels.counter_uniform``'s input)."""
+        key = tuple(int(stream) for stream in streams)
+        offsets = self._stream_offsets.get(key)
+        if offsets is None:  # constant per stream list: not rebuilt every round
+            offsets = self._stream_offsets[key] = torch.tensor([_signed(k * _STREAM % (1 << 64)) for k in key],
+                                                               dtype=torch.long, device=self.device)
+        return offsets
 
     def uniform(self, step, stream: int, shape=()) -> torch.Tensor:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -106,11 +120,7 @@ class CounterRNG:
         pass (the same bits as separate calls, with a fraction of the ops: one hash per round)."""
         shapes = [(s,) if isinstance(s, int) else tuple(s) for _, s in draws]
         sizes = [math.prod(s) for s in shapes]
-        key = tuple(int(stream) for stream, _ in draws)
-        offsets = self._stream_offsets.get(key)
-        if offsets is None:  # constant per stream list: not rebuilt every round
-            offsets = self._stream_offsets[key] = torch.tensor([_signed(k * _STREAM % (1 << 64)) for k in key],
-                                                      dtype=torch.long, device=self.device)
+        offsets = self.stream_offsets(stream for stream, _ in draws)
         step = torch.as_tensor(step, dtype=torch.long, device=self.device)
         base = mix64((self.key + step * STEP)[:, None] + offsets[None, :])  # [B, streams]
         u = bits_to_uniform(mix64(base[:, :, None] + self._lane_offsets(max(sizes))[None, None, :]))

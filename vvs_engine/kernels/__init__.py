@@ -22,7 +22,7 @@ from .reference import local_visibility, sibling_links  # noqa: F401
 
 __all__ = [
     "tree_attention", "local_visibility", "sibling_links", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
-    "accept_walk", "tree_verify", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
+    "accept_walk", "tree_verify", "counter_uniform", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
 ]
 
 
@@ -87,6 +87,14 @@ def tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, delta: fl
                                      reference_residual, greedy, max_depth)
     return ops.tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, float(delta), bool(ratio),
                            bool(reference_residual), bool(greedy), int(max_depth))
+
+
+def counter_uniform(key, step, stream_offsets, n_lanes: int):
+    """-> float32 [B, S, n_lanes]: ``CounterRNG`` uniforms of S streams in one op (the same bits as
+    ``CounterRNG.uniform``). See ``reference.counter_uniform``."""
+    if _reference_fast_path(key):
+        return reference.counter_uniform(key, step, stream_offsets, n_lanes)
+    return ops.counter_uniform(key, step, stream_offsets, int(n_lanes))
 
 
 def kv_compact(k, v, src, dst) -> None:

@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..rng import STEP, bits_to_uniform, lane_offsets, mix64
+
 
 def local_visibility(prefix_len: torch.Tensor, local: torch.Tensor, n_slots: int,
                      key_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -332,3 +334,16 @@ def walk_accepted(accepted_child: torch.Tensor, max_depth: int):
     n_accepted = (path[:, 1:] >= 0).sum(1)
     last = path.gather(1, n_accepted[:, None])[:, 0]
     return path, n_accepted, last
+
+
+# ----------------------------------------------------------------------------------------------------
+# Counter-based random numbers
+
+
+def counter_uniform(key: torch.Tensor, step: torch.Tensor, stream_offsets: torch.Tensor, n_lanes: int) -> torch.Tensor:
+    """``CounterRNG`` uniforms of several streams at once: key [B] (``CounterRNG.key``), step [B] or
+    [1] int64, stream_offsets [S] (``CounterRNG.stream_offsets``) -> float32 [B, S, n_lanes] in (0, 1],
+    entry [b, s, j] equal to ``uniform(step, stream s)[b, j]`` (the same bits)."""
+    base = mix64((key + step * STEP)[:, None] + stream_offsets[None, :])  # [B, S]
+    return bits_to_uniform(mix64(base[:, :, None] + lane_offsets(n_lanes, key.device)[None, None, :]))
+

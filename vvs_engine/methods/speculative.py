@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from ..acceptance.verify import default_lantern_k, make_rule, verify_tree
 from ..drafting.session import DraftSession, TreeSpec
 from ..drafting.tree import STATIC_TREES, DraftTree
@@ -213,6 +214,8 @@ class SpeculativeRounds:
         self.path_slots = torch.arange(self.max_depth + 1, device=self.dev)
         self.chain_slots = torch.arange(self.chain_width, device=self.dev)
         self.no_skip = torch.zeros((), dtype=torch.long, device=self.dev)
+        self.verify_streams = self.rng.stream_offsets([Streams.ACCEPT, Streams.SAMPLE])
+        self.skip_stream = self.rng.stream_offsets([Streams.SKIP])
         self.skip_codebook = None
         if opts.skip_policy == "dynamic":
             self.skip_codebook = torch.nn.functional.normalize(engine.codebook_vectors().float(), dim=-1)
@@ -304,7 +307,8 @@ class SpeculativeRounds:
         H = s.forward_per_sequence(tokens, positions, P_t, local)  # [rows, Q, D]
         logits = guided_logits(s.logits(H), params)  # [B, Q, V]
         p = process_logits(logits[:, off:], params)
-        u_accept, u_sample = self.rng.uniforms(st.round, [(Streams.ACCEPT, (N,)), (Streams.SAMPLE, ())])
+        u = kernels.counter_uniform(self.rng.key, st.round, self.verify_streams, N)  # one op, CounterRNG's bits
+        u_accept, u_sample = u[:, 0], u[:, 1, 0]
         res = verify_tree(tree, p, self.rule, u_accept, u_sample, params.greedy, logits=logits[:, off:],
                           hidden=H[:B, off:], engine=self.engine)  # the conditional rows' features
         path, n_acc, next_token = res.path, res.n_accepted, res.next_token
@@ -416,7 +420,8 @@ class SpeculativeRounds:
         """A root-to-leaf path per sequence: uniform over leaves (VVS default), or the most confident."""
         leaf = tree.is_leaf
         if self.opts.select == "random":
-            score = self.rng.uniform(self.state.round, Streams.SKIP, (tree.n,)).to(torch.float64)
+            score = kernels.counter_uniform(self.rng.key, self.state.round, self.skip_stream, tree.n)[:, 0]
+            score = score.to(torch.float64)
         else:  # confidence: highest cumulative draft log-prob along the path
             lp = tree.draft_logp if tree.draft_logp is not None else torch.zeros(leaf.shape, device=leaf.device)
             on_path = tree.paths >= 0
