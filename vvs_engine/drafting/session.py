@@ -59,6 +59,7 @@ class DraftSession:
             self.layout = L = static_layout(choices, self.device)
             # One structure for every sequence: computed once, expanded per build (views).
             self.static_structure = tree_structure(L["parents"][None], L["max_depth"], max(L["max_rank"], 1))
+            self.static_levels = self._static_levels()
         self._tables = self._dynamic_tables() if spec.kind == "dynamic" else None
 
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,13 +194,30 @@ class DraftSession:
         mask, dep, paths, leaf, children = tree_structure(parents, depth + 1, K)
         return DraftTree(tokens, parents, mask, dep, paths, leaf, children, draft_logp=logp)
 
+    def _static_levels(self):
+        """Per depth level of the static layout, the index pieces a build needs (made once): the
+        level's node range (levels are contiguous: nodes are numbered by depth), its nodes' parents
+        and ancestor masks over the scratch columns, and where each child's draft comes from (its
+        parent's row in the level, its rank)."""
+        L = self.layout
+        parents, ranks, mask = L["parents"], L["ranks"], self.static_structure[0][0]
+        levels = []
+        for d in range(L["max_depth"]):
+            lvl, kids = L["by_level"][d], L["by_level"][d + 1]
+            for nodes in (lvl, kids):
+                assert bool((nodes == torch.arange(int(nodes[0]), int(nodes[0]) + len(nodes), device=nodes.device)).all())
+            levels.append(dict(nodes=slice(int(lvl[0]), int(lvl[-1]) + 1), kids=slice(int(kids[0]), int(kids[-1]) + 1),
+                               parents=parents[lvl], anc=mask[lvl][:, 1:], scratch=lvl - 1,
+                               row=torch.searchsorted(lvl, parents[kids]), rank=ranks[kids]))
+        return levels
+
     def _static(self, root, h_root, P_d, rng, step) -> DraftTree:
         L = self.layout
         B, dev = self.batch, self.device
         K = max(L["max_rank"], 1)
         N = L["n"]
         V = self.drafter.target.config.vocab_size
-        parents, ranks = L["parents"], L["ranks"]
+        parents = L["parents"]
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
         tokens[:, 0] = root
         q_nodes = torch.zeros(B, N, V, device=dev)
@@ -214,23 +232,22 @@ class DraftSession:
 
             # Exp(1) per node and token; u = 1 gives 0, clamped so a zero-probability token never wins
             race = (-torch.log(rng.uniform(step, Streams.TREE, (N, V)))).clamp(min=1e-30)
-        for d in range(L["max_depth"]):
-            lvl = L["by_level"][d]  # nodes at depth d: already have tokens; get their q
+        for d, level in enumerate(self.static_levels):
+            lvl, kids = level["nodes"], level["kids"]  # nodes at depth d already have tokens; get their q
             if d == 0:
                 q, lg = self._q(h_root[:, None], P_d - 1)
             else:
-                anc = mask[0][lvl][:, 1:]  # scratch column of node i is i - 1
-                out = self._run_nodes(feats[:, parents[lvl]], tokens[:, lvl], P_d + d - 1, P_d, lvl - 1,
+                anc = level["anc"]  # scratch column of node i is i - 1
+                out = self._run_nodes(feats[:, level["parents"]], tokens[:, lvl], P_d + (d - 1), P_d, level["scratch"],
                                       anc.expand(B, *anc.shape))
                 feats[:, lvl] = out
-                q, lg = self._q(out, P_d + d - 1)  # [B, F, V]
+                q, lg = self._q(out, P_d + (d - 1))  # [B, F, V]
             q_nodes[:, lvl] = q
             logit_nodes[:, lvl] = lg.float()
             score = q / race[:, lvl] if race is not None else q
             draws = score.topk(K, dim=-1).indices  # [B, F, K]
-            kids = L["by_level"][d + 1]
-            row = torch.searchsorted(lvl, parents[kids])  # child = (parent's row among this level, rank)
-            tokens[:, kids] = draws[:, row, ranks[kids]]
+            row = level["row"]  # child = (parent's row among this level, rank)
+            tokens[:, kids] = draws[:, row, level["rank"]]
             logp[:, kids] = torch.log(q[:, row].gather(2, tokens[:, kids][:, :, None])[:, :, 0])
         return DraftTree(tokens, parents.expand(B, N), mask, dep, paths, leaf, children, q=q_nodes, draft_logp=logp,
                          draft_feats=feats, sampled=self.sample_drafts, draft_logits=logit_nodes)
