@@ -22,7 +22,7 @@ from .reference import local_visibility, sibling_links  # noqa: F401
 
 __all__ = [
     "tree_attention", "local_visibility", "sibling_links", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
-    "accept_walk", "tree_verify", "counter_uniform", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
+    "accept_walk", "tree_verify", "counter_uniform", "counter_sample", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
 ]
 
 
@@ -95,6 +95,15 @@ def counter_uniform(key, step, stream_offsets, n_lanes: int):
     if _reference_fast_path(key):
         return reference.counter_uniform(key, step, stream_offsets, n_lanes)
     return ops.counter_uniform(key, step, stream_offsets, int(n_lanes))
+
+
+def counter_sample(rng, probs, step, stream: int):
+    """``CounterRNG.sample`` (one categorical draw per row of ``probs`` [B, V]) with its uniform from
+    :func:`counter_uniform`: the same token, one op for the random number."""
+    from ..rng import sample_inverse_cdf
+
+    step = torch.as_tensor(step, dtype=torch.long, device=probs.device)
+    return sample_inverse_cdf(probs, counter_uniform(rng.key, step, rng.stream_offsets([stream]), 1)[:, 0, 0])
 
 
 def kv_compact(k, v, src, dst) -> None:
