@@ -93,3 +93,11 @@ def test_batched_tree_structure_matches_the_per_tree_reference():
             for p in range(N):
                 kids = [i for i in range(N) if parents[b, i] == p][:max_children]
                 assert children[b, p].tolist() == kids + [-1] * (max_children - len(kids))
+
+
+def test_static_layout_levels_are_contiguous_ranges():
+    from vvs_engine.drafting.tree import STATIC_TREES, static_layout
+
+    for make in STATIC_TREES.values():
+        layout = static_layout(make(), "cpu")
+        assert [list(range(a, b)) for a, b in layout["level_ranges"]] == [lvl.tolist() for lvl in layout["by_level"]]

@@ -204,9 +204,7 @@ class DraftSession:
         levels = []
         for d in range(L["max_depth"]):
             lvl, kids = L["by_level"][d], L["by_level"][d + 1]
-            for nodes in (lvl, kids):
-                assert bool((nodes == torch.arange(int(nodes[0]), int(nodes[0]) + len(nodes), device=nodes.device)).all())
-            levels.append(dict(nodes=slice(int(lvl[0]), int(lvl[-1]) + 1), kids=slice(int(kids[0]), int(kids[-1]) + 1),
+            levels.append(dict(nodes=slice(*L["level_ranges"][d]), kids=slice(*L["level_ranges"][d + 1]),
                                parents=parents[lvl], anc=mask[lvl][:, 1:], scratch=lvl - 1,
                                row=torch.searchsorted(lvl, parents[kids]), rank=ranks[kids]))
         return levels

@@ -155,8 +155,10 @@ def static_layout(choices: Sequence[Sequence[int]], device) -> dict:
     max_rank = max(ranks) + 1
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
     by_level = [t([i for i, d in enumerate(depths) if d == lvl]) for lvl in range(max_depth + 1)]
+    # Nodes are numbered by depth, so each level is a contiguous range (host ints: slicing needs no sync).
+    level_ranges = [(depths.index(lvl), len(depths) - depths[::-1].index(lvl)) for lvl in range(max_depth + 1)]
     return dict(parents=t(parents), ranks=t(ranks), depths=t(depths), max_depth=max_depth,
-                max_rank=max_rank, by_level=by_level, n=len(parents))
+                max_rank=max_rank, by_level=by_level, level_ranges=level_ranges, n=len(parents))
 
 
 def chain_choices(depth: int) -> List[List[int]]:
