@@ -175,6 +175,87 @@ def test_lumina_greedy_cfg_equals_transformers_with_layout_rules(lumina):
     assert eng.gpt.codes_of(ours).shape == (1, eng.config.grid_h * eng.config.grid_w)
 
 
+def hf_chameleon_decode(hf, folder, codes):
+    """The reference decoder: transformers' ``ChameleonVQVAE`` codebook and ``post_quant_conv``, then
+    transformers' ``JanusVQVAEDecoder`` (the same taming decoder; transformers' Chameleon has none)
+    holding the folder's ``vqgan.ckpt`` decoder weights."""
+    from vvs_engine.models.hf_tiny import janus_decoder_like
+
+    vqm = hf.model.vqmodel
+    n = len(vqm.config.channel_multiplier)
+    ref = janus_decoder_like(vqm.config)
+    sd = torch.load(os.path.join(folder, "vqgan.ckpt"), weights_only=True)["state_dict"]
+    own = {}
+    for k, v in sd.items():
+        if k.startswith("decoder.up."):
+            level, rest = k[len("decoder.up."):].split(".", 1)
+            own[f"up.{n - 1 - int(level)}.{rest}"] = v
+        elif k.startswith("decoder."):
+            own[k[len("decoder."):]] = v
+    missing = ref.load_state_dict(own, strict=False).missing_keys
+    lowest_attn = vqm.config.resolution // 2 ** (n - 1) in vqm.config.attn_resolutions
+    assert all(".attn." in k for k in missing) and (not missing) == lowest_attn
+    with torch.no_grad():
+        for k in missing:  # no attention there in this config: the Janus block becomes the identity
+            if k.endswith("proj_out.weight") or k.endswith("proj_out.bias"):
+                ref.get_parameter(k).zero_()
+        return ref(vqm.post_quant_conv(vqm.quantize.embedding(codes).permute(0, 3, 1, 2)))
+
+
+def random_row_tokens(eng, n, seed):
+    c = eng.config
+    return with_row_ends(eng, torch.randint(0, c.n_codes, (n, eng.tokens_per_image),
+                                            generator=torch.Generator().manual_seed(seed)))
+
+
+def test_lumina_vq_decoder_matches_transformers_and_generate_returns_images(lumina):
+    path, hf, eng = lumina
+    c = eng.config
+    tokens = random_row_tokens(eng, 2, 1)
+    ref = hf_chameleon_decode(hf, path, eng.gpt.codes_of(tokens).view(2, c.grid_h, c.grid_w))
+    assert ref.std() > 0.1
+    torch.testing.assert_close(eng.vq.decode(tokens), ref, atol=1e-4, rtol=0)
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0)
+    side = c.grid_h * eng.vq.downsample
+    assert [im.size for im in out.images] == [(side, side)] * 2
+    assert len({im.tobytes() for im in out.images}) == 2
+
+
+def test_lumina_vq_decoder_without_attention_and_from_safetensors(tmp_path):
+    """Chameleon's own config has no attention outside the middle block; the decoder may also come as
+    vqgan.safetensors; without any decoder weights the engine outputs tokens only."""
+    path = str(tmp_path / "noattn")
+    hf = make_chameleon_folder(path, vqgan="vqgan.safetensors", attn_resolutions=())
+    eng = Engine.load(model_dir=path, max_prompt_tokens=32, image_size=64)
+    from safetensors.torch import load_file
+
+    torch.save({"state_dict": load_file(os.path.join(path, "vqgan.safetensors"))}, os.path.join(path, "vqgan.ckpt"))
+    c = eng.config
+    tokens = random_row_tokens(eng, 2, 2)
+    ref = hf_chameleon_decode(hf, path, eng.gpt.codes_of(tokens).view(2, c.grid_h, c.grid_w))
+    torch.testing.assert_close(eng.vq.decode(tokens), ref, atol=1e-4, rtol=0)
+    for f in ("vqgan.safetensors", "vqgan.ckpt"):
+        os.remove(os.path.join(path, f))
+    bare = Engine.load(model_dir=path, max_prompt_tokens=32, image_size=64)
+    assert not bare.vq.can_decode
+    assert bare.generate(prompts=PROMPTS[:1], temperature=0).images == []
+    torch.testing.assert_close(bare.codebook_vectors(), eng.codebook_vectors())
+
+
+def test_lumina_vqgan_file_of_another_model_is_refused(lumina, tmp_path):
+    path, _, _ = lumina
+    bad = tmp_path / "other"
+    shutil.copytree(path, bad)
+    sd = torch.load(bad / "vqgan.ckpt", weights_only=True)
+    sd["state_dict"]["quantize.embedding.weight"] = sd["state_dict"]["quantize.embedding.weight"] + 1.0
+    torch.save(sd, bad / "vqgan.ckpt")
+    with pytest.raises(VVSError, match="differs from the folder's"):
+        Engine.load(model_dir=str(bad), max_prompt_tokens=32, image_size=64)
+    (bad / "vqgan.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(VVSError, match="unreadable vqgan.ckpt"):
+        Engine.load(model_dir=str(bad), max_prompt_tokens=32, image_size=64)
+
+
 @pytest.fixture(scope="module")
 def lumina64(lumina):
     path, _, _ = lumina
@@ -247,6 +328,19 @@ def test_emu3_greedy_cfg_equals_transformers_generate_with_layout_constraints(em
         assert len(set(ref[0].tolist())) > 3
         assert torch.equal(ours, ref)
         assert_lumina_layout(eng, ours)
+
+
+def test_emu3_vq_decoder_matches_transformers_and_generate_returns_images(emu3):
+    _, hf, eng = emu3
+    c = eng.config
+    tokens = random_row_tokens(eng, 2, 1)
+    with torch.no_grad():
+        ref = hf.model.vqmodel.decode(eng.gpt.codes_of(tokens).view(2, c.grid_h, c.grid_w))
+    assert ref.std() > 0.1
+    torch.testing.assert_close(eng.vq.decode(tokens), ref, atol=1e-4, rtol=0)
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0)
+    side = c.grid_h * eng.vq.downsample
+    assert [im.size for im in out.images] == [(side, side)] * 2
 
 
 @pytest.fixture(scope="module")
