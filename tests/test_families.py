@@ -483,3 +483,60 @@ def test_bench_model_dir(emu3, tmp_path):
     rows = rep["blocks"][0]["rows"]
     assert [r["method"] for r in rows] == ["ar", "sjd"] and rows[1]["tpf"] >= 1.0
     assert rep["meta"]["model"].startswith("emu3")
+
+
+@pytest.mark.parametrize("family", ["lumina", "emu3"])
+def test_train_drafter_on_family_images_then_eagle(family, request, tmp_path):
+    """``train-drafter --model-dir --images --prompts`` on the family's own decoded images: a few
+    steps, a saved drafter that loads, and ``generate --method eagle`` with it equals greedy AR."""
+    import numpy as np
+    from PIL import Image
+
+    from vvs_engine.cli import main
+    from vvs_engine.training.family_images import encode_images, list_images
+
+    path, hf, eng = request.getfixturevalue(family)
+    size, c_len = ("64", "32") if family == "lumina" else ("32", "24")
+    common = ["--model-dir", path, "--max-prompt-tokens", c_len, "--image-size", size]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    images = tmp_path / "images"
+    assert main(["generate", *common, "--prompts", str(prompts), "--temperature", "1", "--seed", "1",
+                 "--device", "cpu", "--out", str(images), "--quiet"]) == 0
+    rows = encode_images(eng, path, list_images(str(images)))
+    assert rows.shape == (2, eng.tokens_per_image)
+    assert_lumina_layout(eng, rows)
+    px = torch.stack([torch.from_numpy(np.array(Image.open(p).convert("RGB"))).permute(2, 0, 1)
+                      for p in list_images(str(images))]).float() / 127.5 - 1.0
+    with torch.no_grad():  # the same codes as transformers' own encoder on the same pixels
+        if family == "emu3":
+            ref = torch.stack(hf.model.vqmodel.encode(px, torch.tensor([[px.shape[2], px.shape[3]]] * 2)).image_tokens)
+        else:
+            ref = hf.model.vqmodel.encode(px).image_tokens
+    assert torch.equal(eng.gpt.codes_of(rows).view(2, -1), ref.reshape(2, -1))
+
+    drafter = tmp_path / "drafter.safetensors"
+    assert main(["train-drafter", *common, "--prompts", str(prompts), "--images", str(images), "--steps", "6",
+                 "--batch-size", "2", "--out", str(drafter)]) == 0
+    assert drafter.exists() and drafter.with_suffix(".json").exists()
+    out = tmp_path / "eagle"
+    assert main(["generate", *common, "--drafter", str(drafter), "--method", "eagle", "--prompts", str(prompts),
+                 "--temperature", "0", "--cfg-scale", "3", "--device", "cpu", "--out", str(out), "--quiet"]) == 0
+    eagle = np.load(out / "tokens.npz")["tokens"]
+    ar = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+    np.testing.assert_array_equal(eagle, ar.numpy())
+    assert json.loads((out / "stats.json").read_text())["method"] == "eagle"
+    assert sorted(p.name for p in out.glob("*.png")) == ["000000.png", "000001.png"]
+
+
+def test_train_drafter_images_need_one_prompt_each(lumina, tmp_path, capsys):
+    from vvs_engine.cli import main
+
+    path, _, _ = lumina
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\n")
+    images = tmp_path / "images"
+    images.mkdir()
+    assert main(["train-drafter", "--model-dir", path, "--image-size", "64", "--prompts", str(prompts),
+                 "--images", str(images), "--out", str(tmp_path / "d.safetensors")]) == 1
+    assert "no images" in capsys.readouterr().err

@@ -40,10 +40,14 @@ def read_folder_config(model_dir: str) -> dict:
     return read_json(os.path.join(model_dir, "config.json"), "config.json")
 
 
-def read_weights(model_dir: str) -> Dict[str, torch.Tensor]:
-    """All tensors of the folder's safetensors (sharded or not), in their stored dtype."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def read_weights(model_dir: str, prefixes: Tuple[str, ...] | None = None) -> Dict[str, torch.Tensor]:
+    """The tensors of the folder's safetensors (sharded or not), in their stored dtype; ``prefixes``:
+    only the tensors whose names start with one of them."""
+    from safetensors import SafetensorError, safe_open
+
+    def load_file(path):
+        with safe_open(path, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if prefixes is None or k.startswith(prefixes)}
 
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
