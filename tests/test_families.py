@@ -540,3 +540,32 @@ def test_train_drafter_images_need_one_prompt_each(lumina, tmp_path, capsys):
     assert main(["train-drafter", "--model-dir", path, "--image-size", "64", "--prompts", str(prompts),
                  "--images", str(images), "--out", str(tmp_path / "d.safetensors")]) == 1
     assert "no images" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["janus", "lumina", "emu3"])
+def test_lantern_and_gsd_neighbourhoods_come_from_the_family_codebook(family, request):
+    """LANTERN's neighbour table and GSD's unit codebook are built from the folder's own VQ embeddings
+    (Janus: l2-normalised, as its quantizer uses them); the end-of-line token neighbours no code."""
+    from safetensors.torch import load_file
+
+    from vvs_engine.acceptance.gsd import DEFAULT_DIST_THRESHOLD, unit_codebook
+
+    path, _, eng = request.getfixturevalue(family)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    emb = next(v for k, v in sd.items() if k.endswith("vqmodel.quantize.embedding.weight")).float()
+    if family == "janus":
+        emb = torch.nn.functional.normalize(emb, dim=-1)
+    n, k = emb.shape[0], 5
+    vectors = eng.codebook_vectors()
+    torch.testing.assert_close(vectors[:n], emb, atol=1e-6, rtol=0)
+    nb = eng.codebook_neighbors(k)
+    d = torch.cdist(emb, emb)
+    d.fill_diagonal_(float("inf"))
+    ref = d.argsort(1)[:, :k]
+    assert torch.equal(nb[:n], ref)  # each code's k nearest other codes, nearest first
+    if family != "janus":  # the EOL row (index n) is in the methods' vocabulary but near no code
+        assert eng.config.vocab_size == n + 1 and vectors.shape[0] == n + 1
+        assert not (nb[:n] == n).any()
+        cb = unit_codebook(eng, eng.config.vocab_size)  # GSD: EOL has no code, never within a distance
+        torch.testing.assert_close(cb[:n], torch.nn.functional.normalize(emb, dim=-1))
+        assert cb[n].isnan().all() and not (torch.cdist(cb[n:], cb[:n]) < DEFAULT_DIST_THRESHOLD).any()

@@ -233,6 +233,10 @@ class ChameleonCodebook(nn.Module):
         self.quantize.embedding = nn.Embedding(n_codes, dim)
         self.config = type("CodebookConfig", (), {"codebook_size": n_codes + 1, "grid": grid})()
 
+    @property
+    def n_codes(self) -> int:
+        return self.config.codebook_size - 1
+
     def codebook_vectors(self) -> torch.Tensor:
         from .hf_vq import codebook_with_far_row_end
 

@@ -206,6 +206,11 @@ class ChameleonVQDecoder(nn.Module):
     def downsample(self) -> int:
         return self.config.downsample
 
+    @property
+    def n_codes(self) -> int:
+        """Rows of ``codebook_vectors`` that are codes (the last one stands for end-of-line)."""
+        return self.config.codebook_size - 1
+
     def codebook_vectors(self) -> torch.Tensor:
         return codebook_with_far_row_end(self.quantize.embedding.weight)
 
@@ -410,6 +415,11 @@ class Emu3VQDecoder(nn.Module):
     @property
     def downsample(self) -> int:
         return self.config.downsample
+
+    @property
+    def n_codes(self) -> int:
+        """Rows of ``codebook_vectors`` that are codes (the last one stands for end-of-line)."""
+        return self.config.codebook_size - 1
 
     def codebook_vectors(self) -> torch.Tensor:
         return codebook_with_far_row_end(self.quantize.embedding.weight)
