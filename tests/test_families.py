@@ -477,7 +477,8 @@ def test_bench_model_dir(emu3, tmp_path):
     from vvs_engine.evaluation import bench
 
     path, _, _ = emu3
-    assert bench.main(["--model-dir", path, "--settings", "ar;sjd", "--repeats", "1", "--out", str(tmp_path),
+    assert bench.main(["--model-dir", path, "--image-size", "32", "--settings", "ar;sjd", "--repeats", "1",
+                       "--out", str(tmp_path),
                        "--no-plot", "--threads", "1", "--device", "cpu", "--tag", "fam"]) == 0
     rep = json.loads((tmp_path / "e2e_fam.json").read_text())
     rows = rep["blocks"][0]["rows"]
@@ -569,3 +570,20 @@ def test_lantern_and_gsd_neighbourhoods_come_from_the_family_codebook(family, re
         cb = unit_codebook(eng, eng.config.vocab_size)  # GSD: EOL has no code, never within a distance
         torch.testing.assert_close(cb[:n], torch.nn.functional.normalize(emb, dim=-1))
         assert cb[n].isnan().all() and not (torch.cdist(cb[n:], cb[:n]) < DEFAULT_DIST_THRESHOLD).any()
+
+
+def test_janus_images_encode_to_transformers_codes(janus, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from vvs_engine.training.family_images import encode_images, list_images
+
+    path, hf, eng = janus
+    for i, im in enumerate(eng.generate(prompts=PROMPTS, seed=2, cfg_scale=3.0).images):
+        im.save(tmp_path / f"{i:02d}.png")
+    rows = encode_images(eng, path, list_images(str(tmp_path)))
+    px = torch.stack([torch.from_numpy(np.array(Image.open(p))).permute(2, 0, 1)
+                      for p in list_images(str(tmp_path))]).float() / 127.5 - 1.0
+    with torch.no_grad():
+        ref = hf.model.vqmodel.encode(px).image_tokens.reshape(2, -1)
+    assert rows.shape == (2, eng.tokens_per_image) and torch.equal(rows, ref)

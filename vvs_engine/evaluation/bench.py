@@ -432,8 +432,11 @@ def parse_args(argv):
     p.add_argument("--model", default="zoo", help="zoo (default; the shipped Zoo model) or a random-weight "
                                                  f"shape: {', '.join(SHAPES)}")
     p.add_argument("--model-dir", default=None, metavar="DIR",
-                   help="measure a local Hugging Face folder of another family (Janus-Pro) instead of --model")
+                   help="measure a local Hugging Face folder of another family (Janus-Pro, Lumina-mGPT, Emu3) "
+                        "instead of --model")
     p.add_argument("--drafter", default=None, metavar="PATH", help="drafter for --model-dir (speculative settings)")
+    p.add_argument("--image-size", type=int, default=None, metavar="PX",
+                   help="with --model-dir: image side in pixels (Lumina-mGPT default 768, Emu3 default 720)")
     p.add_argument("--settings", default=None, help="semicolon-separated method[:k=v,...] list "
                                                     f"(default: {';'.join(DEFAULT_SETTINGS)}); ar is always added")
     p.add_argument("--repeats", type=int, default=3, help="timed images per setting (default 3; median reported)")
@@ -546,7 +549,8 @@ def main(argv=None) -> int:
         if args.model_dir:
             from ..engine import Engine
 
-            eng = Engine.load(model_dir=args.model_dir, drafter=args.drafter, device=device, dtype=dtype)
+            eng = Engine.load(model_dir=args.model_dir, drafter=args.drafter, device=device, dtype=dtype,
+                              image_size=args.image_size)
             desc = f"{eng.info.get('model')} ({args.model_dir})"
         else:
             eng, desc = load_model("tiny" if args.quick and args.model == "zoo" else args.model, device, dtype,
