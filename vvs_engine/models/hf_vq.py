@@ -1,9 +1,14 @@
 """Image decoders of Hugging Face checkpoint families: codes -> pixels.
 
-Janus-Pro's generation tokenizer is LlamaGen's VQ-16 in the taming layout (``decoder.up[i]``, l2-
-normalised codebook). Only the decoding half is built: the engine never encodes images through the
-target's tokenizer at inference time. Parameter names follow transformers' ``JanusVQVAE`` below its
-``model.vqmodel.`` prefix, so the weights load as they are.
+* Janus-Pro: LlamaGen's VQ-16 (``decoder.up[i]`` lowest resolution first, l2-normalised codebook);
+  names of transformers' ``JanusVQVAE`` below ``model.vqmodel.``.
+* Lumina-mGPT: Chameleon's VQGAN, taming's own layout (``decoder.up[level]``, plain codebook,
+  attention where ``attn_resolutions`` says); names of the taming checkpoint.
+* Emu3: the MoVQ decoder (spatially conditioned norms, a causal temporal stage); names of
+  transformers' ``Emu3VQVAE``.
+
+Only the decoding halves are built: the engine never encodes images at inference time. Lumina-mGPT
+and Emu3 decoders take the methods' tokens (rows closed by the end-of-line index) and drop that column.
 """
 from __future__ import annotations
 
