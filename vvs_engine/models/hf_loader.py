@@ -316,7 +316,7 @@ def build_emu3(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int, imag
     prefixes = ("text_model.model.", "text_model.lm_head.") if original else ("model.text_model.", "lm_head.")
     load_into(target, state_dict_from_hf(sd, *prefixes), what)
     target.tokenizer = load_tokenizer(model_dir)
-    vq_prefix = "vqmodel." if original else "model.vqmodel."
+    vq_prefix = "vqmodel." if any(k.startswith("vqmodel.") for k in sd) else "model.vqmodel."
     emb = sd.get(vq_prefix + "quantize.embedding.weight")
     if emb is None or emb.shape[0] != len(code_ids):
         raise VVSError(f"{what}: missing or mis-shaped {vq_prefix}quantize.embedding.weight")

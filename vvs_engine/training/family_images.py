@@ -82,8 +82,11 @@ def encode_images(eng, model_dir: str, paths: List[str], batch: int = 8) -> torc
     pre = os.path.join(model_dir, "preprocessor_config.json")
     pp = read_json(pre, "preprocessor_config.json") if os.path.exists(pre) else {}
     mean, std = pp.get("image_mean", [0.5] * 3), pp.get("image_std", [0.5] * 3)
+    from tqdm import tqdm
+
     rows = []
-    for i in range(0, len(paths), batch):
+    for i in tqdm(range(0, len(paths), batch), desc="encode images", disable=len(paths) <= batch,
+                  dynamic_ncols=True):
         px = load_pixels(paths[i:i + batch], grid_h * ds, mean, std)
         if family == "emu3":
             sizes = torch.tensor([[grid_h * ds, grid_w * ds]] * px.shape[0])
