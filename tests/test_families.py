@@ -222,8 +222,8 @@ def test_lumina_vq_decoder_matches_transformers_and_generate_returns_images(lumi
 
 
 def test_lumina_vq_decoder_without_attention_and_from_safetensors(tmp_path):
-    """Chameleon's own config has no attention outside the middle block; the decoder may also come as
-    vqgan.safetensors; without any decoder weights the engine outputs tokens only."""
+    """A VQGAN config without up-block attention (empty ``attn_resolutions``); the decoder may also come
+    as vqgan.safetensors; without any decoder weights the engine outputs tokens only."""
     path = str(tmp_path / "noattn")
     hf = make_chameleon_folder(path, vqgan="vqgan.safetensors", attn_resolutions=())
     eng = Engine.load(model_dir=path, max_prompt_tokens=32, image_size=64)
