@@ -343,6 +343,26 @@ def test_emu3_vq_decoder_matches_transformers_and_generate_returns_images(emu3):
     assert [im.size for im in out.images] == [(side, side)] * 2
 
 
+def test_emu3_folder_without_decoder_gives_tokens_and_bad_decoder_is_refused(emu3, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _, eng = emu3
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    for name, edit in (("bare", lambda d: {k: v for k, v in d.items() if ".decoder." not in f".{k}"}),
+                        ("bad", lambda d: {k: (v[:, :-1].contiguous() if k.endswith("decoder.conv_out.weight") else v)
+                                           for k, v in d.items()})):
+        folder = tmp_path / name
+        shutil.copytree(path, folder)
+        save_file(edit(sd), str(folder / "model.safetensors"))
+        if name == "bare":
+            bare = Engine.load(model_dir=str(folder), max_prompt_tokens=24, image_size=32)
+            assert not bare.vq.can_decode and bare.generate(prompts=PROMPTS[:1], temperature=0).images == []
+            torch.testing.assert_close(bare.codebook_vectors(), eng.codebook_vectors())
+        else:
+            with pytest.raises(VVSError, match="VQ decoder.*shape mismatch.*conv_out"):
+                Engine.load(model_dir=str(folder), max_prompt_tokens=24, image_size=32)
+
+
 @pytest.fixture(scope="module")
 def emu3_64(emu3):
     path, _, _ = emu3
