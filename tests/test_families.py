@@ -343,6 +343,21 @@ def test_emu3_vq_decoder_matches_transformers_and_generate_returns_images(emu3):
     assert [im.size for im in out.images] == [(side, side)] * 2
 
 
+def test_emu3_decoded_pixels_follow_the_folders_normalisation(emu3, tmp_path):
+    """With preprocessor_config.json's mean/std the decoded values are un-normalised (pixel = x*std+mean)
+    before the engine's [-1, 1] -> uint8 mapping; without it, mean = std = 0.5 (identity)."""
+    path, hf, eng = emu3
+    folder = tmp_path / "clip_norm"
+    shutil.copytree(path, folder)
+    mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std}))
+    other = Engine.load(model_dir=str(folder), max_prompt_tokens=24, image_size=32)
+    tokens = random_row_tokens(eng, 2, 3)
+    x = eng.vq.decode(tokens)
+    want = 2 * (x * torch.tensor(std)[:, None, None] + torch.tensor(mean)[:, None, None]) - 1
+    torch.testing.assert_close(other.vq.decode(tokens), want)
+
+
 def test_emu3_folder_without_decoder_gives_tokens_and_bad_decoder_is_refused(emu3, tmp_path):
     from safetensors.torch import load_file, save_file
 

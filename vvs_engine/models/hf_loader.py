@@ -327,7 +327,11 @@ def build_emu3(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int, imag
         book.quantize.embedding.weight.data.copy_(emb.float())
         return target, book
     qc = cfg.get("vq_config") or {}
+    pre = os.path.join(model_dir, "preprocessor_config.json")
+    pp = read_json(pre, "preprocessor_config.json") if os.path.exists(pre) else {}
     try:
+        norm = {k: [float(x) for x in ([v] * 3 if isinstance(v, (int, float)) else v)]
+                for k, v in (("pixel_mean", pp.get("image_mean", 0.5)), ("pixel_std", pp.get("image_std", 0.5)))}
         vcfg = Emu3VQConfig(codebook_size=len(code_ids) + 1, embed_dim=int(qc.get("embed_dim", 4)),
                             latent_channels=int(qc.get("latent_channels", 4)),
                             base_channels=int(qc.get("base_channels", 256)),
@@ -337,7 +341,7 @@ def build_emu3(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int, imag
                             hidden_size=int(qc.get("hidden_size", 1024)),
                             num_attention_heads=int(qc.get("num_attention_heads", 1)),
                             temporal_downsample_factor=int(qc.get("temporal_downsample_factor", 4)),
-                            grid_h=grid, grid_w=grid, out_channels=int(qc.get("out_channels", 3)))
+                            grid_h=grid, grid_w=grid, out_channels=int(qc.get("out_channels", 3)), **norm)
     except (TypeError, ValueError) as e:
         raise VVSError(f"{what}: bad vq_config ({e})") from None
     if vcfg.embed_dim != vcfg.latent_channels:

@@ -253,6 +253,10 @@ class Emu3VQConfig:
     grid_h: int
     grid_w: int
     out_channels: int = 3
+    # The normalisation of the tokenizer's pixels (the folder's preprocessor_config.json): decoded
+    # values are pixel/255 = x * std + mean; decode() maps them to the engine's [-1, 1] convention.
+    pixel_mean: List[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    pixel_std: List[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
 
     @property
     def downsample(self) -> int:
@@ -435,4 +439,7 @@ class Emu3VQDecoder(nn.Module):
         codes = codes_without_row_ends(tokens, c.grid_h, c.grid_w)
         q = self.quantize.embedding(codes).permute(0, 3, 1, 2).unsqueeze(2)  # [B, C, 1, h, w]
         q = q.to(self.post_quant_conv.conv.weight.dtype)
-        return self.decoder(self.post_quant_conv(q), q)
+        x = self.decoder(self.post_quant_conv(q), q)
+        mean = torch.tensor(c.pixel_mean, dtype=x.dtype, device=x.device)[:, None, None]
+        std = torch.tensor(c.pixel_std, dtype=x.dtype, device=x.device)[:, None, None]
+        return 2 * (x * std + mean) - 1
