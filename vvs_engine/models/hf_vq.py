@@ -228,8 +228,8 @@ class ChameleonVQDecoder(nn.Module):
 
 
 def codebook_with_far_row_end(weight: torch.Tensor) -> torch.Tensor:
-    """VQ embeddings plus one row for the end-of-line token, far from (and, once normalised, at the
-    antipode of the mean of) every code, so no neighbourhood or distance test pairs it with a code."""
+    """VQ embeddings plus one row for the end-of-line token, far from every code in L2, so LANTERN's
+    neighbour table never pairs it with a code (GSD's unit codebook drops it: ``n_codes``)."""
     w = weight.detach()
     far = -1e4 * F.normalize(w.float().mean(0, keepdim=True), dim=-1).to(w.dtype)
     return torch.cat([w, far])
