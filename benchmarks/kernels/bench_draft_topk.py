@@ -5,8 +5,8 @@ sort-based top-k/top-p + multinomial, and FlashInfer's sorting-free sampler wher
     python benchmarks/kernels/bench_draft_topk.py [--quick]
 
 ``--quick`` (the GPU suite's setting): one sampling setting, the vocabularies in order of importance
-(16384 first), and the one-program comparison only at 16384, whose whole-row compile at larger
-vocabularies alone can outlast a suite step.
+(16384 first), the fused kernel right after torch's sort-based baseline, and no one-program
+comparison (its whole-row compile alone can outlast a suite step).
 """
 import torch
 
@@ -37,28 +37,31 @@ def main():
             logits = torch.randn(rows, V, device=dev) * 3
             noise = torch.empty(B, V, device=dev).exponential_()
             shape = f"rows{rows} V{V} cfg{cfg} topk{top_k} topp{top_p} k{k}"
-            times = {
-                "reference (sort)": median_ms(lambda: R.draft_topk(logits, cfg, temp, top_k, top_p, k, noise), args.quick),
-                "torch sort+multinomial": median_ms(lambda: torch_sort_sample(logits, cfg, temp, top_k, top_p), args.quick),
-            }
+            base = median_ms(lambda: torch_sort_sample(logits, cfg, temp, top_k, top_p), args.quick)
+
+            def add(name, fn):  # each row is written as soon as it is measured (a step limit keeps it)
+                t = base if fn is None else median_ms(fn, args.quick)
+                res.add(model.name, shape, name, t, speedup_vs_torch_sort=round(base / t, 3))
+
+            add("torch sort+multinomial", None)
+            if tk is not None:
+                add("triton fused", lambda: tk.draft_topk(logits, cfg, temp, top_k, top_p, k, noise))
+            add("reference (sort)", lambda: R.draft_topk(logits, cfg, temp, top_k, top_p, k, noise))
             if fi is not None:
                 try:
                     guided = R.draft_probs(logits, cfg, 1.0, 0, 1.0).log()  # CFG outside, as FlashInfer has no CFG
-                    times["flashinfer top_k_top_p"] = median_ms(lambda: fi.sampling.top_k_top_p_sampling_from_logits(
-                        guided, top_k if top_k else V, top_p), args.quick)
+                    add("flashinfer top_k_top_p", lambda: fi.sampling.top_k_top_p_sampling_from_logits(
+                        guided, top_k if top_k else V, top_p))
                 except Exception as err:
                     print(f"flashinfer skipped: {err}")
             if tk is not None:
-                times["triton fused"] = median_ms(lambda: tk.draft_topk(logits, cfg, temp, top_k, top_p, k, noise), args.quick)
-                if 8192 <= V <= (16384 if args.quick else 65536):  # the one-program kernel (whole row in registers) for comparison
-                    times["triton one-program"] = median_ms(
-                        lambda: tk.draft_topk(logits, cfg, temp, top_k, top_p, k, noise, chunk=0), args.quick)
                 seed_offset = torch.tensor([0, 0], device=dev)
-                times["triton fused, philox"] = median_ms(
-                    lambda: tk.draft_topk(logits, cfg, temp, top_k, top_p, k, seed_offset=seed_offset), args.quick)
-            base = times["torch sort+multinomial"]
-            for name, t in times.items():
-                res.add(model.name, shape, name, t, speedup_vs_torch_sort=round(base / t, 3))
+                add("triton fused, philox",
+                    lambda: tk.draft_topk(logits, cfg, temp, top_k, top_p, k, seed_offset=seed_offset))
+                # The one-program kernel (whole row in registers) for comparison; its compile at large
+                # vocabularies is slow, so --quick leaves it out.
+                if not args.quick and 8192 <= V <= 65536:
+                    add("triton one-program", lambda: tk.draft_topk(logits, cfg, temp, top_k, top_p, k, noise, chunk=0))
     print("wrote", res.save(args.out, plot=not args.no_plot))
 
 
