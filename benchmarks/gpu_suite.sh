@@ -138,6 +138,7 @@ if [ -n "$BUILD_PID" ]; then
 fi
 BUILT=$(python -c "import vvs_engine._C; print('yes')" 2>/dev/null || echo no)
 echo "- CUDA extension built: $BUILT (see build.log in results.tar.gz)" >> "$STEPS"
+python -c "import torch, vvs_engine.kernels as k; print('kernels after the build:', k.describe('cuda' if torch.cuda.is_available() else 'cpu'))" >> "$LOG" 2>&1
 cat "$BUILD_LOG" >> "$LOG" 2>/dev/null
 TEST_FILES="$(ls tests/kernels/test_*.py) tests/test_runner.py tests/test_batched_speculative.py tests/test_jacobi_batch.py"
 # The dry run keeps the CPU-cheap files (CI runs the rest on the CPU anyway).
