@@ -15,7 +15,7 @@ one() {
   local f=$1 name rc last
   local select=()
   name=$(basename "$f" .py)
-  case "$f" in tests/kernels/*|tests/test_runner.py) ;; *) select=(-k gpu) ;; esac
+  case "$f" in *tests/kernels/*|*tests/test_runner.py) ;; *) select=(-k gpu) ;; esac
   timeout --signal=INT --kill-after=5 "$per_file" python -m pytest -q -rs -p no:cacheprovider "${select[@]}" "$f" \
     > "$out/$name.log" 2>&1
   rc=$?
