@@ -149,6 +149,67 @@ def test_early_finisher_in_a_batch_keeps_its_tokens(eng, monkeypatch):
     assert torch.equal(result.tokens[0], solo)
 
 
+# Ops that read device memory on the host, or copy host data to the device: either one breaks CUDA-graph
+# capture of a round (and a value baked in at capture would never change between replays).
+HOST_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "unique", "masked_select", "lift_fresh"}
+
+
+class _HostOpsInRounds(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.in_round = False
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.in_round and func.overloadpacket.__name__ in HOST_OPS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method,opts", METHODS + [("vvs", {"skip_policy": "dynamic", "skip_threshold": 0.0})], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_rounds_never_touch_the_host(eng, method, opts, temperature):
+    """Inside every round function (verify, skip, verify after a skip) no op reads the device from the
+    host or copies host data in, so each round can be captured whole as a CUDA graph."""
+    from vvs_engine.methods import get_method
+
+    mode = _HostOpsInRounds()
+    with mode:  # the sanity check below proves the mode sees such ops
+        mode.in_round = True
+        torch.ones(2).sum().item()
+        mode.in_round = False
+    assert mode.seen == ["aten._local_scalar_dense.default"]
+    mode.seen.clear()
+
+    class Watched(speculative.SpeculativeRounds):
+        def _watch(self, fn):
+            mode.in_round = True
+            try:
+                fn()
+            finally:
+                mode.in_round = False
+
+        def verify_round(self):
+            self._watch(super().verify_round)
+
+        def verify_after_skip(self):
+            self._watch(super().verify_after_skip)
+
+        def skip_round(self):
+            self._watch(super().skip_round)
+
+    _, o = get_method(method, eng, opts)
+    params = SamplingParams(temperature=temperature, cfg_scale=3.0)
+    with torch.inference_mode():
+        cond, km = eng.condition_rows([0, 3], None, True)
+        batch = DecodeBatch(cond, km, CounterRNG(0, torch.arange(2)), 2)
+        rounds = Watched(eng, batch, params, o, speculative.make_rule_for(eng, o))
+        with mode:
+            result = speculative.decode(rounds, sched.make(o, eng), batch)
+    assert result.stats["verified_steps"] > 0
+    assert mode.seen == [], sorted(set(mode.seen))
+
+
 class _OpsBetweenRounds(TorchDispatchMode):
     """Counts compute ops (an output that shares no storage with an input) outside round functions."""
 
