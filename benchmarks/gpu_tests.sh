@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_tests.sh OUT_DIR PER_FILE_LIMIT_S FILE...
 #
 # Writes OUT_DIR/<file>.log and OUT_DIR/summary.txt (one line per file: rc and pytest's last line);
-# exits 0 only if every file passed.
+# exits 0 only if every file passed. PYTHON names the interpreter (default: python).
 set -uo pipefail
 out=$1 per_file=$2; shift 2
 mkdir -p "$out"
@@ -16,7 +16,7 @@ one() {
   local select=()
   name=$(basename "$f" .py)
   case "$f" in *tests/kernels/*|*tests/test_runner.py) ;; *) select=(-k gpu) ;; esac
-  timeout --signal=INT --kill-after=5 "$per_file" python -m pytest -q -rs -p no:cacheprovider "${select[@]}" "$f" \
+  timeout --signal=INT --kill-after=5 "$per_file" "${PYTHON:-python}" -m pytest -q -rs -p no:cacheprovider "${select[@]}" "$f" \
     > "$out/$name.log" 2>&1
   rc=$?
   last=$(grep -E "[0-9]+ (passed|failed|skipped|deselected|errors?)" "$out/$name.log" | tail -1)
