@@ -2,8 +2,8 @@
 settings apart.
 
 One run, one checkpoint set: every setting generates the same labels (``--images-per-class`` per
-class, default 40 -> 640 images) with the same per-image seeds (image i uses ``--seed + i``, one image
-per generate call, so AR and a method are paired by seed). Per setting: class accuracy, FD in the
+class, default 40 -> 640 images) with the same random streams: image i draws from (``--seed``, i) in
+every setting, whatever the batch it is decoded in, so AR and a method are paired image by image. Per setting: class accuracy, FD in the
 classifier's feature space, Inception FID, precision/recall (Inception features, k = 3), TPF (tokens
 per target forward) and compute ops per token (one image, counted with :class:`vvs_engine.evaluation.op_count.
 OpCounter`). Every quality figure and TPF gets a 95 % percentile-bootstrap interval over images, and
@@ -14,7 +14,7 @@ is detectably worse: each paired difference's 95 % interval reaches 0 or the bet
 names the fastest setting (highest TPF) at parity.
 
 Generated tokens are cached per setting (``<out>_tokens/<setting>.npz``, keyed by checkpoints,
-sampling, options, labels and seeds): an interrupted run resumes where it stopped.
+sampling, options, labels, seed and batch size): an interrupted run resumes where it stopped.
 
     python benchmarks/quality_speed.py                                   # the full evaluation (hours on CPU)
     python benchmarks/quality_speed.py --images-per-class 2 --settings AR,EAGLE-2 --no-inception
@@ -137,7 +137,7 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-def generate_setting(eng, method, opts, labels, seeds, sampling, batch_size=1, cache=None, key="", show=True):
+def generate_setting(eng, method, opts, labels, seed, sampling, batch_size=16, cache=None, key="", show=True):
     """-> {"tokens": [n, T] int64, "forwards": [n] target forwards per image}; loaded from ``cache``
     (an .npz path) when it holds the same ``key``."""
     if cache and os.path.exists(cache):
@@ -148,24 +148,17 @@ def generate_setting(eng, method, opts, labels, seeds, sampling, batch_size=1, c
 
     toks, fwd = [], []
     chunks = [list(range(i, min(i + batch_size, len(labels)))) for i in range(0, len(labels), batch_size)]
-    extra = {"batch_size": batch_size} if batch_size > 1 and _takes(eng.generate, "batch_size") else {}
     for ch in tqdm(chunks, desc=f"{method} {opts}", disable=not show, leave=False, dynamic_ncols=True):
-        out = eng.generate(class_labels=[labels[i] for i in ch], method=method, seed=int(seeds[ch[0]]),
-                           decode_images=False, **sampling, **opts, **extra)
+        # image i's random numbers come from (seed, i): batch-invariant, paired across settings
+        out = eng.generate(class_labels=[labels[i] for i in ch], method=method, seed=seed,
+                           image_indices=ch, batch_size=batch_size, decode_images=False, **sampling, **opts)
         toks.append(out.tokens.numpy())
-        per_image = out.stats.get("forwards_per_image")
-        fwd += list(per_image) if per_image is not None else [out.stats["target_forward_passes"] / len(ch)] * len(ch)
+        fwd += list(out.stats["per_image"]["target_forward_passes"])
     res = {"tokens": np.concatenate(toks).astype(np.int64), "forwards": np.asarray(fwd, dtype=np.float64)}
     if cache:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         np.savez_compressed(cache, tokens=res["tokens"].astype(np.int16), forwards=res["forwards"], key=key)
     return res
-
-
-def _takes(fn, name: str) -> bool:
-    import inspect
-
-    return name in inspect.signature(fn).parameters
 
 
 def ops_per_token(eng, method, opts, label, seed, sampling) -> float:
@@ -296,13 +289,12 @@ def plot(rows: list, path: str, fastest=None) -> None:
 
 
 # --- the run ----------------------------------------------------------------------------------------
-def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, inception_reps=100, batch_size=1,
+def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, inception_reps=100, batch_size=16,
              cache_dir=None, ckpt_key="", ops=True, show=True) -> tuple:
     """Generate (or load) every setting, compute the metrics -> (rows, fastest setting at parity)."""
     from vvs_engine.evaluation.quality import reference_features
     from vvs_engine.errors import VVSError
 
-    seeds = [seed + i for i in range(len(labels))]
     ref = {"cls": reference_features("classifier")}
     if inception:
         ref["inc"] = reference_features("inception")
@@ -311,11 +303,11 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
     for name, method, opts in settings:
         if show:
             print(f"[quality_speed] {name}", flush=True)
-        key = json.dumps([ckpt_key, method, opts, sampling, labels, seeds, batch_size], sort_keys=True)
+        key = json.dumps([ckpt_key, method, opts, sampling, labels, seed, batch_size, "counter-rng"], sort_keys=True)
         cache = os.path.join(cache_dir, _slug(name) + ".npz") if cache_dir else None
         try:
-            gen = generate_setting(eng, method, opts, labels, seeds, sampling, batch_size, cache, key, show)
-            opt = ops_per_token(eng, method, opts, labels[0], seeds[0], sampling) if ops else None
+            gen = generate_setting(eng, method, opts, labels, seed, sampling, batch_size, cache, key, show)
+            opt = ops_per_token(eng, method, opts, labels[0], seed, sampling) if ops else None
         except VVSError as e:
             rows.append({"name": name, "method": method, "options": opts, "error": str(e)})
             continue
@@ -340,8 +332,9 @@ def main(argv=None) -> int:
                     help="output prefix: .md, .json, _tokens/ (default benchmarks/results/quality_speed)")
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "quality_speed.png"), help="Pareto plot path")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    ap.add_argument("--batch-size", type=int, default=1, help="images per generate call (passed on when supported)")
-    ap.add_argument("--seed", type=int, default=0, help="image i uses seed + i; also seeds the bootstrap (default 0)")
+    ap.add_argument("--batch-size", type=int, default=16, help="images decoded together (default 16; tokens do not "
+                    "depend on it except for VVS-D)")
+    ap.add_argument("--seed", type=int, default=0, help="image i draws from (seed, i); also seeds the bootstrap (default 0)")
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap draws (default 1000)")
     ap.add_argument("--inception-bootstrap", type=int, default=100, help="draws for FID/precision/recall "
                                                                          "(each needs a 2048-d matrix root; default 100)")
