@@ -15,7 +15,8 @@
 #   3. tree_attention  Triton vs SDPA with a mask (flash-attn / FlashInfer where they import)
 #   4. draft_topk  fused sampling vs torch's sort-based path, V = 16384 first
 #   5. e2e_zoo     methods on the Zoo model: latency, TPF, speed-up / TPF (records the acceptance trace)
-#   6. e2e_replay_xl  LANTERN and VVS replayed on a random LlamaGen-XL-shaped target
+#   6. e2e_replay_xl  LANTERN and VVS replayed on a random LlamaGen-XL-shaped target; round_replay: each
+#      round kind's replay time per method at XL shape (benchmarks/round_replay.py)
 #   7. tests       the GPU tests, one process per file (a device-side assert cannot poison the others)
 #   8. the other kernel microbenchmarks (--quick), then the GPT-7B replay if time is left
 # Every table carries its command and date. What comes back ($OUT, at most 8 files): suite.log,
@@ -27,14 +28,14 @@ if [ "$DRY" = 1 ]; then
   RES=${RES:-$OUT/results}
   BUDGET=${SUITE_BUDGET_S:-300}
   DEV=cpu; DTYPE=fp32; AR_SHAPE=tiny; AR_MODEL="--gpt-model GPT-B --image-size 128 --dtype fp32 --steps 4 --warmup 1 --no-e2e"
-  E2E_FLAGS="--quick --device cpu"; REPLAY_XL=tiny; REPLAY_7B=tiny; REPEATS=1; ATTN_FLAGS=--quick
+  E2E_FLAGS="--quick --device cpu"; REPLAY_XL=tiny; REPLAY_7B=tiny; REPEATS=1; ATTN_FLAGS=--quick; RR_TOKENS=64
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=""
 else
   OUT=${OUT:-benchmarks/results/gpu_suite}
   RES=${RES:-benchmarks/results/gpu_run}
   BUDGET=${SUITE_BUDGET_S:-440}
   DEV=cuda; DTYPE=bf16; AR_SHAPE=GPT-XL; AR_MODEL="--gpt-model GPT-XL --image-size 384 --dtype bf16 --steps 32 --warmup 4"
-  E2E_FLAGS="--device cuda"; REPLAY_XL=GPT-XL; REPLAY_7B=GPT-7B:576; REPEATS=2; ATTN_FLAGS=""
+  E2E_FLAGS="--device cuda"; REPLAY_XL=GPT-XL; REPLAY_7B=GPT-7B:576; REPEATS=2; ATTN_FLAGS=""; RR_TOKENS=256
 fi
 mkdir -p "$OUT"
 rm -rf "$RES"; mkdir -p "$RES/kernels" "$RES/tests"
@@ -128,6 +129,9 @@ REPLAYED="lantern:lantern_delta=0.2;vvs:skip_interval=2"
 step e2e_replay_xl 60 python benchmarks/e2e.py --replay "$TRACE" $E2E_FLAGS --repeats $REPEATS --settings "$REPLAYED" \
   --replay-models "$REPLAY_XL" --out "$RES" --tag replay_xl --no-plot
 
+step round_replay 45 python benchmarks/round_replay.py --shape "$AR_SHAPE" --tokens "$RR_TOKENS" --device "$DEV" \
+  --dtype "$DTYPE" --out "$RES/round_replay.md"
+
 # --- 7: GPU tests, one process per file -------------------------------------------------------------
 if [ -n "$BUILD_PID" ]; then
   left=$(( BUDGET - $(elapsed) - 150 ))
@@ -161,7 +165,7 @@ step e2e_replay_7b 60 python benchmarks/e2e.py --replay "$TRACE" $E2E_FLAGS --re
   echo "$(git log -1 --format='Commit %h: %s' 2>/dev/null)"; echo
   cat "$STEPS"; echo
   echo "## tests (one process per file)"; echo '```'; cat "$RES/tests/summary.txt" 2>/dev/null; echo '```'
-  for f in "$RES"/ar_graph_step.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
+  for f in "$RES"/ar_graph_step.md "$RES"/round_replay.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
   for f in "$RES"/ar_decode_eager.json; do
     [ -f "$f" ] && { echo; echo "## AR step, eager ($(basename "$f"))"; echo '```'
       python -c "import json,sys; r=json.load(open(sys.argv[1])); print('\n'.join(f'{k}: {r[k]}' for k in ('command','gpt_model','dtype','device_name','batch_rows','step_ms_median','step_ms_p10','step_ms_p90','achieved_gbps','fraction_of_peak','e2e_generate','timestamp') if k in r))" "$f"
