@@ -20,6 +20,8 @@ from vvs_engine.sampling import SamplingParams
 
 GPU = torch.cuda.is_available()
 NO_GPU = "no CUDA device: Jacobi-iteration graph capture and its sync check need a GPU"
+if not GPU:
+    print(f"\n[test_jacobi_batch] GPU tests skipped: {NO_GPU}")
 LABELS = [0, 3, 4]
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}
 

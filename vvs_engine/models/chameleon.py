@@ -85,7 +85,7 @@ class ChameleonTarget(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
-        dev = fn(torch.zeros(0)).device
+        dev = fn(torch.zeros(0, device=self.rope.device)).device  # a dtype-only fn keeps the device
         self.rope, self.layout_forbidden = self.rope.to(dev), self.layout_forbidden.to(dev)
         return out
 
