@@ -166,6 +166,17 @@ def test_rope_stays_fp32_when_the_model_is_cast(c2i):
     assert m.tok_embeddings.weight.dtype == torch.bfloat16
 
 
+def test_rope_stays_on_the_model_device_through_a_dtype_cast():
+    """``model.to(device)`` then ``.to(dtype)`` (as the benchmarks do on CUDA): the dtype-only cast must not
+    move the table back to the CPU. The meta device stands in for CUDA."""
+    m = GPT(tiny_config()).to("meta").to(torch.bfloat16)
+    assert m.rope.device.type == "meta" and m.rope.dtype == torch.float32
+    with torch.device("meta"):
+        m = GPT(tiny_config())
+    assert m.half().rope.device.type == "meta"
+    assert GPT(tiny_config()).to("meta").rope.device.type == "meta"  # a device move still moves it
+
+
 def test_published_presets():
     """Published LlamaGen sizes (layers, heads, dim, FFN hidden) and the t2i condition length."""
     expect = {"GPT-B": (12, 12, 768, 2048), "GPT-L": (24, 16, 1024, 2816), "GPT-XL": (36, 20, 1280, 3584),

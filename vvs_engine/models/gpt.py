@@ -267,9 +267,10 @@ class GPT(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def _apply(self, fn, *args, **kwargs):
-        # Keep the RoPE table on the model's device but always in fp32.
+        # Keep the RoPE table on the model's device but always in fp32. The probe starts on the table's
+        # own device: a dtype-only conversion (``.to(torch.bfloat16)``) must leave it where it is.
         out = super()._apply(fn, *args, **kwargs)
-        probe = fn(torch.zeros(0))
+        probe = fn(torch.zeros(0, device=self.rope.device))
         self.rope = self.rope.to(device=probe.device)
         return out
 
