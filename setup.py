@@ -6,20 +6,26 @@ where a CUDA toolkit and a CUDA build of torch are importable at build time (use
 as ``vvs_engine.triton_kernels`` so it cannot collide with Triton's own top-level ``triton_kernels``.
 """
 import os
+import sys
 
 from setuptools import find_packages, setup
 
 
+def skip_extension(reason: str):
+    print(f"vvs-engine: CUDA extension not built: {reason}", file=sys.stderr)
+    return [], {}
+
+
 def cuda_extensions():
     if os.environ.get("VVS_NO_CUDA_EXT"):
-        return [], {}
+        return skip_extension("VVS_NO_CUDA_EXT is set")
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
-    except Exception:
-        return [], {}
+    except Exception as err:
+        return skip_extension(f"torch does not import here ({err}; use --no-build-isolation)")
     if CUDA_HOME is None or torch.version.cuda is None:
-        return [], {}
+        return skip_extension("no CUDA toolkit found" if CUDA_HOME is None else "torch is a CPU build")
     here = os.path.dirname(os.path.abspath(__file__))
     srcs = sorted(os.path.join("csrc", f) for f in os.listdir(os.path.join(here, "csrc")) if f.endswith((".cu", ".cpp")))
     if not srcs:

@@ -176,6 +176,7 @@ def main(argv=None):
         "fraction_of_peak": step_gbps / a.peak_gbps if device.type == "cuda" else None,
         "e2e_generate": e2e,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(["python", "benchmarks/ar_decode.py"] + (argv if argv is not None else sys.argv[1:])),
     }
     print_table(result)
     out = a.out or os.path.join(RESULTS, f"ar_decode_{a.gpt_model}_{device.type}_{a.dtype}_b{a.batch}.json")

@@ -115,7 +115,7 @@ def _rounds(eng, labels, params, seed=0, **opts):
 
     _, o = get_method("eagle", eng, opts)
     cond, km = eng.condition_rows(labels, None, params.use_cfg)
-    batch = DecodeBatch(cond, km, CounterRNG(seed, torch.arange(len(labels))), len(labels))
+    batch = DecodeBatch(cond, km, CounterRNG(seed, torch.arange(len(labels), device=eng.device)), len(labels))
     return speculative.SpeculativeRounds(eng, batch, params, o, speculative.make_rule_for(eng, o)), o, batch
 
 
@@ -175,6 +175,72 @@ def test_retiring_finished_sequences_changes_no_token(eng, monkeypatch, method, 
     for key in ("tpf_per_image", "target_forward_passes", "skip_steps", "acceptance_rate_by_depth",
                 "post_verify_rollbacks", "batch_rounds"):
         assert retired.stats.get(key) == kept.stats.get(key), key
+
+
+# Ops that read device memory on the host, or copy host data to the device: either one breaks CUDA-graph
+# capture of a round (and a value baked in at capture would never change between replays). A lifted
+# tensor of one element or more (torch.tensor([...]) inside a round) is a host-to-device copy on CUDA;
+# a 0-dim one is a Python scalar written by indexing (x[:, 0] = True), a kernel argument, which is fine.
+HOST_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "unique", "masked_select"}
+
+
+class _HostOpsInRounds(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.in_round = False
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.in_round and (name in HOST_OPS or (name == "lift_fresh" and args[0].dim() > 0)):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method,opts", METHODS + [("vvs", {"skip_policy": "dynamic", "skip_threshold": 0.0})], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_rounds_never_touch_the_host(eng, method, opts, temperature):
+    """Inside every round function (verify, skip, verify after a skip) no op reads the device from the
+    host or copies host data in, so each round can be captured whole as a CUDA graph."""
+    from vvs_engine.methods import get_method
+
+    mode = _HostOpsInRounds()
+    with mode:  # the sanity check below proves the mode sees such ops
+        mode.in_round = True
+        torch.ones(2).sum().item()
+        torch.ones(2, dtype=torch.bool)[0] = False  # a scalar write: not counted
+        torch.tensor([1, 2])  # host data: counted
+        mode.in_round = False
+    assert mode.seen == ["aten._local_scalar_dense.default", "aten.lift_fresh.default"]
+    mode.seen.clear()
+
+    class Watched(speculative.SpeculativeRounds):
+        def _watch(self, fn):
+            mode.in_round = True
+            try:
+                fn()
+            finally:
+                mode.in_round = False
+
+        def verify_round(self):
+            self._watch(super().verify_round)
+
+        def verify_after_skip(self):
+            self._watch(super().verify_after_skip)
+
+        def skip_round(self):
+            self._watch(super().skip_round)
+
+    _, o = get_method(method, eng, opts)
+    params = SamplingParams(temperature=temperature, cfg_scale=3.0)
+    with torch.inference_mode():
+        cond, km = eng.condition_rows([0, 3], None, True)
+        batch = DecodeBatch(cond, km, CounterRNG(0, torch.arange(2)), 2)
+        rounds = Watched(eng, batch, params, o, speculative.make_rule_for(eng, o))
+        with mode:
+            result = speculative.decode(rounds, sched.make(o, eng), batch)
+    assert result.stats["verified_steps"] > 0
+    assert mode.seen == [], sorted(set(mode.seen))
 
 
 class _OpsBetweenRounds(TorchDispatchMode):
@@ -239,42 +305,83 @@ def test_no_compute_op_between_round_calls(eng, opts, monkeypatch):
     assert result.stats["verified_steps"] > 0
 
 
+# GPU-only extras: VVS-D (its skip decision read one round late), GSD's rule on a dynamic tree, greedy.
+GPU_METHODS = METHODS + [
+    ("vvs", {"skip_policy": "dynamic", "skip_threshold": -1.0}),
+    ("vvs", {"skip_policy": "dynamic", "skip_threshold": -1.0, "post_verify": "reject"}),
+    ("eagle", {"accept": "gsd"}),
+    ("lantern", {"temperature": 0.0}),
+]
+
+
 @pytest.mark.skipif(not GPU, reason=NO_GPU)
 def test_gpu_round_graphs_replay_equals_eager():
     e = tiny_engine(vocab=64, block=36, peak=8.0)
     e.to("cuda", torch.float32)
-    for method, opts in METHODS:
+    for method, opts in GPU_METHODS:
         kw = dict(class_labels=[0, 3, 4], temperature=1.0, cfg_scale=3.0, seed=5, method=method, decode_images=False,
-                  batch_size=4, **opts)
+                  batch_size=4)
+        kw.update(opts)
         eager = e.generate(cuda_graphs=False, **kw)
         graphed = e.generate(cuda_graphs=True, **kw)
         assert graphed.stats["cuda_graphs"] and not eager.stats["cuda_graphs"]
         assert torch.equal(eager.tokens, graphed.tokens), (method, opts)
 
 
-@pytest.mark.skipif(not GPU, reason=NO_GPU)
-def test_gpu_steady_state_rounds_never_sync():
-    """After capture, replaying every round kind and reading the late counters never syncs."""
+# Option sets whose verify / skip rounds differ: relaxed acceptance with a skip schedule, exact
+# acceptance, and post-verification rollback (reject) with confidence selection and repeated features.
+# Also: CASCADE's torch walk, GSD's rule, VVS-D (path agreement in the flags), a sampled static tree, greedy.
+ROUND_OPTIONS = [dict(accept="lantern", skip_policy="uniform"), dict(accept="exact", skip_policy="uniform"),
+                 dict(skip_policy="uniform", post_verify="reject", select="confidence", feature_reuse="repeat"),
+                 dict(accept="cascade"), dict(accept="gsd"), dict(skip_policy="dynamic", skip_threshold=-1.0),
+                 dict(tree="static"), dict(accept="lantern", skip_policy="uniform", temperature=0.0)]
+
+
+def _replay_every_round_kind(e, use_graphs, sync_check, temperature=1.0, **opts):
+    """Capture (or run) each round kind once, then replay every kind with the one-round-late counter read
+    between replays, as the decode loop does; with ``sync_check`` the steady state runs under
+    sync-debug "error". Returns the graphs and the output tokens so far."""
     from vvs_engine.runtime.runner import RoundGraphs
 
-    e = tiny_engine(vocab=64, block=36, peak=8.0)
-    e.to("cuda", torch.float32)
-    params = SamplingParams(temperature=1.0, cfg_scale=3.0)
+    params = SamplingParams(temperature=temperature, cfg_scale=3.0)
     with torch.inference_mode():
-        rounds, o, batch = _rounds(e, [0, 3], params, accept="lantern", skip_policy="uniform")
+        rounds, o, batch = _rounds(e, [0, 3], params, **opts)
         graphs = RoundGraphs({"verify": rounds.verify_round, "verify_after_skip": rounds.verify_after_skip,
-                              "skip": rounds.skip_round}, rounds.state.buffers(), use_graphs=True)
+                              "skip": rounds.skip_round}, rounds.state.buffers(), use_graphs=use_graphs)
         for kind in ("verify", "skip", "verify_after_skip"):  # capture each kind
             graphs(kind)
         counters = speculative.LateRead(rounds.state.flags)
         counters.push()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
+        if sync_check:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
         try:
             for kind in ("verify", "skip", "verify_after_skip", "verify"):
                 counters.read()
                 graphs(kind)
                 counters.push()
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            if sync_check:
+                torch.cuda.set_sync_debug_mode(0)
+        n_out = rounds.state.n_out.clone()
+    return graphs, n_out
+
+
+@pytest.mark.parametrize("opts", ROUND_OPTIONS, ids=str)
+def test_round_kinds_replay_in_any_order_on_the_cpu(eng, opts):
+    """The sequence the GPU sync test replays, run eagerly on the CPU (so the GPU test's setup is
+    exercised in CI): every round kind runs, and each round commits tokens."""
+    graphs, n_out = _replay_every_round_kind(eng, use_graphs=False, sync_check=False, **opts)
     assert all(graphs.replays[k] >= 2 for k in graphs.replays)
+    assert bool((n_out > 3).all()), n_out
+
+
+@pytest.mark.skipif(not GPU, reason=NO_GPU)
+@pytest.mark.parametrize("opts", ROUND_OPTIONS, ids=str)
+def test_gpu_steady_state_rounds_never_sync(opts):
+    """After capture, replaying every round kind and reading the late counters never syncs."""
+    e = tiny_engine(vocab=64, block=36, peak=8.0)
+    e.to("cuda", torch.float32)
+    graphs, n_out = _replay_every_round_kind(e, use_graphs=True, sync_check=True, **opts)
+    assert all(graphs.replays[k] >= 2 for k in graphs.replays)
+    assert bool((n_out > 3).all()), n_out

@@ -72,3 +72,32 @@ def test_training_reduces_loss():
     last = float(logs[-1].split("loss ")[1].split()[0])
     assert last < first
     assert isinstance(d, Drafter) and d.target is eng.gpt
+
+
+def test_batched_tree_structure_matches_the_per_tree_reference():
+    # The batched structure (parent-link hops) against kernels.reference.tree_meta, tree by tree,
+    # on random trees: wide, deep, and deeper than max_depth (truncated ancestor sets).
+    from vvs_engine.drafting.tree import tree_structure
+    from vvs_engine.kernels.reference import tree_meta
+
+    gen = torch.Generator().manual_seed(5)
+    for B, N, max_depth, max_children in [(3, 17, 4, 3), (2, 59, 5, 10), (1, 1, 2, 2), (2, 12, 2, 4)]:
+        parents = torch.full((B, N), -1, dtype=torch.long)
+        for i in range(1, N):
+            parents[:, i] = torch.randint(max(0, i - 4), i, (B,), generator=gen)
+        mask, depth, paths, leaf, children = tree_structure(parents, max_depth, max_children)
+        for b in range(B):
+            want = tree_meta(parents[b], max_depth)
+            for got, ref in zip((mask[b], depth[b], paths[b], leaf[b]), want):
+                assert torch.equal(got, ref)
+            for p in range(N):
+                kids = [i for i in range(N) if parents[b, i] == p][:max_children]
+                assert children[b, p].tolist() == kids + [-1] * (max_children - len(kids))
+
+
+def test_static_layout_levels_are_contiguous_ranges():
+    from vvs_engine.drafting.tree import STATIC_TREES, static_layout
+
+    for make in STATIC_TREES.values():
+        layout = static_layout(make(), "cpu")
+        assert [list(range(a, b)) for a, b in layout["level_ranges"]] == [lvl.tolist() for lvl in layout["by_level"]]

@@ -175,6 +175,87 @@ def test_lumina_greedy_cfg_equals_transformers_with_layout_rules(lumina):
     assert eng.gpt.codes_of(ours).shape == (1, eng.config.grid_h * eng.config.grid_w)
 
 
+def hf_chameleon_decode(hf, folder, codes):
+    """The reference decoder: transformers' ``ChameleonVQVAE`` codebook and ``post_quant_conv``, then
+    transformers' ``JanusVQVAEDecoder`` (the same taming decoder; transformers' Chameleon has none)
+    holding the folder's ``vqgan.ckpt`` decoder weights."""
+    from vvs_engine.models.hf_tiny import janus_decoder_like
+
+    vqm = hf.model.vqmodel
+    n = len(vqm.config.channel_multiplier)
+    ref = janus_decoder_like(vqm.config)
+    sd = torch.load(os.path.join(folder, "vqgan.ckpt"), weights_only=True)["state_dict"]
+    own = {}
+    for k, v in sd.items():
+        if k.startswith("decoder.up."):
+            level, rest = k[len("decoder.up."):].split(".", 1)
+            own[f"up.{n - 1 - int(level)}.{rest}"] = v
+        elif k.startswith("decoder."):
+            own[k[len("decoder."):]] = v
+    missing = ref.load_state_dict(own, strict=False).missing_keys
+    lowest_attn = vqm.config.resolution // 2 ** (n - 1) in vqm.config.attn_resolutions
+    assert all(".attn." in k for k in missing) and (not missing) == lowest_attn
+    with torch.no_grad():
+        for k in missing:  # no attention there in this config: the Janus block becomes the identity
+            if k.endswith("proj_out.weight") or k.endswith("proj_out.bias"):
+                ref.get_parameter(k).zero_()
+        return ref(vqm.post_quant_conv(vqm.quantize.embedding(codes).permute(0, 3, 1, 2)))
+
+
+def random_row_tokens(eng, n, seed):
+    c = eng.config
+    return with_row_ends(eng, torch.randint(0, c.n_codes, (n, eng.tokens_per_image),
+                                            generator=torch.Generator().manual_seed(seed)))
+
+
+def test_lumina_vq_decoder_matches_transformers_and_generate_returns_images(lumina):
+    path, hf, eng = lumina
+    c = eng.config
+    tokens = random_row_tokens(eng, 2, 1)
+    ref = hf_chameleon_decode(hf, path, eng.gpt.codes_of(tokens).view(2, c.grid_h, c.grid_w))
+    assert ref.std() > 0.1
+    torch.testing.assert_close(eng.vq.decode(tokens), ref, atol=1e-4, rtol=0)
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0)
+    side = c.grid_h * eng.vq.downsample
+    assert [im.size for im in out.images] == [(side, side)] * 2
+    assert len({im.tobytes() for im in out.images}) == 2
+
+
+def test_lumina_vq_decoder_without_attention_and_from_safetensors(tmp_path):
+    """A VQGAN config without up-block attention (empty ``attn_resolutions``); the decoder may also come
+    as vqgan.safetensors; without any decoder weights the engine outputs tokens only."""
+    path = str(tmp_path / "noattn")
+    hf = make_chameleon_folder(path, vqgan="vqgan.safetensors", attn_resolutions=())
+    eng = Engine.load(model_dir=path, max_prompt_tokens=32, image_size=64)
+    from safetensors.torch import load_file
+
+    torch.save({"state_dict": load_file(os.path.join(path, "vqgan.safetensors"))}, os.path.join(path, "vqgan.ckpt"))
+    c = eng.config
+    tokens = random_row_tokens(eng, 2, 2)
+    ref = hf_chameleon_decode(hf, path, eng.gpt.codes_of(tokens).view(2, c.grid_h, c.grid_w))
+    torch.testing.assert_close(eng.vq.decode(tokens), ref, atol=1e-4, rtol=0)
+    for f in ("vqgan.safetensors", "vqgan.ckpt"):
+        os.remove(os.path.join(path, f))
+    bare = Engine.load(model_dir=path, max_prompt_tokens=32, image_size=64)
+    assert not bare.vq.can_decode
+    assert bare.generate(prompts=PROMPTS[:1], temperature=0).images == []
+    torch.testing.assert_close(bare.codebook_vectors(), eng.codebook_vectors())
+
+
+def test_lumina_vqgan_file_of_another_model_is_refused(lumina, tmp_path):
+    path, _, _ = lumina
+    bad = tmp_path / "other"
+    shutil.copytree(path, bad)
+    sd = torch.load(bad / "vqgan.ckpt", weights_only=True)
+    sd["state_dict"]["quantize.embedding.weight"] = sd["state_dict"]["quantize.embedding.weight"] + 1.0
+    torch.save(sd, bad / "vqgan.ckpt")
+    with pytest.raises(VVSError, match="differs from the folder's"):
+        Engine.load(model_dir=str(bad), max_prompt_tokens=32, image_size=64)
+    (bad / "vqgan.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(VVSError, match="unreadable vqgan.ckpt"):
+        Engine.load(model_dir=str(bad), max_prompt_tokens=32, image_size=64)
+
+
 @pytest.fixture(scope="module")
 def lumina64(lumina):
     path, _, _ = lumina
@@ -247,6 +328,54 @@ def test_emu3_greedy_cfg_equals_transformers_generate_with_layout_constraints(em
         assert len(set(ref[0].tolist())) > 3
         assert torch.equal(ours, ref)
         assert_lumina_layout(eng, ours)
+
+
+def test_emu3_vq_decoder_matches_transformers_and_generate_returns_images(emu3):
+    _, hf, eng = emu3
+    c = eng.config
+    tokens = random_row_tokens(eng, 2, 1)
+    with torch.no_grad():
+        ref = hf.model.vqmodel.decode(eng.gpt.codes_of(tokens).view(2, c.grid_h, c.grid_w))
+    assert ref.std() > 0.1
+    torch.testing.assert_close(eng.vq.decode(tokens), ref, atol=1e-4, rtol=0)
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0)
+    side = c.grid_h * eng.vq.downsample
+    assert [im.size for im in out.images] == [(side, side)] * 2
+
+
+def test_emu3_decoded_pixels_follow_the_folders_normalisation(emu3, tmp_path):
+    """With preprocessor_config.json's mean/std the decoded values are un-normalised (pixel = x*std+mean)
+    before the engine's [-1, 1] -> uint8 mapping; without it, mean = std = 0.5 (identity)."""
+    path, hf, eng = emu3
+    folder = tmp_path / "clip_norm"
+    shutil.copytree(path, folder)
+    mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std}))
+    other = Engine.load(model_dir=str(folder), max_prompt_tokens=24, image_size=32)
+    tokens = random_row_tokens(eng, 2, 3)
+    x = eng.vq.decode(tokens)
+    want = 2 * (x * torch.tensor(std)[:, None, None] + torch.tensor(mean)[:, None, None]) - 1
+    torch.testing.assert_close(other.vq.decode(tokens), want)
+
+
+def test_emu3_folder_without_decoder_gives_tokens_and_bad_decoder_is_refused(emu3, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _, eng = emu3
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    for name, edit in (("bare", lambda d: {k: v for k, v in d.items() if ".decoder." not in f".{k}"}),
+                        ("bad", lambda d: {k: (v[:, :-1].contiguous() if k.endswith("decoder.conv_out.weight") else v)
+                                           for k, v in d.items()})):
+        folder = tmp_path / name
+        shutil.copytree(path, folder)
+        save_file(edit(sd), str(folder / "model.safetensors"))
+        if name == "bare":
+            bare = Engine.load(model_dir=str(folder), max_prompt_tokens=24, image_size=32)
+            assert not bare.vq.can_decode and bare.generate(prompts=PROMPTS[:1], temperature=0).images == []
+            torch.testing.assert_close(bare.codebook_vectors(), eng.codebook_vectors())
+        else:
+            with pytest.raises(VVSError, match="VQ decoder.*shape mismatch.*conv_out"):
+                Engine.load(model_dir=str(folder), max_prompt_tokens=24, image_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -383,9 +512,113 @@ def test_bench_model_dir(emu3, tmp_path):
     from vvs_engine.evaluation import bench
 
     path, _, _ = emu3
-    assert bench.main(["--model-dir", path, "--settings", "ar;sjd", "--repeats", "1", "--out", str(tmp_path),
+    assert bench.main(["--model-dir", path, "--image-size", "32", "--settings", "ar;sjd", "--repeats", "1",
+                       "--out", str(tmp_path),
                        "--no-plot", "--threads", "1", "--device", "cpu", "--tag", "fam"]) == 0
     rep = json.loads((tmp_path / "e2e_fam.json").read_text())
     rows = rep["blocks"][0]["rows"]
     assert [r["method"] for r in rows] == ["ar", "sjd"] and rows[1]["tpf"] >= 1.0
     assert rep["meta"]["model"].startswith("emu3")
+
+
+@pytest.mark.parametrize("family", ["lumina", "emu3"])
+def test_train_drafter_on_family_images_then_eagle(family, request, tmp_path):
+    """``train-drafter --model-dir --images --prompts`` on the family's own decoded images: a few
+    steps, a saved drafter that loads, and ``generate --method eagle`` with it equals greedy AR."""
+    import numpy as np
+    from PIL import Image
+
+    from vvs_engine.cli import main
+    from vvs_engine.training.family_images import encode_images, list_images
+
+    path, hf, eng = request.getfixturevalue(family)
+    size, c_len = ("64", "32") if family == "lumina" else ("32", "24")
+    common = ["--model-dir", path, "--max-prompt-tokens", c_len, "--image-size", size]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    images = tmp_path / "images"
+    assert main(["generate", *common, "--prompts", str(prompts), "--temperature", "1", "--seed", "1",
+                 "--device", "cpu", "--out", str(images), "--quiet"]) == 0
+    rows = encode_images(eng, path, list_images(str(images)))
+    assert rows.shape == (2, eng.tokens_per_image)
+    assert_lumina_layout(eng, rows)
+    px = torch.stack([torch.from_numpy(np.array(Image.open(p).convert("RGB"))).permute(2, 0, 1)
+                      for p in list_images(str(images))]).float() / 127.5 - 1.0
+    with torch.no_grad():  # the same codes as transformers' own encoder on the same pixels
+        if family == "emu3":
+            ref = torch.stack(hf.model.vqmodel.encode(px, torch.tensor([[px.shape[2], px.shape[3]]] * 2)).image_tokens)
+        else:
+            ref = hf.model.vqmodel.encode(px).image_tokens
+    assert torch.equal(eng.gpt.codes_of(rows).view(2, -1), ref.reshape(2, -1))
+
+    drafter = tmp_path / "drafter.safetensors"
+    assert main(["train-drafter", *common, "--prompts", str(prompts), "--images", str(images), "--steps", "6",
+                 "--batch-size", "2", "--out", str(drafter)]) == 0
+    assert drafter.exists() and drafter.with_suffix(".json").exists()
+    out = tmp_path / "eagle"
+    assert main(["generate", *common, "--drafter", str(drafter), "--method", "eagle", "--prompts", str(prompts),
+                 "--temperature", "0", "--cfg-scale", "3", "--device", "cpu", "--out", str(out), "--quiet"]) == 0
+    eagle = np.load(out / "tokens.npz")["tokens"]
+    ar = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+    np.testing.assert_array_equal(eagle, ar.numpy())
+    assert json.loads((out / "stats.json").read_text())["method"] == "eagle"
+    assert sorted(p.name for p in out.glob("*.png")) == ["000000.png", "000001.png"]
+
+
+def test_train_drafter_images_need_one_prompt_each(lumina, tmp_path, capsys):
+    from vvs_engine.cli import main
+
+    path, _, _ = lumina
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\n")
+    images = tmp_path / "images"
+    images.mkdir()
+    assert main(["train-drafter", "--model-dir", path, "--image-size", "64", "--prompts", str(prompts),
+                 "--images", str(images), "--out", str(tmp_path / "d.safetensors")]) == 1
+    assert "no images" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["janus", "lumina", "emu3"])
+def test_lantern_and_gsd_neighbourhoods_come_from_the_family_codebook(family, request):
+    """LANTERN's neighbour table and GSD's unit codebook are built from the folder's own VQ embeddings
+    (Janus: l2-normalised, as its quantizer uses them); the end-of-line token neighbours no code."""
+    from safetensors.torch import load_file
+
+    from vvs_engine.acceptance.gsd import DEFAULT_DIST_THRESHOLD, unit_codebook
+
+    path, _, eng = request.getfixturevalue(family)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    emb = next(v for k, v in sd.items() if k.endswith("vqmodel.quantize.embedding.weight")).float()
+    if family == "janus":
+        emb = torch.nn.functional.normalize(emb, dim=-1)
+    n, k = emb.shape[0], 5
+    vectors = eng.codebook_vectors()
+    torch.testing.assert_close(vectors[:n], emb, atol=1e-6, rtol=0)
+    nb = eng.codebook_neighbors(k)
+    d = torch.cdist(emb, emb)
+    d.fill_diagonal_(float("inf"))
+    ref = d.argsort(1)[:, :k]
+    assert torch.equal(nb[:n], ref)  # each code's k nearest other codes, nearest first
+    if family != "janus":  # the EOL row (index n) is in the methods' vocabulary but near no code
+        assert eng.config.vocab_size == n + 1 and vectors.shape[0] == n + 1
+        assert not (nb[:n] == n).any()
+        cb = unit_codebook(eng, eng.config.vocab_size)  # GSD: EOL has no code, never within a distance
+        torch.testing.assert_close(cb[:n], torch.nn.functional.normalize(emb, dim=-1))
+        assert cb[n].isnan().all() and not (torch.cdist(cb[n:], cb[:n]) < DEFAULT_DIST_THRESHOLD).any()
+
+
+def test_janus_images_encode_to_transformers_codes(janus, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from vvs_engine.training.family_images import encode_images, list_images
+
+    path, hf, eng = janus
+    for i, im in enumerate(eng.generate(prompts=PROMPTS, seed=2, cfg_scale=3.0).images):
+        im.save(tmp_path / f"{i:02d}.png")
+    rows = encode_images(eng, path, list_images(str(tmp_path)))
+    px = torch.stack([torch.from_numpy(np.array(Image.open(p))).permute(2, 0, 1)
+                      for p in list_images(str(tmp_path))]).float() / 127.5 - 1.0
+    with torch.no_grad():
+        ref = hf.model.vqmodel.encode(px).image_tokens.reshape(2, -1)
+    assert rows.shape == (2, eng.tokens_per_image) and torch.equal(rows, ref)

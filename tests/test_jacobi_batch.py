@@ -20,6 +20,8 @@ from vvs_engine.sampling import SamplingParams
 
 GPU = torch.cuda.is_available()
 NO_GPU = "no CUDA device: Jacobi-iteration graph capture and its sync check need a GPU"
+if not GPU:
+    print(f"\n[test_jacobi_batch] GPU tests skipped: {NO_GPU}")
 LABELS = [0, 3, 4]
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}
 
@@ -224,15 +226,17 @@ def test_gpu_graph_replay_equals_eager(method):
 
 
 @gpu
-def test_gpu_jacobi_steady_state_never_syncs():
+@pytest.mark.parametrize("options", ["SJDOptions", "GSDOptions"])
+def test_gpu_jacobi_steady_state_never_syncs(options):
     """After capture, replays and the one-iteration-late counter read run under sync-debug 'error'."""
     from vvs_engine.methods.common import LateCounter
 
     e = tiny_engine(vocab=64, block=36, peak=8.0).to("cuda", torch.float32)
     params = SamplingParams(1.0, 0, 1.0, 3.0)
     with torch.inference_mode():
-        opts = jacobi.GSDOptions()
-        dec = jacobi.JacobiDecoder(e, _batch(e, [1, 2, 3, 4], params), params, opts, opts.rule(e))
+        opts = getattr(jacobi, options)()
+        rule = opts.rule(e) if isinstance(opts, jacobi.GSDOptions) else ExactRule()
+        dec = jacobi.JacobiDecoder(e, _batch(e, [1, 2, 3, 4], params), params, opts, rule)
         st = dec.prefill()
         replay = jacobi.capture(lambda: dec.jacobi_iteration(st), st)
         committed = LateCounter(dec.device, 2)

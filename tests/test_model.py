@@ -166,6 +166,17 @@ def test_rope_stays_fp32_when_the_model_is_cast(c2i):
     assert m.tok_embeddings.weight.dtype == torch.bfloat16
 
 
+def test_rope_stays_on_the_model_device_through_a_dtype_cast():
+    """``model.to(device)`` then ``.to(dtype)`` (as the benchmarks do on CUDA): the dtype-only cast must not
+    move the table back to the CPU. The meta device stands in for CUDA."""
+    m = GPT(tiny_config()).to("meta").to(torch.bfloat16)
+    assert m.rope.device.type == "meta" and m.rope.dtype == torch.float32
+    with torch.device("meta"):
+        m = GPT(tiny_config())
+    assert m.half().rope.device.type == "meta"
+    assert GPT(tiny_config()).to("meta").rope.device.type == "meta"  # a device move still moves it
+
+
 def test_published_presets():
     """Published LlamaGen sizes (layers, heads, dim, FFN hidden) and the t2i condition length."""
     expect = {"GPT-B": (12, 12, 768, 2048), "GPT-L": (24, 16, 1024, 2816), "GPT-XL": (36, 20, 1280, 3584),
@@ -176,3 +187,20 @@ def test_published_presets():
     assert gpt_config("GPT-XL", model_type="t2i").cls_token_num == 120
     with torch.device("meta"):
         assert abs(GPT(gpt_config("GPT-B")).num_params() - 110.9e6) < 0.1e6
+
+
+def test_apply_rope_is_the_pairwise_rotation():
+    from vvs_engine.models.gpt import apply_rope
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 8, generator=gen)
+    angle = torch.randn(2, 5, 4, generator=gen)
+    rope = torch.stack([angle.cos(), angle.sin()], -1)  # [B, T, hd/2, 2]
+    pairs = x.reshape(2, 5, 3, 4, 2)
+    c, s = angle.cos()[:, :, None], angle.sin()[:, :, None]
+    want = torch.stack([pairs[..., 0] * c - pairs[..., 1] * s, pairs[..., 1] * c + pairs[..., 0] * s], -1).flatten(3)
+    torch.testing.assert_close(apply_rope(x, rope), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(apply_rope(x, rope[0]), apply_rope(x, rope[:1].expand(2, 5, 4, 2)), rtol=0, atol=0)
+    half = apply_rope(x.bfloat16(), rope)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), want, rtol=2e-2, atol=2e-2)

@@ -65,3 +65,13 @@ def test_inverse_cdf_edges():
     assert sample_inverse_cdf(p, torch.tensor([1.0, 1e-7])).tolist() == [2, 0]
     assert sample_inverse_cdf(p * 3, torch.tensor([0.5, 0.5])).tolist() == [2, 1]  # unnormalised rows
     assert math.isclose(float(CounterRNG(0, torch.arange(1)).uniform(0, 0, 1)), float(CounterRNG(0, torch.arange(1)).uniform(0, 0, 1)))
+
+
+def test_uniforms_in_one_pass_equal_separate_draws():
+    rng = CounterRNG(11, torch.tensor([0, 4, 9]))
+    step = torch.tensor([3, 0, 57])
+    draws = [(Streams.ACCEPT, (59,)), (Streams.SAMPLE, ()), (Streams.CHAIN, (2, 3))]
+    together = rng.uniforms(step, draws)
+    for (stream, shape), got in zip(draws, together):
+        assert torch.equal(got, rng.uniform(step, stream, shape))
+    assert not torch.equal(together[0][:, :1], together[1][:, None])  # streams stay distinct

@@ -1,6 +1,8 @@
 """Tree attention: Q queries (draft-tree nodes, a pending skipped chain, a Jacobi window, or one AR
 query) whose K/V already sit in cache slots ``[P, P + Q)`` attend to the committed prefix ``[0, P)``
-without a mask and to the local block under a ``Q x Q`` visibility mask.
+without a mask and to the local block under a ``Q x Q`` visibility mask. The prefix length and the
+mask are either shared by every row or given per row (a batch of sequences, each at its own length
+with its own tree).
 
 Design (the SGLang Triton extend-attention pattern plus flash-decoding's split over the keys): the
 grid is ``(B * H, cdiv(Q, BLOCK_Q), n_splits)`` and does not depend on the prefix length ``P``, which
@@ -85,7 +87,7 @@ def _tree_attention_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_oq, stride_od,
-    stride_lq, stride_lk, stride_validb, stride_valids,
+    stride_pb, stride_lb, stride_lq, stride_lk, stride_validb, stride_valids,
     HEAD_DIM: tl.constexpr, HAS_KEY_VALID: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -106,7 +108,7 @@ def _tree_attention_kernel(
         q = q.to(tl.float32)
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
-    prefix_len = tl.minimum(tl.load(prefix_len_ptr), n_slots)  # P > S: the reference sees all S slots
+    prefix_len = tl.minimum(tl.load(prefix_len_ptr + b * stride_pb), n_slots)  # P > S: the reference sees all S slots
     # This split's share of the prefix, in whole key tiles (the last splits may get nothing).
     per_split = tl.cdiv(tl.cdiv(prefix_len, n_splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
@@ -140,7 +142,7 @@ def _tree_attention_kernel(
         offs_j = start + offs_n
         slot = prefix_len + offs_j
         key_ok = (offs_j < n_queries) & (slot < n_slots)
-        visible = tl.load(local_ptr + offs_q[:, None] * stride_lq + offs_j[None, :] * stride_lk,
+        visible = tl.load(local_ptr + b * stride_lb + offs_q[:, None] * stride_lq + offs_j[None, :] * stride_lk,
                           mask=q_ok[:, None] & key_ok[None, :], other=0) != 0
         k_t = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None] * stride_kd,
                       mask=key_ok[None, :] & d_ok[:, None], other=0.0)
@@ -196,8 +198,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
                    local: torch.Tensor, key_valid: torch.Tensor | None = None, *,
                    block_n: int | None = None, num_splits: int | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, Q, D]; k, v [B, H, S, D] (any strides); prefix_len [1] int64; local [Q, Q] bool;
-    key_valid [B or 1, S] bool or None -> [B, H, Q, D] in q's dtype (written into ``out`` if given).
+    """q [B, H, Q, D]; k, v [B, H, S, D] (any strides); prefix_len [1] or [B] int64 (one length per
+    row); local [Q, Q] or [B, Q, Q] bool (one local block per row: batched trees); key_valid [B or 1, S] bool or None -> [B, H, Q, D] in q's dtype (written into ``out`` if given).
     ``block_n`` / ``num_splits`` override ``launch_config`` / ``pick_splits`` (tests use them)."""
     B, H, Q, D = q.shape
     S = k.shape[2]
@@ -228,7 +230,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
         q, k, v, out, part_acc, part_ml, prefix_len, local_u8, valid_u8,
         H, Q, S, splits, (1.0 / math.sqrt(D)) * 1.4426950408889634,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        local_u8.stride(0), local_u8.stride(1), stride_validb, stride_valids,
+        prefix_len.stride(0) if prefix_len.numel() > 1 else 0, local_u8.stride(0) if local_u8.dim() == 3 else 0,
+        local_u8.stride(-2), local_u8.stride(-1), stride_validb, stride_valids,
         HEAD_DIM=D, HAS_KEY_VALID=key_valid is not None,
         # fp32 inputs: full-precision dots (TF32 would miss the reference by ~1e-3).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",

@@ -60,6 +60,7 @@ def parse_args(description: str):
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for the CPU fallback (1 keeps timings stable on a shared machine)")
     args = parser.parse_args()
+    Results.autosave_dir = args.out  # a run stopped by its time limit keeps the rows measured so far
     if not on_gpu():
         torch.set_num_threads(args.threads)
     return args
@@ -121,7 +122,10 @@ def flashinfer():
 
 
 class Results:
-    """Rows of (op, model, shape, impl, median_ms, extra) -> CSV + a grouped bar plot."""
+    """Rows of (op, model, shape, impl, median_ms, extra) -> CSV + a grouped bar plot. With
+    ``autosave_dir`` set (``parse_args`` does), the CSV is rewritten after every row."""
+
+    autosave_dir = None
 
     def __init__(self, op: str):
         self.op = op
@@ -134,6 +138,8 @@ class Results:
         self.rows.append(row)
         print(f"{self.op:16s} {model:13s} {shape:34s} {impl:22s} {ms:10.4f} ms"
               + "".join(f"  {k}={v}" for k, v in extra.items()), flush=True)
+        if self.autosave_dir is not None:
+            self.save(Path(self.autosave_dir), plot=False)
 
     def save(self, out: Path, plot: bool = True) -> Path:
         out.mkdir(parents=True, exist_ok=True)

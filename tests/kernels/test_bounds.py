@@ -1,5 +1,8 @@
 """Out-of-range indices: the references raise; the Triton and CUDA kernels touch nothing out of range,
-poison the affected rows and raise the device flag that ``bounds.raise_if_set`` turns into a VVSError."""
+poison the affected rows and raise the device flag that ``bounds.raise_if_set`` turns into a VVSError.
+
+The references are fed bad indices on the CPU only: on CUDA, torch's own indexing kernels meet them
+with a device-side assert, which poisons the CUDA context for the rest of the process."""
 import pytest
 import torch
 
@@ -26,7 +29,7 @@ def test_lantern_mass_bad_index(triton_kernels, device, bad):
     else:
         neighbors[tokens[2], 1] = V
     with pytest.raises((IndexError, RuntimeError)):
-        R.lantern_mass(p, tokens, neighbors, 0.3, False)
+        R.lantern_mass(p.cpu(), tokens.cpu(), neighbors.cpu(), 0.3, False)
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     relaxed, m_star = triton_kernels.lantern_mass(p, tokens, neighbors, 0.3, False, error_flag=flag)
     assert flag.item() == 1
@@ -50,7 +53,7 @@ def test_group_mass_bad_member(triton_kernels, device):
     members[1, 2] = p.shape[1]
     members[3, 0] = -1  # padding
     with pytest.raises((IndexError, RuntimeError)):
-        R.group_mass(p, q, members)
+        R.group_mass(p.cpu(), q.cpu(), members.cpu())
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     sum_p, sum_q = triton_kernels.group_mass(p, q, members, error_flag=flag)
     assert flag.item() == 1 and sum_p[1].isnan() and sum_q[1].isnan()
@@ -71,6 +74,10 @@ def test_dispatch_raises_flag_and_debug_mode(triton_kernels, device, monkeypatch
     with pytest.raises(VVSError, match="out-of-range index"):
         bounds.raise_if_set(device, "generation")
     bounds.raise_if_set(device)  # the check cleared the flag
+    if device.type == "cuda":  # "cuda" and "cuda:0" name the same flag
+        K.group_mass(p, q, members)
+        with pytest.raises(VVSError, match="out-of-range index"):
+            bounds.raise_if_set(torch.device("cuda", torch.cuda.current_device()))
     monkeypatch.setenv(bounds.DEBUG_ENV, "1")
     with pytest.raises(VVSError, match="triton group_mass"):
         K.group_mass(p, q, members)

@@ -36,6 +36,8 @@ def small_inputs():
                         torch.softmax(torch.randn(B, 7, V, generator=gen), -1), 1.0 - torch.rand(B, 7, generator=gen),
                         1.0 - torch.rand(B, generator=gen), torch.randint(0, V, (V, 4), generator=gen), 0.2, False,
                         False, False, 3),
+        "counter_uniform": (torch.randint(-2**62, 2**62, (B,), generator=gen), torch.tensor([5, -1]),
+                            torch.randint(-2**62, 2**62, (3,), generator=gen), 37),
         "kv_compact": (torch.randn(2, B, H, S, D, generator=gen), torch.randn(2, B, H, S, D, generator=gen),
                        torch.tensor([4, 5, 6]), torch.tensor([3, 4, 5])),
         "gather_rows": (torch.randn(B, S, D, generator=gen), torch.tensor([3, 0, 7])),

@@ -136,3 +136,25 @@ def test_tree_attention_split_choice():
     assert pick_splits(40, 200, cpu) == 1  # too short to be worth a split
     assert pick_splits(400, 4104, cpu) == 1  # enough programs already
     assert launch_config(1, 64)[0] == 1 and launch_config(60, 128)[0] == 64 and launch_config(70, 64)[0] == 128
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("shared_mask", [False, True])
+def test_tree_attention_per_row_lengths_and_trees(triton_kernels, device, splits, shared_mask):
+    # A batch of sequences (CFG rows included), each at its own committed length with its own tree.
+    B, H, Q, D, S = 3, 2, 7, 16, 50
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(B, H, Q, D, generator=gen).to(device)
+    k = torch.randn(B, H, S, D, generator=gen).to(device)
+    v = torch.randn(B, H, S, D, generator=gen).to(device)
+    P = torch.tensor([0, 21, 43], device=device)  # the last one's block runs to the end of the cache
+    local = ((torch.rand(B, Q, Q, generator=gen) < 0.4) | torch.eye(Q, dtype=torch.bool)).to(device)
+    if shared_mask:
+        local = local[:1].expand(B, Q, Q)
+    out = torch.full(q.shape, float("nan"), device=device)
+    got = triton_kernels.tree_attention(q, k, v, P, local, None, block_n=16, num_splits=splits, out=out)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, R.tree_attention(q, k, v, P, local, None), rtol=2e-5, atol=2e-5)
+    for b in range(B):  # row b alone, with a shared length and mask, is the same computation
+        alone = R.tree_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], P[b:b + 1], local[b], None)
+        torch.testing.assert_close(got[b:b + 1], alone, rtol=2e-5, atol=2e-5)

@@ -83,6 +83,7 @@ def unit_codebook(engine, vocab: int) -> torch.Tensor:
         raise VVSError("GSD's distance filter needs the VQ tokenizer's codebook (load one with --vq-ckpt), "
                        "or set gsd-dist-threshold to inf")
     cb = torch.nn.functional.normalize(engine.codebook_vectors().float(), dim=-1)
+    cb = cb[:getattr(engine.vq, "n_codes", cb.shape[0])]  # layout tokens (end of line) have no code
     if cb.shape[0] < vocab:
         pad = torch.full((vocab - cb.shape[0], cb.shape[1]), float("nan"), device=cb.device)
         cb = torch.cat([cb, pad])

@@ -59,6 +59,8 @@ class DraftSession:
             self.layout = L = static_layout(choices, self.device)
             # One structure for every sequence: computed once, expanded per build (views).
             self.static_structure = tree_structure(L["parents"][None], L["max_depth"], max(L["max_rank"], 1))
+            self.static_levels = self._static_levels()
+        self._tables = self._dynamic_tables() if spec.kind == "dynamic" else None
 
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
         """Per-sequence [B, ...] -> per-row [rows, ...] (the unconditional half repeats the sequences)."""
@@ -70,19 +72,19 @@ class DraftSession:
         sequence. feats [rows, M, D], tokens [B, M], start [B]. Returns the drafter outputs [rows, M, D].
         Pairs past the caller's valid count write scratch slots that later writes overwrite."""
         M = tokens.shape[1]
-        pos = start[:, None] + torch.arange(M, device=self.device)  # [B, M]
+        pos = start[:, None] + self.slot_ids[:M]  # [B, M]
         vis = self.slot_ids[None, None, :] <= pos[:, :, None]  # prefix + causal block: [B, M, S]
         pos_rows = self.rows_of(pos)
         return self.drafter(feats, self.rows_of(tokens), pos_rows, self.kv, pos_rows, self.rows_of(vis)[:, None])
 
-    def _topk(self, h: torch.Tensor, k: int, position: torch.Tensor):
-        """drafter features [rows, F, D] at drafter ``position`` [B] -> (log-probs [B, F, k], tokens
-        [B, F, k]) of the k best drafts under the guided, processed drafter distribution: the fused
-        draft-sampling kernel's job."""
+    def _topk_rows(self, h: torch.Tensor, k: int, position_rows: torch.Tensor):
+        """drafter features [rows, F, D] at drafter position ``position_rows`` [rows] -> (log-probs
+        [B, F, k], tokens [B, F, k]) of the k best drafts under the guided, processed drafter
+        distribution: the fused draft-sampling kernel's job."""
         from .. import kernels
 
         F_ = h.shape[1]
-        lg = self.drafter.logits(h, self.rows_of(position))
+        lg = self.drafter.logits(h, position_rows)
         tok, lp = kernels.draft_topk(lg.reshape(-1, lg.shape[-1]), self.dparams.cfg_scale if self.params.use_cfg
                                      else 1.0, self.dparams.temperature, self.dparams.top_k, self.dparams.top_p, k)
         lp = lp.to(h.dtype if h.dtype == torch.float64 else torch.float32)
@@ -116,53 +118,96 @@ class DraftSession:
             return self._dynamic(root, h_root, P_d)
         return self._static(root, h_root, P_d, rng, step)
 
+    def _dynamic_tables(self):
+        """Constants of the dynamic build (per TreeSpec): made once, so a round spends no op on them."""
+        K, depth, dev = self.spec.topk, self.spec.depth, self.device
+        # Candidates: K children of the root, then K * K per expansion; a candidate's level (1-based).
+        level = torch.cat([torch.ones(K, dtype=torch.long)] + [torch.full((K * K,), d + 2) for d in range(depth)])
+        # Frontier table columns: [no parent (-1) | level-0 frontier | level-1 frontier | ...]; the
+        # candidate with global id g has its parent in column parent_col[g].
+        parent_col = torch.cat([torch.zeros(K, dtype=torch.long)] +
+                               [1 + d * K + torch.arange(K * K) // K for d in range(depth)])
+        # A frontier column holds the within-level index of the chosen candidate; adding the level's
+        # first global id makes it a global id (column 0 keeps -1).
+        frontier_offset = torch.cat([torch.zeros(1, dtype=torch.long), torch.zeros(K, dtype=torch.long)] +
+                                    [torch.full((K,), K + (d - 1) * K * K) for d in range(1, depth)])
+        tables = dict(
+            # A child's cumulative log-prob never exceeds its parent's; the tiny per-level penalty makes
+            # that strict, so the best (total-1) candidates always include every selected node's parent.
+            penalty=(1e-6 * level).to(dev), parent_col=parent_col.to(dev), frontier_offset=frontier_offset.to(dev),
+            frontier0=torch.arange(-1, K, device=dev).expand(self.batch, K + 1),
+            scratch_cols=torch.arange(depth * K, device=dev),
+            eye=torch.eye(K, dtype=torch.bool, device=dev).expand(self.rows, K, K),
+            no_parent=torch.full((self.batch, 1), -1, dtype=torch.long, device=dev),
+            zero_logp=torch.zeros(self.batch, 1, device=dev))
+        return tables
+
     def _dynamic(self, root, h_root, P_d) -> DraftTree:
         K, depth, total = self.spec.topk, self.spec.depth, self.spec.total
         B, rows, D = self.batch, self.rows, h_root.shape[-1]
-        dev = self.device
-        lp, tok = self._topk(h_root[:, None], K, P_d - 1)
+        t = self._tables
+        # Per build, in CFG row space: drafter positions, the committed prefix every node sees, and
+        # the scratch slots of the tree nodes (level d's frontier in columns [d * K, (d + 1) * K)).
+        P_rows = self.rows_of(P_d)
+        prefix_vis = self.slot_ids[None, :] < P_rows[:, None]  # [rows, S]
+        scratch = P_rows[:, None] + t["scratch_cols"]  # [rows, depth * K]
+        lp, tok = self._topk_rows(h_root[:, None], K, P_rows - 1)
         lp, tok = lp[:, 0], tok[:, 0]  # [B, K]
-        cand_tok, cand_score, cand_lp = [tok], [lp], [lp]
-        cand_parent = [torch.full((B, K), -1, device=dev, dtype=torch.long)]
-        f_tok, f_score, f_gid = tok, lp, torch.arange(K, device=dev).expand(B, K)
+        cand_tok, cand_score, cand_lp, frontiers = [root[:, None], tok], [lp], [t["zero_logp"], lp], [t["frontier0"]]
+        f_tok, f_score = tok, lp
         f_feat = h_root[:, None].expand(rows, K, D)
-        anc = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)
-        eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
-        offset = K
+        anc = t["eye"]  # [rows, K, width]: frontier f sees its ancestors' scratch slots and its own
         for d in range(depth):
-            anc = torch.cat([anc, eye], 2)  # frontier f sees its ancestors' slots and its own
-            cols = d * K + torch.arange(K, device=dev)
-            out = self._run_nodes(f_feat, f_tok, P_d + d, P_d, cols, anc)
-            clp, ctok = self._topk(out, K, P_d + d)  # [B, K, K]
+            width = (d + 1) * K
+            if d:
+                anc = torch.cat([anc, t["eye"]], 2)
+            vis = prefix_vis[:, None, :].expand(rows, K, self.S).clone()
+            vis.scatter_(2, scratch[:, None, :width].expand(rows, K, width), anc)
+            pos = (P_rows + d)[:, None]
+            out = self.drafter(f_feat, self.rows_of(f_tok), pos.expand(rows, K), self.kv,
+                               scratch[:, d * K:width], vis[:, None])
+            clp, ctok = self._topk_rows(out, K, pos[:, 0])  # [B, K, K]
             cum = (f_score[:, :, None] + clp).flatten(1)
             ctok = ctok.flatten(1)
             cand_tok.append(ctok)
             cand_score.append(cum)
             cand_lp.append(clp.flatten(1))
-            cand_parent.append(f_gid.repeat_interleave(K, dim=1))
+            if d == depth - 1:
+                break  # the last level's candidates are never expanded
             best = cum.topk(K, dim=1).indices  # [B, K]
-            par = best // K
+            frontiers.append(best)
+            par_rows = self.rows_of(best // K)
             f_tok, f_score = ctok.gather(1, best), cum.gather(1, best)
-            f_gid = offset + best
-            f_feat = out.gather(1, self.rows_of(par)[:, :, None].expand(rows, K, D))
-            anc = anc.gather(1, par[:, :, None].expand(B, K, anc.shape[2]))
-            offset += K * K
-        tokens_all = torch.cat(cand_tok, 1)
-        parent_all = torch.cat(cand_parent, 1)
-        level = torch.cat([torch.full((K,), 1, device=dev)] + [torch.full((K * K,), d + 2, device=dev)
-                                                                for d in range(depth)])
-        # A child's cumulative log-prob never exceeds its parent's; the tiny per-level penalty makes
-        # that strict, so the best (total-1) candidates always include every selected node's parent.
-        score = torch.nan_to_num(torch.cat(cand_score, 1) - 1e-6 * level, neginf=-1e30)
+            f_feat = out.gather(1, par_rows[:, :, None].expand(rows, K, D))
+            anc = anc.gather(1, par_rows[:, :, None].expand(rows, K, width))
+        score = torch.nan_to_num(torch.cat(cand_score, 1) - t["penalty"], neginf=-1e30)
         sel = score.topk(min(total - 1, score.shape[1]), dim=1).indices.sort(dim=1).values
-        par_gid = parent_all.gather(1, sel)
-        parents = torch.where(par_gid < 0, torch.zeros_like(par_gid),
-                              torch.searchsorted(sel, par_gid.clamp(min=0)) + 1)
-        parents = torch.cat([torch.full((B, 1), -1, device=dev, dtype=torch.long), parents], 1)
-        tokens = torch.cat([root.reshape(B, 1), tokens_all.gather(1, sel)], 1)
+        # Parent of each selected candidate (a global candidate id, -1 for the root's children), then
+        # its node index: the root is node 0, selected candidate j is node j + 1.
+        frontier_ids = torch.cat(frontiers, 1) + t["frontier_offset"]
+        par_gid = frontier_ids.gather(1, t["parent_col"][sel])
+        sel_nodes = torch.cat([t["no_parent"], sel], 1)  # node i <- candidate sel_nodes[i] (root: -1)
+        parents = torch.cat([t["no_parent"], torch.searchsorted(sel_nodes, par_gid)], 1)
+        node_cand = sel_nodes + 1  # columns of [root | candidates]
+        tokens = torch.cat(cand_tok, 1).gather(1, node_cand)
+        logp = torch.cat(cand_lp, 1).gather(1, node_cand)
         mask, dep, paths, leaf, children = tree_structure(parents, depth + 1, K)
-        logp = torch.cat([torch.zeros(B, 1, device=dev, dtype=lp.dtype), torch.cat(cand_lp, 1).gather(1, sel)], 1)
         return DraftTree(tokens, parents, mask, dep, paths, leaf, children, draft_logp=logp)
+
+    def _static_levels(self):
+        """Per depth level of the static layout, the index pieces a build needs (made once): the
+        level's node range (levels are contiguous: nodes are numbered by depth), its nodes' parents
+        and ancestor masks over the scratch columns, and where each child's draft comes from (its
+        parent's row in the level, its rank)."""
+        L = self.layout
+        parents, ranks, mask = L["parents"], L["ranks"], self.static_structure[0][0]
+        levels = []
+        for d in range(L["max_depth"]):
+            lvl, kids = L["by_level"][d], L["by_level"][d + 1]
+            levels.append(dict(nodes=slice(*L["level_ranges"][d]), kids=slice(*L["level_ranges"][d + 1]),
+                               parents=parents[lvl], anc=mask[lvl][:, 1:], scratch=lvl - 1,
+                               row=torch.searchsorted(lvl, parents[kids]), rank=ranks[kids]))
+        return levels
 
     def _static(self, root, h_root, P_d, rng, step) -> DraftTree:
         L = self.layout
@@ -170,7 +215,7 @@ class DraftSession:
         K = max(L["max_rank"], 1)
         N = L["n"]
         V = self.drafter.target.config.vocab_size
-        parents, ranks = L["parents"], L["ranks"]
+        parents = L["parents"]
         tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
         tokens[:, 0] = root
         q_nodes = torch.zeros(B, N, V, device=dev)
@@ -185,23 +230,22 @@ class DraftSession:
 
             # Exp(1) per node and token; u = 1 gives 0, clamped so a zero-probability token never wins
             race = (-torch.log(rng.uniform(step, Streams.TREE, (N, V)))).clamp(min=1e-30)
-        for d in range(L["max_depth"]):
-            lvl = L["by_level"][d]  # nodes at depth d: already have tokens; get their q
+        for d, level in enumerate(self.static_levels):
+            lvl, kids = level["nodes"], level["kids"]  # nodes at depth d already have tokens; get their q
             if d == 0:
                 q, lg = self._q(h_root[:, None], P_d - 1)
             else:
-                anc = mask[0][lvl][:, 1:]  # scratch column of node i is i - 1
-                out = self._run_nodes(feats[:, parents[lvl]], tokens[:, lvl], P_d + d - 1, P_d, lvl - 1,
+                anc = level["anc"]  # scratch column of node i is i - 1
+                out = self._run_nodes(feats[:, level["parents"]], tokens[:, lvl], P_d + (d - 1), P_d, level["scratch"],
                                       anc.expand(B, *anc.shape))
                 feats[:, lvl] = out
-                q, lg = self._q(out, P_d + d - 1)  # [B, F, V]
+                q, lg = self._q(out, P_d + (d - 1))  # [B, F, V]
             q_nodes[:, lvl] = q
             logit_nodes[:, lvl] = lg.float()
             score = q / race[:, lvl] if race is not None else q
             draws = score.topk(K, dim=-1).indices  # [B, F, K]
-            kids = L["by_level"][d + 1]
-            row = torch.searchsorted(lvl, parents[kids])  # child = (parent's row among this level, rank)
-            tokens[:, kids] = draws[:, row, ranks[kids]]
+            row = level["row"]  # child = (parent's row among this level, rank)
+            tokens[:, kids] = draws[:, row, level["rank"]]
             logp[:, kids] = torch.log(q[:, row].gather(2, tokens[:, kids][:, :, None])[:, :, 0])
         return DraftTree(tokens, parents.expand(B, N), mask, dep, paths, leaf, children, q=q_nodes, draft_logp=logp,
                          draft_feats=feats, sampled=self.sample_drafts, draft_logits=logit_nodes)

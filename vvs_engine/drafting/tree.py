@@ -58,26 +58,25 @@ def tree_structure(parents: torch.Tensor, max_depth: int, max_children: int):
 
 def tree_meta_batched(parents: torch.Tensor, max_depth: int):
     """``kernels.tree_meta`` for B trees at once (parents [B, N], ``parents[b, i] < i``): ancestor
-    masks, depths, root -> node paths and leaf flags."""
+    masks, depths, root -> node paths and leaf flags. Follows parent links ``max_depth`` times (one
+    gather of [B, N] each) instead of propagating whole [N, N] masks."""
     B, N = parents.shape
     dev = parents.device
-    eye = torch.eye(N, dtype=torch.bool, device=dev)[None]
-    has_parent = (parents >= 0)[:, :, None]
-    par = parents.clamp(min=0)[:, :, None].expand(B, N, N)
-    anc = eye.expand(B, N, N)
-    for _ in range(max_depth):  # after t steps every ancestor within distance t is set
-        anc = eye | (anc.gather(1, par) & has_parent)
+    # up[b, i]: the parent of i; the root's parent is a sentinel N that is its own parent.
+    up = torch.nn.functional.pad(parents % (N + 1), (0, 1), value=N)  # -1 % (N + 1) == N
+    hop = torch.arange(N, device=dev).expand(B, N)
+    hops = [hop]
+    for _ in range(max_depth):
+        hop = up.gather(1, hop)
+        hops.append(hop)
+    chain = torch.stack(hops, 2)  # [B, N, max_depth + 1]: the ancestor t steps up (N past the root)
+    anc = torch.zeros(B, N, N + 1, dtype=torch.bool, device=dev).scatter_(2, chain, True)[:, :, :N]
     depth = anc.sum(2) - 1
-    # parents[i] < i: an ancestor's column is its rank among i's ancestors by index (root -> node order).
-    col = anc.long().cumsum(2) - 1
-    spill = max_depth + 1
-    col = torch.where(anc & (col <= max_depth), col, torch.full_like(col, spill))
-    nodes = torch.arange(N, device=dev).expand(B, N, N)
-    paths = torch.full((B, N, max_depth + 2), -1, dtype=torch.long, device=dev).scatter_(2, col, nodes)
-    paths = paths[:, :, : max_depth + 1]
-    n_children = torch.zeros(B, N, dtype=torch.long, device=dev).scatter_add_(1, parents.clamp(min=0),
-                                                                             has_parent[:, :, 0].long())
-    return anc, depth, paths, n_children == 0
+    # Path column j (root first) is the ancestor depth - j steps up.
+    up_steps = depth[:, :, None] - torch.arange(max_depth + 1, device=dev)
+    paths = torch.where(up_steps >= 0, chain.gather(2, up_steps.clamp(min=0)), -1)
+    has_child = torch.zeros(B, N + 1, dtype=torch.bool, device=dev).scatter_(1, up[:, :N], True)
+    return anc, depth, paths, ~has_child[:, :N]
 
 
 def children_table_batched(parents: torch.Tensor, max_children: int) -> torch.Tensor:
@@ -85,10 +84,11 @@ def children_table_batched(parents: torch.Tensor, max_children: int) -> torch.Te
     B, N = parents.shape
     ids = torch.arange(N, device=parents.device)
     is_child = parents[:, None, :] == ids[None, :, None]  # [B, N parent, N child]
-    rank = is_child.long().cumsum(2) - 1
+    rank = is_child.cumsum(2) - 1
     out = torch.full((B, N, max_children + 1), -1, dtype=torch.long, device=parents.device)
-    col = torch.where(is_child & (rank < max_children), rank, torch.full_like(rank, max_children))
-    out.scatter_(2, col, torch.where(is_child, ids.expand(B, N, N), torch.full_like(rank, -1)))
+    # Non-children (and ranks past the table) land in a spill column that is dropped.
+    col = torch.where(is_child & (rank < max_children), rank, max_children)
+    out.scatter_(2, col, ids.expand(B, N, N))
     return out[:, :, :max_children]
 
 
@@ -155,8 +155,10 @@ def static_layout(choices: Sequence[Sequence[int]], device) -> dict:
     max_rank = max(ranks) + 1
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
     by_level = [t([i for i, d in enumerate(depths) if d == lvl]) for lvl in range(max_depth + 1)]
+    # Nodes are numbered by depth, so each level is a contiguous range (host ints: slicing needs no sync).
+    level_ranges = [(depths.index(lvl), len(depths) - depths[::-1].index(lvl)) for lvl in range(max_depth + 1)]
     return dict(parents=t(parents), ranks=t(ranks), depths=t(depths), max_depth=max_depth,
-                max_rank=max_rank, by_level=by_level, n=len(parents))
+                max_rank=max_rank, by_level=by_level, level_ranges=level_ranges, n=len(parents))
 
 
 def chain_choices(depth: int) -> List[List[int]]:

@@ -403,7 +403,7 @@ def write_report(result: dict, out_dir: str, tag: str, plot: bool = True) -> Lis
         json.dump(result, f, indent=2, default=str)
     lines = [f"# End-to-end benchmark ({tag})", ""]
     m = result["meta"]
-    for k in ("mode", "device", "hardware", "dtype", "cuda_graphs", "cfg_scale", "temperature", "repeats",
+    for k in ("command", "date", "mode", "device", "hardware", "dtype", "cuda_graphs", "cfg_scale", "temperature", "repeats",
               "vq_decode_included", "note"):
         if k in m:
             lines.append(f"- {k}: {m[k]}")
@@ -466,8 +466,11 @@ def parse_args(argv):
     p.add_argument("--model", default="zoo", help="zoo (default; the shipped Zoo model) or a random-weight "
                                                  f"shape: {', '.join(SHAPES)}")
     p.add_argument("--model-dir", default=None, metavar="DIR",
-                   help="measure a local Hugging Face folder of another family (Janus-Pro) instead of --model")
+                   help="measure a local Hugging Face folder of another family (Janus-Pro, Lumina-mGPT, Emu3) "
+                        "instead of --model")
     p.add_argument("--drafter", default=None, metavar="PATH", help="drafter for --model-dir (speculative settings)")
+    p.add_argument("--image-size", type=int, default=None, metavar="PX",
+                   help="with --model-dir: image side in pixels (Lumina-mGPT default 768, Emu3 default 720)")
     p.add_argument("--settings", default=None, help="semicolon-separated method[:k=v,...] list "
                                                     f"(default: {';'.join(DEFAULT_SETTINGS)}); ar is always added")
     p.add_argument("--repeats", type=int, default=3, help="timed images per setting (default 3; median reported)")
@@ -524,7 +527,9 @@ def main(argv=None) -> int:
     meta = {"device": str(device), "hardware": hardware(), "dtype": str(dtype).replace("torch.", ""),
             "cuda_graphs": "engine default (on for CUDA)" if args.graphs is None else args.graphs,
             "cfg_scale": args.cfg_scale, "temperature": args.temperature, "repeats": args.repeats,
-            "vq_decode_included": bool(args.decode_images)}
+            "vq_decode_included": bool(args.decode_images),
+            "command": "vvs-engine bench " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     blocks = []
     if args.replay:
         meta["mode"] = "replay"
@@ -539,12 +544,17 @@ def main(argv=None) -> int:
                         f"{trace['meta'].get('model', '?')}; VQ decoding not included (no tokenizer)")
         meta["vq_decode_included"] = False
         shapes = ["tiny"] if args.quick else [m.strip() for m in args.replay_models.split(",") if m.strip()]
+        recorded = trace["blocks"][0]["rows"]
+        if args.settings:  # replay only these of the recorded settings (ar is always kept)
+            wanted = {s.label for s in settings}
+            recorded = [row for row in recorded if row["setting"] in wanted]
+        tag = args.tag or f"{meta['mode']}_{device.type}" + ("_quick" if args.quick else "")
         for spec in shapes:
             name, _, tok = spec.partition(":")
             eng = random_engine(name, device, dtype, tokens=int(tok) if tok else (64 if args.quick else None))
             neighbor_stub(eng, lantern_k(eng))
             rows = []
-            rec = trace["blocks"][0]["rows"]
+            rec = recorded
             for row in rec:
                 st = replay_setting(row, eng)
                 r = time_setting(eng, st, args, lambda i: i % eng.config.num_classes)
@@ -555,6 +565,7 @@ def main(argv=None) -> int:
                            "rows": rows, "recorded_tpf": {row["setting"]: row["tpf"] for row in rec
                                                           if not math.isnan(row["tpf"])}})
             _release(eng)
+            write_report({"meta": meta, "blocks": blocks}, args.out, tag, plot=False)  # kept if a later model runs out of time
     elif args.batch_sizes:
         meta["mode"] = "batch"
         eng, desc = load_model("tiny" if args.quick and args.model == "zoo" else args.model, device, dtype, args.quick)
@@ -593,7 +604,8 @@ def main(argv=None) -> int:
         if args.model_dir:
             from ..engine import Engine
 
-            eng = Engine.load(model_dir=args.model_dir, drafter=args.drafter, device=device, dtype=dtype)
+            eng = Engine.load(model_dir=args.model_dir, drafter=args.drafter, device=device, dtype=dtype,
+                              image_size=args.image_size)
             desc = f"{eng.info.get('model')} ({args.model_dir})"
         else:
             eng, desc = load_model("tiny" if args.quick and args.model == "zoo" else args.model, device, dtype,

@@ -22,7 +22,7 @@ from .reference import local_visibility, sibling_links  # noqa: F401
 
 __all__ = [
     "tree_attention", "local_visibility", "sibling_links", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
-    "accept_walk", "tree_verify", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
+    "accept_walk", "tree_verify", "counter_uniform", "counter_sample", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
 ]
 
 
@@ -36,8 +36,8 @@ def tree_attention(q, k, v, prefix_len, local, key_valid=None):
     """q [B, H, Q, D] over the prefix ``[0, P)`` of k, v [B, H, S, D] plus the local block
     ``[P, P + Q)`` under ``local`` [Q, Q] -> [B, H, Q, D]. See ``reference.tree_attention``.
     Per-row layouts (``prefix_len`` [B], ``local`` [B, Q, Q]: batched speculative decoding) run the
-    torch reference on every device (the Triton/CUDA kernels take one layout for all rows)."""
-    if _reference_fast_path(q) or prefix_len.numel() > 1 or local.dim() == 3:
+    same kernel (one program per row and head reads its row's length and mask)."""
+    if _reference_fast_path(q):
         return reference.tree_attention(q, k, v, prefix_len, local, key_valid)
     return ops.tree_attention(q, k, v, prefix_len, local, key_valid)
 
@@ -87,6 +87,23 @@ def tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, delta: fl
                                      reference_residual, greedy, max_depth)
     return ops.tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, float(delta), bool(ratio),
                            bool(reference_residual), bool(greedy), int(max_depth))
+
+
+def counter_uniform(key, step, stream_offsets, n_lanes: int):
+    """-> float32 [B, S, n_lanes]: ``CounterRNG`` uniforms of S streams in one op (the same bits as
+    ``CounterRNG.uniform``). See ``reference.counter_uniform``."""
+    if _reference_fast_path(key):
+        return reference.counter_uniform(key, step, stream_offsets, n_lanes)
+    return ops.counter_uniform(key, step, stream_offsets, int(n_lanes))
+
+
+def counter_sample(rng, probs, step, stream: int):
+    """``CounterRNG.sample`` (one categorical draw per row of ``probs`` [B, V]) with its uniform from
+    :func:`counter_uniform`: the same token, one op for the random number."""
+    from ..rng import sample_inverse_cdf
+
+    step = torch.as_tensor(step, dtype=torch.long, device=probs.device)
+    return sample_inverse_cdf(probs, counter_uniform(rng.key, step, rng.stream_offsets([stream]), 1)[:, 0, 0])
 
 
 def kv_compact(k, v, src, dst) -> None:

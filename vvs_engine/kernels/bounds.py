@@ -21,9 +21,17 @@ DEBUG_ENV = "VVS_CHECK_BOUNDS"
 _FLAGS: dict[torch.device, torch.Tensor] = {}
 
 
+def _key(device) -> torch.device:
+    """``cuda`` and ``cuda:0`` name one flag (kernels see ``tensor.device``, the engine may hold ``cuda``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def error_flag(device: torch.device) -> torch.Tensor:
     """The device's int32 [1] flag (0 = no bad index seen since the last check)."""
-    device = torch.device(device)
+    device = _key(device)
     if device not in _FLAGS:
         _FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return _FLAGS[device]
@@ -31,7 +39,7 @@ def error_flag(device: torch.device) -> torch.Tensor:
 
 def raise_if_set(device, where: str = "a kernel") -> None:
     """Raise VVSError (and clear the flag) if a kernel on ``device`` met an out-of-range index."""
-    flag = _FLAGS.get(torch.device(device))
+    flag = _FLAGS.get(_key(device))
     if flag is not None and int(flag.item()) != 0:  # the one host read, at the end of a generation
         flag.zero_()
         raise VVSError(f"{where} got an out-of-range index (see vvs_engine/kernels/bounds.py for the preconditions)")

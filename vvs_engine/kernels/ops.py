@@ -166,3 +166,17 @@ def scatter_rows_(x: Tensor, idx: Tensor, src: Tensor) -> None:
 @scatter_rows_.register_fake
 def _(x, idx, src):
     return None
+
+
+# ------------------------------------------------------------------------------------ random numbers
+
+
+@torch.library.custom_op("vvs::counter_uniform", mutates_args=())
+def counter_uniform(key: Tensor, step: Tensor, stream_offsets: Tensor, n_lanes: int) -> Tensor:
+    return _impl("counter_uniform", key.device)(key, step, stream_offsets, n_lanes)
+
+
+@counter_uniform.register_fake
+def _(key, step, stream_offsets, n_lanes):
+    return key.new_empty((key.shape[0], stream_offsets.shape[0], n_lanes), dtype=torch.float32)
+

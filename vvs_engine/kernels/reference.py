@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..rng import STEP, bits_to_uniform, lane_offsets, mix64
+
 
 def local_visibility(prefix_len: torch.Tensor, local: torch.Tensor, n_slots: int,
                      key_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,8 +39,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
                    local: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of Q queries (tree nodes, a pending chain, a Jacobi window) whose K/V already sit in
     slots ``[P, P+Q)`` of the cache, over the committed prefix ``[0, P)`` without a mask plus the local
-    ``Q x Q`` block under ``local``. q [B, H, Q, D]; k, v [B, H, S, D]; prefix_len [1] int64;
-    local [Q, Q] bool; key_valid [B, S] bool or None (hides padded condition slots)."""
+    ``Q x Q`` block under ``local``. q [B, H, Q, D]; k, v [B, H, S, D]; prefix_len [1] or [B] int64;
+    local [Q, Q] or [B, Q, Q] bool; key_valid [B, S] bool or None (hides padded condition slots)."""
     vis = local_visibility(prefix_len, local, k.shape[2], key_valid)  # [B|1, Q, S]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=vis.unsqueeze(1))
 
@@ -353,3 +355,16 @@ def walk_accepted(accepted_child: torch.Tensor, max_depth: int):
     n_accepted = (path[:, 1:] >= 0).sum(1)
     last = path.gather(1, n_accepted[:, None])[:, 0]
     return path, n_accepted, last
+
+
+# ----------------------------------------------------------------------------------------------------
+# Counter-based random numbers
+
+
+def counter_uniform(key: torch.Tensor, step: torch.Tensor, stream_offsets: torch.Tensor, n_lanes: int) -> torch.Tensor:
+    """``CounterRNG`` uniforms of several streams at once: key [B] (``CounterRNG.key``), step [B] or
+    [1] int64, stream_offsets [S] (``CounterRNG.stream_offsets``) -> float32 [B, S, n_lanes] in (0, 1],
+    entry [b, s, j] equal to ``uniform(step, stream s)[b, j]`` (the same bits)."""
+    base = mix64((key + step * STEP)[:, None] + stream_offsets[None, :])  # [B, S]
+    return bits_to_uniform(mix64(base[:, :, None] + lane_offsets(n_lanes, key.device)[None, None, :]))
+

@@ -13,6 +13,7 @@ import torch
 
 from ..runtime.masks import causal_local
 from ..runtime.profiling import nvtx_range
+from .. import kernels
 from ..rng import CounterRNG, Streams
 from ..sampling import guided_logits, process_logits
 from ..runtime.target import TargetSession
@@ -34,8 +35,8 @@ def generate(session: TargetSession, params, rng: CounterRNG, use_graphs: bool =
         for _ in range(s.T - 1):
             h = s.forward(tok[:, None], pos, pos, one)[:, -1]
             # the token at position pos is image token pos - (c - 1): its index is the RNG step
-            tok = rng.sample(process_logits(guided_logits(s.logits(h), params), params), pos - (s.c - 1),
-                             Streams.SAMPLE)
+            tok = kernels.counter_sample(rng, process_logits(guided_logits(s.logits(h), params), params),
+                                         pos - (s.c - 1), Streams.SAMPLE)
             out.append(tok)
             pos += 1
     return _result(torch.stack(out, 1), s)

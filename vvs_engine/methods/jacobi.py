@@ -38,6 +38,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .. import kernels
 from ..acceptance.gsd import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
                               check_window_edge, make_grouped_rule)
 from ..acceptance.verify import ExactRule
@@ -175,6 +176,7 @@ class JacobiDecoder:
         rel = s.slot_ids[None, :] - scratch
         self.window_block = (rel >= 0) & (rel <= self.lanes[:, None])  # [L, S]
         self.n_uniforms = 3 * L if self.policy == "random" else 2 * L
+        self.update_stream = self.rng.stream_offsets([Streams.JACOBI_UPDATE])
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, x]) if self.params.use_cfg else x
@@ -221,7 +223,7 @@ class JacobiDecoder:
 
         # One counter-RNG draw per iteration, split by lane: L - 1 acceptance tests, L Jacobi samples,
         # the residual sample, and L fresh random drafts (random init only).
-        u = self.rng.uniform(st.iteration, Streams.JACOBI_UPDATE, self.n_uniforms)
+        u = kernels.counter_uniform(self.rng.key, st.iteration, self.update_stream, self.n_uniforms)[:, 0]
 
         # --- accept the longest passing prefix of drafts --------------------------------------------
         if L > 1:
@@ -371,9 +373,10 @@ def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graph
         if retire_finished() and 0 < unfinished <= dec.B // 2:
             # at most log2(B) times per batch: one host read of which rows are still decoding
             keep, n_real = rows_to_keep(st.n_committed < dec.T, dec.n_real)
-            _store_rows(full, st, origin)
-            st, origin = dec.retire(st, keep, n_real), origin[keep]
-            iteration = round_fn(st)
+            if n_real:  # none left: the batch is about to stop anyway
+                _store_rows(full, st, origin)
+                st, origin = dec.retire(st, keep, n_real), origin[keep]
+                iteration = round_fn(st)
     _store_rows(full, st, origin)
     n = batch.n_real
     stats = summary(full.accepted_hist[:n].sum(0).tolist(), int(full.accepted_carried[:n].sum()), n_iterations, dec.L)

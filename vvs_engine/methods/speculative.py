@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from ..acceptance.verify import default_lantern_k, make_rule, verify_tree
 from ..drafting.session import DraftSession, TreeSpec
 from ..drafting.tree import STATIC_TREES, DraftTree
@@ -213,6 +214,12 @@ class SpeculativeRounds:
         self.target = s = TargetSession(engine.gpt, batch.cond, B, params.use_cfg, batch.key_mask, extra_slots=extra)
         self.draft = DraftSession(engine.drafter, s.rows, s.S, params, spec)
         self.c, self.T, self.dev = s.c, s.T, s.device
+        # Constant index vectors of the rounds, made once (a round spends no op on them).
+        self.path_slots = torch.arange(self.max_depth + 1, device=self.dev)
+        self.chain_slots = torch.arange(self.chain_width, device=self.dev)
+        self.no_skip = torch.zeros((), dtype=torch.long, device=self.dev)
+        self.verify_streams = self.rng.stream_offsets([Streams.ACCEPT, Streams.SAMPLE])
+        self.skip_stream = self.rng.stream_offsets([Streams.SKIP])
         self.skip_codebook = None
         if opts.skip_policy == "dynamic":
             self.skip_codebook = torch.nn.functional.normalize(engine.codebook_vectors().float(), dim=-1)
@@ -268,14 +275,15 @@ class SpeculativeRounds:
         unfinished real sequences]."""
         n = self.n_real
         # A sequence that a skip carried past the end is not finished until post-verification keeps it.
-        active = (st.n_out - st.chain_len)[:n] < self.T
-        wants = torch.zeros((), dtype=torch.bool, device=self.dev)
+        uncommitted = (st.n_out - st.chain_len)[:n]
+        finished = (uncommitted.min() >= self.T).long()
+        wants = self.no_skip
         if self.skip_codebook is not None:  # VVS-D: per-sequence decision, the batch skips only if all agree
+            active = uncommitted < self.T
             similar = sched.path_similarity(st.tree, self.skip_codebook)[:n] >= self.opts.skip_threshold
             agree = (similar & (st.n_out[:n] > sched.MIN_TOKENS_BEFORE_SKIP)) | ~active
-            wants = agree.all() & active.any()
-        flags = torch.stack([(~active).all().long(), wants.long(), st.n_out[:n].clamp(max=self.T).sum(),
-                             active.sum()])
+            wants = (agree.all() & active.any()).long()
+        flags = torch.stack([finished, wants, st.n_out[:n].clamp(max=self.T).sum(), (uncommitted < self.T).sum()])
         st.flags.copy_(flags)
 
     # --- rounds ----------------------------------------------------------------------------------------
@@ -290,42 +298,44 @@ class SpeculativeRounds:
         st, s, tree, params = self.state, self.target, self.state.tree, self.params
         B, N, Dmax, Cmax, T = self.batch, self.nodes, self.max_depth, self.chain_width, self.T
         P_t = st.target_len
-        path_slots = torch.arange(Dmax + 1, device=self.dev)
+        path_slots, chain_slots = self.path_slots, self.chain_slots
         if with_chain:
             a = st.chain_len
+            tree_start = P_t + a  # the tree's root position: after the skipped chain
             active = st.n_out - a < T
-            chain_slots = torch.arange(Cmax, device=self.dev)
             tokens = torch.cat([st.chain_tokens, tree.tokens], 1)
-            positions = torch.cat([P_t[:, None] + chain_slots, (P_t + a)[:, None] + tree.depth], 1)
+            positions = torch.cat([P_t[:, None] + chain_slots, tree_start[:, None] + tree.depth], 1)
             local, off = post_verify_mask(tree.mask, a, Cmax), Cmax
         else:
-            a = torch.zeros_like(P_t)
+            tree_start = P_t
             active = st.n_out < T
             tokens, positions, local, off = tree.tokens, P_t[:, None] + tree.depth, tree.mask, 0
         positions = positions.clamp(max=self.c + T - 1)  # overrun past the last image token is discarded
         H = s.forward_per_sequence(tokens, positions, P_t, local)  # [rows, Q, D]
         logits = guided_logits(s.logits(H), params)  # [B, Q, V]
         p = process_logits(logits[:, off:], params)
-        u_accept = self.rng.uniform(st.round, Streams.ACCEPT, (N,))
-        u_sample = self.rng.uniform(st.round, Streams.SAMPLE)
+        u = kernels.counter_uniform(self.rng.key, st.round, self.verify_streams, N)  # one op, CounterRNG's bits
+        u_accept, u_sample = u[:, 0], u[:, 1, 0]
         res = verify_tree(tree, p, self.rule, u_accept, u_sample, params.greedy, logits=logits[:, off:],
                           hidden=H[:B, off:], engine=self.engine)  # the conditional rows' features
         path, n_acc, next_token = res.path, res.n_accepted, res.next_token
         node = off + path.clamp(min=0)  # [B, Dmax + 1] query index of each accepted node
-        dst = (P_t + a)[:, None] + path_slots
+        dst = tree_start[:, None] + path_slots
         s.kv.move(self.rows_of(P_t[:, None] + node), self.rows_of(dst))  # accepted path -> after the chain
         if with_chain:  # the skipped chain's fresh features replace the stale ones it was drafted from
             self._scatter_positions_(st.feats, P_t[:, None] + chain_slots, H[:, :Cmax])
         path_feats = self._gather_positions(H, node)
         self._scatter_positions_(st.feats, dst, path_feats)
         accepted = tree.tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, Dmax]
-        self._write_out_(st.n_out[:, None] + path_slots[:Dmax], accepted)
-        self._write_out_((st.n_out + n_acc)[:, None], next_token[:, None])
-        n_out = st.n_out + torch.where(active, n_acc + 1, 0)
-        target_len = P_t + torch.where(active, a + n_acc + 1, 0)
-        draft_len = st.draft_len + torch.where(active, n_acc + 1, 0)
         # Drafter pairs: (fresh feature at each accepted node, the token after it); the last is the new root.
+        # They are also the committed tokens: the accepted drafts, then the next token at n_acc (slots
+        # past it are rewritten by later rounds).
         pair_tokens = torch.cat([accepted, next_token[:, None]], 1).scatter(1, n_acc[:, None], next_token[:, None])
+        self._write_out_(st.n_out[:, None] + path_slots, pair_tokens)
+        committed = torch.where(active, n_acc + 1, 0)
+        n_out = st.n_out + committed
+        target_len = (P_t + torch.where(active, a, 0) if with_chain else P_t) + committed
+        draft_len = st.draft_len + committed
         pair_feats, extend_start, root_index, root = path_feats, st.draft_len, n_acc, next_token
         if with_chain and self.opts.post_verify == "reject":
             rollback, keep, token = self._check_chain(logits[:, :Cmax], a, active)
@@ -347,12 +357,14 @@ class SpeculativeRounds:
             st.rolled_back.add_(rollback.long())
         h_draft = self.draft.extend(pair_feats, pair_tokens, extend_start)
         h_root = self._gather_positions(h_draft, root_index[:, None])[:, 0]
-        st.target_passes.add_(active.long())
-        st.accepted_hist.scatter_add_(1, n_acc[:, None], active.long()[:, None])
+        counted = active.long()
+        st.target_passes.add_(counted)
+        st.accepted_hist.scatter_add_(1, n_acc[:, None], counted[:, None])
         st.n_out.copy_(n_out)
         st.target_len.copy_(target_len)
         st.draft_len.copy_(draft_len)
-        st.chain_len.zero_()
+        if with_chain:  # a plain verify round follows a verify round: its chain is already empty
+            st.chain_len.zero_()
         st.round.add_(1)
         _copy_tree_(st.tree, self.draft.build(root, h_root, draft_len, self.rng, st.round))
         self._update_flags(st)
@@ -391,13 +403,13 @@ class SpeculativeRounds:
         a = torch.minimum(tree.depth.gather(1, choice[:, None])[:, 0], mean_len - 1).clamp(min=1)  # truncation
         path = tree.paths.gather(1, choice[:, None, None].expand(B, 1, Dmax + 1))[:, 0]  # [B, Dmax + 1]
         drafted = tree.tokens.gather(1, path[:, 1:].clamp(min=0))  # path[a] is the next root
-        self._write_out_(st.n_out[:, None] + torch.arange(Dmax, device=self.dev), drafted)
+        self._write_out_(st.n_out[:, None] + self.path_slots[:Dmax], drafted)
         committed = torch.where(active, a, 0)
         st.chain_tokens.copy_(tree.tokens.gather(1, path.clamp(min=0)))  # old root + a - 1 drafts: no KV yet
         st.chain_len.copy_(committed)
         # Stale features: the a most recent cached target features ("latest"), or the last one repeated.
         if self.opts.feature_reuse == "latest":
-            positions = ((st.target_len - a)[:, None] + torch.arange(Dmax, device=self.dev)).clamp(min=0)
+            positions = ((st.target_len - a)[:, None] + self.path_slots[:Dmax]).clamp(min=0)
         else:
             positions = (st.target_len - 1)[:, None].expand(B, Dmax)
         h_draft = self.draft.extend(self._gather_positions(st.feats, positions), drafted, st.draft_len)
@@ -415,7 +427,8 @@ class SpeculativeRounds:
         """A root-to-leaf path per sequence: uniform over leaves (VVS default), or the most confident."""
         leaf = tree.is_leaf
         if self.opts.select == "random":
-            score = self.rng.uniform(self.state.round, Streams.SKIP, (tree.n,)).to(torch.float64)
+            score = kernels.counter_uniform(self.rng.key, self.state.round, self.skip_stream, tree.n)[:, 0]
+            score = score.to(torch.float64)
         else:  # confidence: highest cumulative draft log-prob along the path
             lp = tree.draft_logp if tree.draft_logp is not None else torch.zeros(leaf.shape, device=leaf.device)
             on_path = tree.paths >= 0
@@ -435,7 +448,10 @@ class SpeculativeRounds:
         t = self.target
         t.key_valid, t.cond_rows, t.n, t.rows = t.key_valid.index_select(0, rows), t.cond_rows.index_select(0, rows), \
             keep.numel(), rows.numel()
-        self.draft.rows, self.draft.batch = rows.numel(), keep.numel()
+        d = self.draft
+        d.rows, d.batch = rows.numel(), keep.numel()
+        if d._tables is not None:  # constant tables shaped by the batch
+            d._tables = d._dynamic_tables()
         self.rng, self.batch, self.n_real = self.rng.rows(keep), keep.numel(), n_real
         self.origin = self.origin.index_select(0, keep)
         for name in ("out", "n_out", "target_len", "draft_len", "chain_tokens", "chain_len", "round", "target_passes",
@@ -550,9 +566,10 @@ def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: 
         if flags is not None and retire_finished() and 0 < flags[3] <= rounds.batch // 2:
             # at most log2(B) times per batch: one host read of which sequences are still decoding
             keep, n_real = rows_to_keep(rounds.unfinished(), rounds.n_real)
-            retired_tokens += (rounds.n_real - n_real) * rounds.T
-            rounds.retire(keep, n_real)
-            run_round = round_graphs()
+            if n_real:  # none left: the batch is about to stop anyway
+                retired_tokens += (rounds.n_real - n_real) * rounds.T
+                rounds.retire(keep, n_real)
+                run_round = round_graphs()
         if flags is not None:
             flags[2] = max(flags[2] + retired_tokens, reported)
         if round_index > 2 * rounds.T + 4:  # every round of an unfinished sequence commits >= 1 token

@@ -85,7 +85,7 @@ class ChameleonTarget(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
-        dev = fn(torch.zeros(0)).device
+        dev = fn(torch.zeros(0, device=self.rope.device)).device  # a dtype-only fn keeps the device
         self.rope, self.layout_forbidden = self.rope.to(dev), self.layout_forbidden.to(dev)
         return out
 
@@ -221,9 +221,9 @@ def emu3_code_ids(vocab_map: dict, what: str) -> torch.Tensor:
 
 
 class ChameleonCodebook(nn.Module):
-    """The tokenizer interface without pixels (Chameleon folders carry no VQ decoder; Emu3's MoVQ
-    decoder is not implemented here), so tokens are the output (``can_decode`` is False). Codebook
-    vectors (LANTERN/GSD neighbourhoods) are the VQ embeddings; EOL sits far from every code."""
+    """The tokenizer interface without pixels, for a folder that lacks its VQ decoder weights: tokens are
+    the output (``can_decode`` is False); codebook vectors (LANTERN/GSD neighbourhoods) are the VQ
+    embeddings, with the end-of-line row far from every code."""
 
     can_decode = False
 
@@ -233,10 +233,14 @@ class ChameleonCodebook(nn.Module):
         self.quantize.embedding = nn.Embedding(n_codes, dim)
         self.config = type("CodebookConfig", (), {"codebook_size": n_codes + 1, "grid": grid})()
 
+    @property
+    def n_codes(self) -> int:
+        return self.config.codebook_size - 1
+
     def codebook_vectors(self) -> torch.Tensor:
-        w = self.quantize.embedding.weight.detach()
-        far = torch.full((1, w.shape[1]), 1e4, dtype=w.dtype, device=w.device)
-        return torch.cat([w, far])
+        from .hf_vq import codebook_with_far_row_end
+
+        return codebook_with_far_row_end(self.quantize.embedding.weight)
 
     def decode(self, codes, grid=None):
-        raise VVSError("no VQ decoder for this family: only tokens are produced (use --no-images)")
+        raise VVSError("this folder has no VQ decoder weights: only tokens are produced (use --no-images)")

@@ -40,10 +40,14 @@ def read_folder_config(model_dir: str) -> dict:
     return read_json(os.path.join(model_dir, "config.json"), "config.json")
 
 
-def read_weights(model_dir: str) -> Dict[str, torch.Tensor]:
-    """All tensors of the folder's safetensors (sharded or not), in their stored dtype."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def read_weights(model_dir: str, prefixes: Tuple[str, ...] | None = None) -> Dict[str, torch.Tensor]:
+    """The tensors of the folder's safetensors (sharded or not), in their stored dtype; ``prefixes``:
+    only the tensors whose names start with one of them."""
+    from safetensors import SafetensorError, safe_open
+
+    def load_file(path):
+        with safe_open(path, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if prefixes is None or k.startswith(prefixes)}
 
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -207,14 +211,84 @@ def build_chameleon(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int,
     emb = sd.get("model.vqmodel.quantize.embedding.weight")
     if emb is None or emb.shape[0] != len(code_ids):
         raise VVSError(f"{what}: missing or mis-shaped model.vqmodel.quantize.embedding.weight")
-    book = ChameleonCodebook(emb.shape[0], emb.shape[1], grid)
-    book.quantize.embedding.weight.data.copy_(emb.float())
-    return target, book
+    vq = build_chameleon_vq(model_dir, cfg.get("vq_config") or {}, sd, len(code_ids), grid, what)
+    if vq is None:  # no decoder weights anywhere: tokens only
+        vq = ChameleonCodebook(emb.shape[0], emb.shape[1], grid)
+        vq.quantize.embedding.weight.data.copy_(emb.float())
+    return target, vq
+
+
+VQGAN_FILES = ("vqgan.safetensors", "vqgan.ckpt")
+
+
+def read_vqgan_file(model_dir: str, what: str):
+    """Chameleon's VQGAN decoder weights kept beside the folder's shards (Lumina-mGPT ships them as
+    ``ckpts/chameleon/tokenizer/vqgan.ckpt``; transformers' conversion drops the decoder) -> taming
+    names (``decoder.*``, ``post_quant_conv.*``, ``quantize.embedding.weight``), or None."""
+    for name in VQGAN_FILES:
+        path = os.path.join(model_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                sd = load_file(path)
+            else:
+                sd = torch.load(path, map_location="cpu", weights_only=True)
+                sd = sd.get("state_dict", sd) if isinstance(sd, dict) else sd
+        except Exception as e:  # safetensors and torch.load raise several types for a bad file
+            raise VVSError(f"{what}: unreadable {name} ({str(e).splitlines()[0][:160]}); "
+                           f"a checkpoint that needs pickled objects must be converted to safetensors") from None
+        if not isinstance(sd, dict):
+            raise VVSError(f"{what}: {name} holds no state dict")
+        return {k[len("model.vqmodel."):] if k.startswith("model.vqmodel.") else k: v for k, v in sd.items()}
+    return None
+
+
+def build_chameleon_vq(model_dir: str, qc: dict, sd: dict, n_codes: int, grid: int, what: str):
+    """Lumina-mGPT's image decoder from the folder's ``vq_config``; decoder weights from the folder's
+    shards (``model.vqmodel.decoder.*``) or a ``vqgan.safetensors`` / ``vqgan.ckpt`` beside them.
+    Returns None when neither holds decoder weights."""
+    from .hf_vq import ChameleonVQConfig, ChameleonVQDecoder
+
+    prefix = "model.vqmodel."
+    dec = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix + "decoder.")}
+    extra = None
+    if not dec:
+        extra = read_vqgan_file(model_dir, what)
+        if extra is None:
+            return None
+        dec = {k: v for k, v in extra.items() if k.startswith("decoder.")}
+        if not dec:
+            raise VVSError(f"{what}: the VQGAN file holds no decoder.* weights")
+    try:
+        vcfg = ChameleonVQConfig(codebook_size=n_codes + 1, codebook_embed_dim=int(qc.get("embed_dim", 256)),
+                                 latent_channels=int(qc.get("latent_channels", 256)),
+                                 base_channels=int(qc.get("base_channels", 128)),
+                                 channel_multiplier=[int(m) for m in qc.get("channel_multiplier", [1, 1, 2, 2, 4])],
+                                 num_res_blocks=int(qc.get("num_res_blocks", 2)),
+                                 attn_resolutions=[int(r) for r in qc.get("attn_resolutions") or []],
+                                 resolution=int(qc.get("resolution", 512)), grid_h=grid, grid_w=grid)
+    except (TypeError, ValueError) as e:
+        raise VVSError(f"{what}: bad vq_config ({e})") from None
+    vq = ChameleonVQDecoder(vcfg)
+    state = dict(dec)
+    for k in ("quantize.embedding.weight", "post_quant_conv.weight", "post_quant_conv.bias"):
+        if prefix + k not in sd:
+            raise VVSError(f"{what}: missing {prefix + k}")
+        state[k] = sd[prefix + k]
+        if extra is not None and k in extra and (extra[k].shape != state[k].shape
+                                                 or not torch.allclose(extra[k].float(), state[k].float())):
+            raise VVSError(f"{what}: the VQGAN file's {k} differs from the folder's: not this model's decoder")
+    load_into(vq, state, f"{what} (VQ decoder)")
+    return vq
 
 
 def build_emu3(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int, image_size: int):
     """Emu3-Gen: Llama decoder, visual tokens restricted from the text head, Emu3's layout tokens."""
     from .chameleon import ChameleonCodebook, ChameleonFamilyConfig, Emu3Target, emu3_code_ids, state_dict_from_hf
+    from .hf_vq import Emu3VQConfig, Emu3VQDecoder
 
     what = f"Emu3 folder {model_dir}"
     tc = cfg.get("text_config") or {}
@@ -242,9 +316,37 @@ def build_emu3(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int, imag
     prefixes = ("text_model.model.", "text_model.lm_head.") if original else ("model.text_model.", "lm_head.")
     load_into(target, state_dict_from_hf(sd, *prefixes), what)
     target.tokenizer = load_tokenizer(model_dir)
-    emb = sd.get("vqmodel.quantize.embedding.weight", sd.get("model.vqmodel.quantize.embedding.weight"))
+    vq_prefix = "vqmodel." if any(k.startswith("vqmodel.") for k in sd) else "model.vqmodel."
+    emb = sd.get(vq_prefix + "quantize.embedding.weight")
     if emb is None or emb.shape[0] != len(code_ids):
-        raise VVSError(f"{what}: missing or mis-shaped vqmodel.quantize.embedding.weight")
-    book = ChameleonCodebook(emb.shape[0], emb.shape[1], grid)
-    book.quantize.embedding.weight.data.copy_(emb.float())
-    return target, book
+        raise VVSError(f"{what}: missing or mis-shaped {vq_prefix}quantize.embedding.weight")
+    vq_sd = {k[len(vq_prefix):]: v for k, v in sd.items()
+             if k.startswith(tuple(vq_prefix + p for p in ("quantize.", "post_quant_conv.", "decoder.")))}
+    if not any(k.startswith("decoder.") for k in vq_sd):  # a folder without the decoder: tokens only
+        book = ChameleonCodebook(emb.shape[0], emb.shape[1], grid)
+        book.quantize.embedding.weight.data.copy_(emb.float())
+        return target, book
+    qc = cfg.get("vq_config") or {}
+    pre = os.path.join(model_dir, "preprocessor_config.json")
+    pp = read_json(pre, "preprocessor_config.json") if os.path.exists(pre) else {}
+    try:
+        norm = {k: [float(x) for x in ([v] * 3 if isinstance(v, (int, float)) else v)]
+                for k, v in (("pixel_mean", pp.get("image_mean", 0.5)), ("pixel_std", pp.get("image_std", 0.5)))}
+        vcfg = Emu3VQConfig(codebook_size=len(code_ids) + 1, embed_dim=int(qc.get("embed_dim", 4)),
+                            latent_channels=int(qc.get("latent_channels", 4)),
+                            base_channels=int(qc.get("base_channels", 256)),
+                            channel_multiplier=[int(m) for m in qc.get("channel_multiplier", [1, 2, 2, 4])],
+                            num_res_blocks=int(qc.get("num_res_blocks", 2)),
+                            attn_resolutions=[int(r) for r in qc.get("attn_resolutions", [3])],
+                            hidden_size=int(qc.get("hidden_size", 1024)),
+                            num_attention_heads=int(qc.get("num_attention_heads", 1)),
+                            temporal_downsample_factor=int(qc.get("temporal_downsample_factor", 4)),
+                            grid_h=grid, grid_w=grid, out_channels=int(qc.get("out_channels", 3)), **norm)
+    except (TypeError, ValueError) as e:
+        raise VVSError(f"{what}: bad vq_config ({e})") from None
+    if vcfg.embed_dim != vcfg.latent_channels:
+        raise VVSError(f"{what}: vq_config embed_dim must equal latent_channels (the decoder's temporal "
+                       f"stage runs latents and code vectors together)")
+    vq = Emu3VQDecoder(vcfg)
+    load_into(vq, vq_sd, f"{what} (VQ decoder)")
+    return target, vq

@@ -61,16 +61,20 @@ def image_code_name(code: int) -> str:
     return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
 
 
-def make_chameleon_folder(path: str, seed: int = 0, n_codes: int = 40, vocab: int = 8832):
+def make_chameleon_folder(path: str, seed: int = 0, n_codes: int = 40, vocab: int = 8832,
+                          vqgan: str | None = "vqgan.ckpt", attn_resolutions=(16,)):
     """A Lumina-mGPT-style Chameleon folder: qk-norm GQA decoder (2 layers, dim 32), 40 image codes at
-    vocabulary ids 4..43, and Lumina's layout ids (BOI 8197, EOL 8803, resolution 8804 + n) in range."""
+    vocabulary ids 4..43, and Lumina's layout ids (BOI 8197, EOL 8803, resolution 8804 + n) in range.
+    ``vqgan``: the file the VQGAN decoder is written to beside the shards (transformers' Chameleon has
+    no decoder; None: none), see :func:`chameleon_vqgan_state`."""
     from transformers import ChameleonConfig, ChameleonForConditionalGeneration, ChameleonVQVAEConfig
 
     torch.manual_seed(seed)
     vocab_map = {"<s>": 0, "<pad>": 1, "</s>": 2, "<image>": 3}
     vocab_map.update({image_code_name(i): 4 + i for i in range(n_codes)})
     qc = ChameleonVQVAEConfig(embed_dim=4, num_embeddings=n_codes, base_channels=32, channel_multiplier=[1, 2],
-                              latent_channels=32, resolution=32, num_res_blocks=1, attn_resolutions=[])
+                              latent_channels=32, resolution=32, num_res_blocks=1,
+                              attn_resolutions=list(attn_resolutions))
     cfg = ChameleonConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
                           pad_token_id=1, eos_token_id=2, vq_config=qc.to_dict(), vocabulary_map=vocab_map)
@@ -81,6 +85,14 @@ def make_chameleon_folder(path: str, seed: int = 0, n_codes: int = 40, vocab: in
                 p.normal_(0.0, 0.9 / p.shape[1] ** 0.5)
         model.lm_head.weight.mul_(4.0)
     model.save_pretrained(path)
+    if vqgan is not None:
+        sd = chameleon_vqgan_state(model.model.vqmodel, seed)
+        if vqgan.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file(sd, os.path.join(path, vqgan))
+        else:  # Lumina-mGPT's release layout: a torch checkpoint with a "state_dict"
+            torch.save({"state_dict": sd}, os.path.join(path, vqgan))
     special = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 100}
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -91,6 +103,51 @@ def make_chameleon_folder(path: str, seed: int = 0, n_codes: int = 40, vocab: in
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(os.path.join(path, "tokenizer.json"))
     return model
+
+
+def janus_decoder_like(vq_config):
+    """transformers' ``JanusVQVAEDecoder`` (a taming decoder with attention at its lowest resolution)
+    shaped like a Chameleon ``vq_config``: the reference the Chameleon decoder is checked against."""
+    from transformers import JanusVQVAEConfig
+    from transformers.models.janus.modeling_janus import JanusVQVAEDecoder
+
+    qc = JanusVQVAEConfig(embed_dim=vq_config.embed_dim, num_embeddings=vq_config.num_embeddings,
+                          base_channels=vq_config.base_channels,
+                          channel_multiplier=list(vq_config.channel_multiplier),
+                          num_res_blocks=vq_config.num_res_blocks, latent_channels=vq_config.latent_channels)
+    return JanusVQVAEDecoder(qc).eval()
+
+
+def janus_to_taming_names(sd: dict, n_levels: int, keep_attn: bool) -> dict:
+    """``JanusVQVAEDecoder`` names (``up[0]`` = lowest resolution) -> taming's (``up[level]``); the
+    lowest level's attention is dropped when the Chameleon config has none there."""
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("up."):
+            i, rest = k[3:].split(".", 1)
+            if rest.startswith("attn.") and not keep_attn:
+                continue
+            k = f"up.{n_levels - 1 - int(i)}.{rest}"
+        out["decoder." + k] = v
+    return out
+
+
+def chameleon_vqgan_state(vqmodel, seed: int = 0) -> dict:
+    """A random VQGAN checkpoint for a tiny Chameleon folder, in taming names: decoder weights drawn by
+    transformers' ``JanusVQVAEDecoder`` (same architecture), codebook and ``post_quant_conv`` of the
+    folder's own ``ChameleonVQVAE``."""
+    c = vqmodel.config
+    torch.manual_seed(seed + 1)
+    dec = janus_decoder_like(c)
+    with torch.no_grad():  # transformers' init leaves decoder outputs near constant: widen it
+        for p in dec.parameters():
+            if p.dim() == 4:
+                p.normal_(0.0, 1.0 / (p.shape[1] * p.shape[2] * p.shape[3]) ** 0.5)
+    lowest = c.resolution // 2 ** (len(c.channel_multiplier) - 1)
+    sd = janus_to_taming_names(dec.state_dict(), len(c.channel_multiplier), lowest in (c.attn_resolutions or []))
+    sd.update({k: v for k, v in vqmodel.state_dict().items()
+               if k.startswith(("quantize.", "post_quant_conv."))})
+    return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
 
 EMU3_WORDS = ["a", "red", "cat", "photo", "of", "the", "small", "blue", "dog", "on", "grass", "4", "*"]
@@ -111,8 +168,8 @@ def make_emu3_folder(path: str, seed: int = 0, n_codes: int = 40):
         words[w] = 70 + i
     vocab_map.update(words)
     qc = Emu3VQVAEConfig(codebook_size=n_codes, embed_dim=4, latent_channels=4, base_channels=32,
-                         channel_multiplier=[1, 2], num_res_blocks=1, attn_resolutions=[], hidden_size=32,
-                         num_attention_heads=1)
+                         channel_multiplier=[1, 2], num_res_blocks=1, attn_resolutions=[1], hidden_size=64,
+                         num_attention_heads=2)
     tc = Emu3TextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
                         bos_token_id=1, eos_token_id=2)

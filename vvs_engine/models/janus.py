@@ -96,7 +96,7 @@ class JanusTarget(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
-        self.rope = self.rope.to(device=fn(torch.zeros(0)).device)
+        self.rope = self.rope.to(device=fn(torch.zeros(0, device=self.rope.device)).device)  # dtype-only fn: stays
         return out
 
     # --- the target interface (see vvs_engine.runtime.target) ----------------------------------------

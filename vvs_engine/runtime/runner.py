@@ -193,6 +193,7 @@ class GraphRunner:
     def ar_decode(self, first: torch.Tensor, rng) -> torch.Tensor:
         """first [n] (the token sampled after prefill) -> tokens [n, T]. ``rng``: the batch's
         :class:`~vvs_engine.rng.CounterRNG`; its keys are copied into the step's static key buffer."""
+        from .. import kernels
         from ..rng import CounterRNG, Streams
 
         s, params = self.session, self.params
@@ -207,7 +208,7 @@ class GraphRunner:
             def ar_step(tok, pos, out):
                 h = s.forward(tok[:, None], pos, pos, one)[:, -1]
                 p = process_logits(guided_logits(s.logits(h), params), params)
-                nxt = self.ar_rng.sample(p, pos - (s.c - 1), Streams.SAMPLE)  # step = image token index
+                nxt = kernels.counter_sample(self.ar_rng, p, pos - (s.c - 1), Streams.SAMPLE)  # step = image token index
                 out.index_copy_(1, pos - (s.c - 1), nxt[:, None])
                 tok.copy_(nxt)
                 pos.add_(1)

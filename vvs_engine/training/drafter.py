@@ -110,7 +110,8 @@ def cli_train(argv) -> int:
 
     c2i token data: ``--tokens FILE`` (.npz or .pt with ``tokens`` [N, T] and ``labels`` [N]) or, by
     default, crops of the Zoo photos (or ``--data-root`` image folder) encoded with the tokenizer.
-    ``--model-dir``: prompts plus the user's token rows or images the target samples for them."""
+    ``--model-dir``: prompts plus the user's images (``--images``), token rows (``--tokens``) or images
+    the target samples for them."""
     import argparse
 
     from ..checkpoint import save_safetensors
@@ -131,12 +132,17 @@ def cli_train(argv) -> int:
     ap.add_argument("--cascade-weighting", action="store_true",
                     help="CASCADE: 2x classification weight on tokens redundant with a later token")
     ap.add_argument("--model-dir", default=None, metavar="DIR",
-                    help="a Hugging Face folder of another family (Janus-Pro); needs --prompts")
+                    help="a Hugging Face folder of another family (Janus-Pro, Lumina-mGPT, Emu3); needs --prompts")
     ap.add_argument("--prompts", default=None, metavar="FILE",
-                    help="with --model-dir: one prompt per line; token rows come from --tokens (.npz 'tokens', one "
-                         "row per prompt) or are sampled from the target")
+                    help="with --model-dir: one prompt per line; token rows come from --images, from --tokens "
+                         "(.npz 'tokens', one row per prompt) or are sampled from the target")
+    ap.add_argument("--images", default=None, metavar="DIR",
+                    help="with --model-dir: an image folder, encoded by the family's VQ encoder; the i-th image "
+                         "by file name is captioned by the i-th line of --prompts")
     ap.add_argument("--samples-per-prompt", type=int, default=1, help="sampled images per prompt (default 1)")
     ap.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt padding length (default 128)")
+    ap.add_argument("--image-size", type=int, default=None,
+                    help="with --model-dir: image side in pixels (Lumina-mGPT default 768, Emu3 default 720)")
     ap.add_argument("--out", required=True, help="output .safetensors path (a .json config is written beside)")
     a = ap.parse_args(argv)
     if a.steps < 1 or a.batch_size < 1 or not a.lr > 0:
@@ -144,9 +150,12 @@ def cli_train(argv) -> int:
     if not a.out.endswith(".safetensors"):
         raise VVSError("--out must end with .safetensors")
     if a.model_dir is not None:
-        eng = Engine.load(model_dir=a.model_dir, max_prompt_tokens=a.max_prompt_tokens)
+        eng = Engine.load(model_dir=a.model_dir, max_prompt_tokens=a.max_prompt_tokens, image_size=a.image_size)
         tokens, labels = family_training_data(eng, a)
     else:
+        if a.images or a.prompts or a.image_size:
+            raise VVSError("--images, --prompts and --image-size go with --model-dir (class-conditional data: "
+                           "--tokens or --data-root)")
         eng = Engine.load(gpt_ckpt=a.gpt_ckpt, gpt_model=a.gpt_model, vq_ckpt=a.vq_ckpt)
         if eng.config.model_type != "c2i":
             raise VVSError("train-drafter supports class-conditional targets, or --model-dir with --prompts")
@@ -166,16 +175,27 @@ def cli_train(argv) -> int:
 
 
 def family_training_data(eng, a):
-    """Prompt conditions and token rows for a Hugging Face family: the user's tokens, or images the
-    target samples itself for the prompts (temperature 1, CFG 4, seeded)."""
+    """Prompt conditions and token rows for a Hugging Face family: the user's images (encoded by the
+    family's VQ encoder) or tokens, or images the target samples itself for the prompts (temperature 1,
+    CFG 4, seeded)."""
     import numpy as np
 
     if not a.prompts:
         raise VVSError("--model-dir needs --prompts FILE (one prompt per line)")
     if a.samples_per_prompt < 1:
         raise VVSError("--samples-per-prompt must be >= 1")
+    if a.images and a.tokens:
+        raise VVSError("give --images or --tokens, not both")
     prompts = read_prompt_file(a.prompts)
-    if a.tokens:
+    if a.images:
+        from .family_images import encode_images, list_images
+
+        paths = list_images(a.images)
+        if len(paths) != len(prompts):
+            raise VVSError(f"--images has {len(paths)} images but --prompts has {len(prompts)} prompts "
+                           f"(one caption per image, in file-name order)")
+        tokens = encode_images(eng, a.model_dir, paths)
+    elif a.tokens:
         with np.load(a.tokens, allow_pickle=False) as z:
             tokens = torch.as_tensor(z["tokens"]).long()
         if tokens.shape[0] != len(prompts):
