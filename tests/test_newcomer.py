@@ -265,3 +265,22 @@ def test_clean_caption(raw, clean):
 def test_clean_caption_is_idempotent_on_clean_text():
     for t in ["a cat sitting on a mat", "two dogs, one ball"]:
         assert clean_caption(clean_caption(t)) == t
+
+
+def test_one_image_speculative_progress_counts_tokens(monkeypatch):
+    """A one-image speculative run reports committed tokens while it decodes, not 0/1 until the end."""
+    from vvs_engine import engine as engine_module
+
+    seen = []
+    original = engine_module._progress_bar.tokens
+
+    def record(self, k):
+        seen.append((self.token_count + int(k), self.bar.n))  # (tokens so far, images finished)
+        original(self, k)
+
+    monkeypatch.setattr(engine_module._progress_bar, "tokens", record)
+    eng = Engine.load()
+    eng.generate(class_labels=[3], method="vvs", seed=0, decode_images=False, progress=True, batch_size=1)
+    during = [t for t, images in seen if images == 0]
+    assert len(during) > 5 and during == sorted(during)  # many updates before the image completes
+    assert seen[-1][0] == eng.tokens_per_image
