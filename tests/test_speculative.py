@@ -313,10 +313,11 @@ def decode_rounds(eng, labels, params, seed=0, **opts):
     dict(accept="lantern", skip_policy="uniform", skip_interval=2, post_verify="reject"),
     dict(accept="lantern++", tree="static", skip_policy="uniform", skip_interval=2),
 ])
-def test_cache_equals_fresh_forward_after_any_rounds(eng, opts):
+def test_cache_equals_fresh_forward_after_any_rounds(eng, opts, monkeypatch):
     """After any mix of skip and verify rounds, for every sequence of a batch, the target KV of every
     committed (verified) token equals a fresh causal forward over its committed tokens, and so do the
     cached features."""
+    monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")  # every sequence's rows stay in the caches to the end
     labels = [1, 3, 0]
     params = SamplingParams(temperature=1.0, cfg_scale=3.0)
     rounds, result = decode_rounds(eng, labels, params, seed=4, **opts)
