@@ -47,7 +47,6 @@ import torch
 
 from .verify import AcceptanceRule
 from ..errors import VVSError
-from ..kernels.reference import stable_topk
 from .registry import register_rule
 
 DEFAULT_GROUP = 14
@@ -134,27 +133,17 @@ class GroupedRule(AcceptanceRule):
         return torch.where(keep, cand, torch.full_like(cand, -1))
 
     def _rank_window(self, p, x):
-        """The ``group`` tokens ranked around x under p (ranks by descending p, ties to the lower
-        index, as a stable descending argsort would give) -> (cand [M, G], inside [M, G])."""
+        """The ``group`` tokens ranked around x under p (one argsort for all M rows)."""
         M, V = p.shape
         G = self.group
-        n_up, n_down = G - 1 - G // 2, G // 2
-        if max(n_up, n_down) >= V:
-            return rank_window_by_sort(p, x, G)
-        idx = torch.arange(V, device=p.device)
-        px = p.gather(1, x[:, None])
-        before = (p > px) | ((p == px) & (idx < x[:, None]))  # ranked ahead of x
-        r = before.sum(1, keepdim=True)  # x's rank
-        cand_rank = r + torch.arange(G, device=p.device)[None] - n_up  # more likely side first
+        order = torch.argsort(p, dim=-1, descending=True, stable=True)  # order[m, r] = token at rank r
+        rank_of = torch.empty_like(order).scatter_(1, order, torch.arange(V, device=p.device).expand(M, V))
+        r = rank_of.gather(1, x[:, None])  # [M, 1]
+        # more likely side first: ranks r - (G - 1 - G//2) .. r + G//2
+        cand_rank = r + torch.arange(G, device=p.device)[None] - (G - 1 - G // 2)
         inside = (cand_rank >= 0) & (cand_rank < V)
-        lowest = torch.full_like(p, -math.inf)
-        # ranks r-1, r-2, ...: the least likely of those ahead (order: p ascending, index descending)
-        ahead = torch.where(before, -p, lowest).flip(1)
-        up = (V - 1 - stable_topk(ahead, n_up)).flip(1) if n_up else x[:, None][:, :0]
-        # ranks r+1, r+2, ...: the most likely of those behind
-        behind = torch.where(before | (idx == x[:, None]), lowest, p)
-        down = stable_topk(behind, n_down) if n_down else x[:, None][:, :0]
-        return torch.cat([up, x[:, None], down], 1), inside
+        cand = order.gather(1, cand_rank.clamp(0, V - 1))
+        return cand, inside
 
     # --- the AcceptanceRule interface ---------------------------------------------------------
     def accept(self, r, x, qx, u, ctx):
@@ -168,18 +157,6 @@ class GroupedRule(AcceptanceRule):
 
         sum_p, sum_q = kernels.group_mass(r, q, members)
         return u * sum_q < sum_p, None
-
-
-def rank_window_by_sort(p, x, group: int):
-    """:meth:`GroupedRule._rank_window` by one stable argsort of whole rows (the definition; used
-    when the window is as wide as the vocabulary)."""
-    M, V = p.shape
-    order = torch.argsort(p, dim=-1, descending=True, stable=True)  # order[m, r] = token at rank r
-    rank_of = torch.empty_like(order).scatter_(1, order, torch.arange(V, device=p.device).expand(M, V))
-    r = rank_of.gather(1, x[:, None])  # [M, 1]
-    cand_rank = r + torch.arange(group, device=p.device)[None] - (group - 1 - group // 2)
-    inside = (cand_rank >= 0) & (cand_rank < V)
-    return order.gather(1, cand_rank.clamp(0, V - 1)), inside
 
 
 def _draft_distribution(r, x, qx, ctx):

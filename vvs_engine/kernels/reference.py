@@ -104,13 +104,11 @@ def draft_topk(logits: torch.Tensor, cfg_scale: float, temperature: float, top_k
     return tokens, p.gather(1, tokens).log()
 
 
-def stable_topk(score: torch.Tensor, k: int, high_index_first: bool = False) -> torch.Tensor:
+def stable_topk(score: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest entries of each row of ``score`` [R, V], largest first, ties to the
-    lower index (or the higher one): the first ``k`` of a stable descending sort, without sorting whole
+    lower index: the first ``k`` of a stable descending sort, without sorting whole
     rows (the drafter asks for 10 of 1024+ tokens per node). ``score`` must be free of NaN."""
     R, V = score.shape
-    if high_index_first:  # ties to the higher index: the same on the reversed row
-        return V - 1 - stable_topk(score.flip(1), k)
     if k >= V:
         return torch.sort(score, dim=-1, descending=True, stable=True).indices
     top = score.topk(k, dim=-1)  # the right values; which of several tied tokens it picks is unspecified

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from ..kernels import flash
-from ..kernels.reference import local_visibility
 from ..models.gpt import GPT
 from .kv_cache import StaticKVCache
 from .masks import LocalMask, causal_local
@@ -74,10 +73,7 @@ class TargetSession:
         Q = tokens.shape[1]
         slots = prefix_len[:, None] + torch.arange(Q, device=self.device)
         x = self.model.embed_tokens(self.rows_of(tokens))
-        # Per-row layouts run the torch reference on every device: build its dense [rows, 1, Q, S] mask
-        # once here rather than once per layer.
-        mask = local_visibility(self.rows_of(prefix_len), self.rows_of(local), self.S,
-                                self.key_valid if self.has_key_mask else None)[:, None]
+        mask = LocalMask(self.rows_of(prefix_len), self.rows_of(local), self.key_valid if self.has_key_mask else None)
         self.last_positions = positions  # [n, Q]: the layout rules of each image's logits
         return self.model.forward_hidden(x, self.rows_of(positions), self.kv, self.rows_of(slots), mask)
 
