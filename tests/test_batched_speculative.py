@@ -197,6 +197,30 @@ class _HostOpsInRounds(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def watched_rounds(mode):
+    """SpeculativeRounds whose round functions mark ``mode`` (``in_round`` while one runs, ``started``
+    from the first round on), so a dispatch mode can tell round work from the host loop's."""
+
+    class Watched(speculative.SpeculativeRounds):
+        def _watch(self, fn):
+            mode.started = mode.in_round = True
+            try:
+                fn()
+            finally:
+                mode.in_round = False
+
+        def verify_round(self):
+            self._watch(super().verify_round)
+
+        def verify_after_skip(self):
+            self._watch(super().verify_after_skip)
+
+        def skip_round(self):
+            self._watch(super().skip_round)
+
+    return Watched
+
+
 @pytest.mark.parametrize("method,opts", METHODS + [("vvs", {"skip_policy": "dynamic", "skip_threshold": 0.0})], ids=str)
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_rounds_never_touch_the_host(eng, method, opts, temperature):
@@ -214,23 +238,7 @@ def test_rounds_never_touch_the_host(eng, method, opts, temperature):
     assert mode.seen == ["aten._local_scalar_dense.default", "aten.lift_fresh.default"]
     mode.seen.clear()
 
-    class Watched(speculative.SpeculativeRounds):
-        def _watch(self, fn):
-            mode.in_round = True
-            try:
-                fn()
-            finally:
-                mode.in_round = False
-
-        def verify_round(self):
-            self._watch(super().verify_round)
-
-        def verify_after_skip(self):
-            self._watch(super().verify_after_skip)
-
-        def skip_round(self):
-            self._watch(super().skip_round)
-
+    Watched = watched_rounds(mode)
     _, o = get_method(method, eng, opts)
     params = SamplingParams(temperature=temperature, cfg_scale=3.0)
     with torch.inference_mode():
@@ -273,23 +281,7 @@ def test_no_compute_op_between_round_calls(eng, opts, monkeypatch):
     params = SamplingParams(temperature=1.0, cfg_scale=3.0)
     mode = _OpsBetweenRounds()
 
-    class Watched(speculative.SpeculativeRounds):
-        def _watch(self, fn):
-            mode.started = mode.in_round = True
-            try:
-                fn()
-            finally:
-                mode.in_round = False
-
-        def verify_round(self):
-            self._watch(super().verify_round)
-
-        def verify_after_skip(self):
-            self._watch(super().verify_after_skip)
-
-        def skip_round(self):
-            self._watch(super().skip_round)
-
+    Watched = watched_rounds(mode)
     from vvs_engine.methods import get_method
 
     _, o = get_method("eagle", eng, opts)

@@ -205,7 +205,7 @@ class Engine:
         the other images of its batch. ``clean_captions``: clean prompts as LlamaGen does before T5
         (``models.t5.clean_caption``). ``method_opts`` are the method's options (see
         ``vvs_engine.methods``)."""
-        from .methods import get_method, run_method
+        from .methods import get_method
         from .methods.common import DecodeBatch
         from .rng import CounterRNG
 
@@ -243,14 +243,11 @@ class Engine:
                 batch = DecodeBatch(cond, key_mask, CounterRNG(seed, index), hi - lo,
                                     on_tokens=bar.tokens if bar is not None else None, use_graphs=cuda_graphs)
                 batch_t0 = time.perf_counter()
-                res = run_method(run, self, batch, params, opts)
+                res = run(self, batch, params, opts)
                 tokens.append(res.tokens[: hi - lo].cpu())  # one host sync per batch
                 # an image's share of its batch's decode time (images of a batch finish together)
                 wall_share += [(time.perf_counter() - batch_t0) / (hi - lo)] * (hi - lo)
-                image_passes = res.image_passes
-                if image_passes is None:  # runners that count forwards per batch only
-                    image_passes = torch.full((size,), res.stats["target_forward_passes"] / (hi - lo))
-                passes.append(image_passes[: hi - lo].double().cpu())
+                passes.append(res.image_passes[: hi - lo].double().cpu())
                 method_stats.append(res.stats)
                 if bar is not None:
                     bar.images(hi - lo)

@@ -3,7 +3,7 @@ tree, acceptance rule, caches, schedule) and registers a runner here.
 
 A runner is ``run(engine, batch: DecodeBatch, params, opts) -> MethodResult`` (one batch of images,
 see ``common.py``) and an options class with ``validate()``; :func:`get_method` parses user options
-into it and :func:`run_method` calls it.
+into it; the engine calls the runner once per batch.
 """
 from __future__ import annotations
 
@@ -73,22 +73,3 @@ def resolve_options(name: str, opts: dict) -> dict:
         raise VVSError(f"unknown method '{name}'; known: {', '.join(sorted(_REGISTRY))}")
     o = parse_options(_REGISTRY[name][1], dict(opts), name)
     return asdict(o) if is_dataclass(o) else {}
-
-
-def run_method(fn, engine, batch, params, opts):
-    """Call a runner on one batch. Runners still written one image at a time against a
-    ``torch.Generator`` (8 parameters) get a generator seeded from the batch's first random key."""
-    import inspect
-
-    if len(inspect.signature(fn).parameters) == 4:
-        return fn(engine, batch, params, opts)
-    import torch
-
-    gen = torch.Generator(device=batch.cond.device)
-    gen.manual_seed(int(batch.rng.key[0]) & ((1 << 63) - 1))
-    n, B = batch.n_real, batch.size
-    real = torch.arange(n, device=batch.cond.device)
-    if batch.cond.shape[0] == 2 * B:  # CFG: conditional rows, then unconditional rows
-        real = torch.cat([real, real + B])
-    key_mask = batch.key_mask.index_select(0, real) if batch.key_mask is not None else None
-    return fn(engine, batch.cond.index_select(0, real), key_mask, n, params, gen, opts, False)

@@ -362,7 +362,7 @@ def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graph
 
     iteration = round_fn(st)
     counters = LateCounter(dec.device, 2)
-    n_iterations, reported = 0, 1
+    n_iterations, reported, retire = 0, 1, retire_finished()
     while counters.push(st.progress)[0] < dec.T:  # the one host read (one iteration late on CUDA)
         iteration()
         n_iterations += 1
@@ -370,7 +370,7 @@ def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graph
         if batch.on_tokens is not None and slowest > reported:
             batch.on_tokens((min(slowest, dec.T) - reported) * batch.n_real)
             reported = slowest
-        if retire_finished() and 0 < unfinished <= dec.B // 2:
+        if retire and 0 < unfinished <= dec.B // 2:
             # at most log2(B) times per batch: one host read of which rows are still decoding
             keep, n_real = rows_to_keep(st.n_committed < dec.T, dec.n_real)
             if n_real:  # none left: the batch is about to stop anyway

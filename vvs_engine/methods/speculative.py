@@ -558,12 +558,12 @@ def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: 
     run_round = round_graphs()
     counters = LateRead(rounds.state.flags)
     counters.push()
-    last_kind, reported, retired_tokens = None, 0, 0
+    last_kind, reported, retired_tokens, retire = None, 0, 0, retire_finished()
     for round_index in itertools.count():
         flags = counters.read()  # [all finished, wants to skip, tokens committed, unfinished], one round late
         if flags is not None and flags[0]:
             break
-        if flags is not None and retire_finished() and 0 < flags[3] <= rounds.batch // 2:
+        if flags is not None and retire and 0 < flags[3] <= rounds.batch // 2:
             # at most log2(B) times per batch: one host read of which sequences are still decoding
             keep, n_real = rows_to_keep(rounds.unfinished(), rounds.n_real)
             if n_real:  # none left: the batch is about to stop anyway

@@ -193,19 +193,11 @@ def codes_without_row_ends(tokens: torch.Tensor, grid_h: int, grid_w: int) -> to
     return tokens.view(tokens.shape[0], grid_h, grid_w + 1)[:, :, :grid_w]
 
 
-class ChameleonVQDecoder(nn.Module):
-    """Lumina-mGPT's image decoder: method tokens [B, h*(w+1)] -> images [B, 3, 16h, 16w] in about
-    [-1, 1]. Plain (not normalised) codebook lookup, ``post_quant_conv``, taming decoder. The codebook
-    vectors (LANTERN/GSD neighbourhoods) are the VQ embeddings; end-of-line sits far from every code."""
+class _RowEndDecoder(nn.Module):
+    """What the Lumina and Emu3 decoders share: codebook vectors with a far end-of-line row, the
+    downsampling factor of their config and the number of real codes."""
 
     can_decode = True
-
-    def __init__(self, cfg: ChameleonVQConfig):
-        super().__init__()
-        self.config = cfg
-        self.quantize = _Quantize(cfg.codebook_size - 1, cfg.codebook_embed_dim)
-        self.post_quant_conv = nn.Conv2d(cfg.codebook_embed_dim, cfg.latent_channels, 1)
-        self.decoder = VQGANDecoder(cfg)
 
     @property
     def downsample(self) -> int:
@@ -218,6 +210,19 @@ class ChameleonVQDecoder(nn.Module):
 
     def codebook_vectors(self) -> torch.Tensor:
         return codebook_with_far_row_end(self.quantize.embedding.weight)
+
+
+class ChameleonVQDecoder(_RowEndDecoder):
+    """Lumina-mGPT's image decoder: method tokens [B, h*(w+1)] -> images [B, 3, 16h, 16w] in about
+    [-1, 1]. Plain (not normalised) codebook lookup, ``post_quant_conv``, taming decoder. The codebook
+    vectors (LANTERN/GSD neighbourhoods) are the VQ embeddings; end-of-line sits far from every code."""
+
+    def __init__(self, cfg: ChameleonVQConfig):
+        super().__init__()
+        self.config = cfg
+        self.quantize = _Quantize(cfg.codebook_size - 1, cfg.codebook_embed_dim)
+        self.post_quant_conv = nn.Conv2d(cfg.codebook_embed_dim, cfg.latent_channels, 1)
+        self.decoder = VQGANDecoder(cfg)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, grid: int | None = None) -> torch.Tensor:
@@ -407,12 +412,10 @@ class MoVQDecoder(nn.Module):
         return self.conv_out(F.silu(self.norm_out(h, q)))
 
 
-class Emu3VQDecoder(nn.Module):
+class Emu3VQDecoder(_RowEndDecoder):
     """Emu3's image decoder: method tokens [B, h*(w+1)] -> images [B, 3, 8h, 8w] in about [-1, 1].
     An image is one code frame; the decoder's causal temporal stage makes ``factor`` frames from it
     and the first is the image (as Emu3 decodes images). Names follow transformers' ``Emu3VQVAE``."""
-
-    can_decode = True
 
     def __init__(self, cfg: Emu3VQConfig):
         super().__init__()
@@ -420,18 +423,6 @@ class Emu3VQDecoder(nn.Module):
         self.quantize = _Quantize(cfg.codebook_size - 1, cfg.embed_dim)
         self.post_quant_conv = CausalConv3d(cfg.embed_dim, cfg.latent_channels, (3, 1, 1))
         self.decoder = MoVQDecoder(cfg)
-
-    @property
-    def downsample(self) -> int:
-        return self.config.downsample
-
-    @property
-    def n_codes(self) -> int:
-        """Rows of ``codebook_vectors`` that are codes (the last one stands for end-of-line)."""
-        return self.config.codebook_size - 1
-
-    def codebook_vectors(self) -> torch.Tensor:
-        return codebook_with_far_row_end(self.quantize.embedding.weight)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, grid: int | None = None) -> torch.Tensor:
