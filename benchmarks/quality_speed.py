@@ -1,30 +1,43 @@
 """Quality versus speed of every decoding setting on the Zoo model, with intervals that can tell
-settings apart.
+settings apart; built incrementally, run after run.
 
-One run, one checkpoint set: every setting generates the same labels (``--images-per-class`` per
-class, default 40 -> 640 images) with the same random streams: image i draws from (``--seed``, i) in
-every setting, whatever the batch it is decoded in, so AR and a method are paired image by image. Per setting: class accuracy, FD in the
-classifier's feature space, Inception FID, precision/recall (Inception features, k = 3), TPF (tokens
-per target forward) and compute ops per token (one image, counted with :class:`vvs_engine.evaluation.op_count.
-OpCounter`). Every quality figure and TPF gets a 95 % percentile-bootstrap interval over images, and
-the difference to AR an interval from the same resampled image indices (paired by seed).
+Every setting generates the same labels (``--images-per-class`` per class; the core run uses 32 -> 512
+images) with the same random streams: image i draws from (``--seed``, i) in every setting, whatever
+the batch it is decoded in, so AR and a method are paired image by image. Per setting: class
+accuracy, FD in the classifier's feature space, Inception FID, precision/recall (Inception features,
+k = 3), TPF (tokens per target forward) and compute ops per token (one image, counted with
+:class:`vvs_engine.evaluation.op_count.OpCounter`). Every quality figure and TPF gets a 95 %
+percentile-bootstrap interval over images, and the difference to AR an interval from the same
+resampled image indices (paired by seed).
 
 Parity: a setting keeps AR quality when none of class accuracy, classifier FD and FID (when computed)
 is detectably worse: each paired difference's 95 % interval reaches 0 or the better side. The table
 names the fastest setting (highest TPF) at parity.
 
-Generated tokens are cached per setting (``<out>_tokens/<setting>.npz``, keyed by checkpoints,
-sampling, options, labels, seed and batch size): an interrupted run resumes where it stopped.
+**Incremental.** Generated tokens are cached per setting in ``<out>_tokens/<setting>.npz`` (tokens as
+int16, forwards per image, ops per token, images/s, and the digest of checkpoints + effective method
+options + sampling + labels + seed + batch size). The cache is committed, so the table grows run by
+run: a run generates only the settings it is asked for that have no valid cache, then rebuilds the
+markdown, JSON and plot from **every** setting whose cache is complete, and lists the missing ones. A
+cache whose digest no longer matches (a changed checkpoint or option) is recomputed, never reused. An
+interrupted setting resumes from its last finished batch (``<setting>.partial.npz``, not committed).
+Per-image features and bootstrap draws are cached beside (``<out>_work/``, git-ignored), so rebuilding
+the report costs seconds once they exist.
 
-    python benchmarks/quality_speed.py                                   # the full evaluation (hours on CPU)
-    python benchmarks/quality_speed.py --images-per-class 2 --settings AR,EAGLE-2 --no-inception
+    python benchmarks/quality_speed.py --images-per-class 32 --settings all       # the whole table
+    python benchmarks/quality_speed.py --images-per-class 32 --settings core      # core settings first
+    python benchmarks/quality_speed.py --images-per-class 32 --report-only         # rebuild from the cache
+    python benchmarks/quality_speed.py --images-per-class 32 --verify 1            # regenerate a batch, compare
+    python benchmarks/quality_speed.py --images-per-class 2 --settings AR,EAGLE-2 --no-inception --out /tmp/qs
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -55,8 +68,8 @@ SETTINGS = [
     ("GSD G=3", "gsd", {"gsd_group": 3}),
     ("GSD G=8", "gsd", {"gsd_group": 8}),
     ("GSD G=14", "gsd", {"gsd_group": 14}),
+    ("CASCADE", "cascade", {}),  # the engine preset (target-hidden breadth source)
     ("CASCADE drafter", "cascade", {"cascade_source": "drafter"}),
-    ("CASCADE target-hidden", "cascade", {"cascade_source": "target-hidden"}),
     ("CASCADE llamagen", "cascade", {"cascade_variant": "llamagen"}),
     ("CASCADE lumina-final", "cascade", {"cascade_variant": "lumina-final"}),
     # compositions no published system has
@@ -65,6 +78,18 @@ SETTINGS = [
                                     "tree": "static"}),
 ]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
+# The core settings, in the order a run generates them (cheapest first, so a short run finishes some).
+CORE = ["AR", "SJD", "GSD G=8", "VVS-U i=2 fill", "CASCADE", "VVS-U i=2 + GSD", "VVS-U i=2 + CASCADE",
+        "VVS-D s=0.65 fill", "LANTERN++", "LANTERN d=0.2", "EAGLE-2"]
+CORE_IMAGES_PER_CLASS = 32
+
+
+def available_settings() -> list:
+    """SETTINGS restricted to methods this engine has (a new method's rows appear once it is registered)."""
+    from vvs_engine.methods import method_names
+
+    have = set(method_names())
+    return [s for s in SETTINGS if s[1] in have]
 
 
 # --- statistics (pure numpy; the test checks them on synthetic data) --------------------------------
@@ -85,11 +110,16 @@ def estimate(stat, idx: np.ndarray, ar=None) -> tuple:
     interval}, the draws)."""
     value = float(stat(np.arange(idx.shape[1])))
     boot = np.array([stat(i) for i in idx])
-    out = {"value": value, "ci": interval(boot)}
+    return summarise(value, boot, ar), boot
+
+
+def summarise(value: float, boot: np.ndarray, ar=None) -> dict:
+    """A metric's value and interval; with AR's (value, draws) also the paired difference."""
+    out = {"value": float(value), "ci": interval(boot)}
     if ar is not None:
-        out["diff"] = value - ar[0]
-        out["diff_ci"] = interval(boot - ar[1])
-    return out, boot
+        out["diff"] = float(value) - ar[0]
+        out["diff_ci"] = interval(np.asarray(boot) - ar[1])
+    return out
 
 
 PARITY_METRICS = {"class_accuracy": +1, "fd_classifier": -1, "fid_inception": -1}  # +1: higher is better
@@ -121,7 +151,7 @@ def parity_verdicts(rows: list) -> str | None:
     return best["name"] if best else None
 
 
-# --- generation, cached per setting -----------------------------------------------------------------
+# --- the token cache ---------------------------------------------------------------------------------
 def checkpoint_digest(engine_paths: dict) -> str:
     h = hashlib.sha1()
     for k in sorted(engine_paths):
@@ -137,27 +167,101 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-def generate_setting(eng, method, opts, labels, seed, sampling, batch_size=16, cache=None, key="", show=True):
-    """-> {"tokens": [n, T] int64, "forwards": [n] target forwards per image}; loaded from ``cache``
-    (an .npz path) when it holds the same ``key``."""
-    if cache and os.path.exists(cache):
-        with np.load(cache) as z:
-            if str(z["key"]) == key:
-                return {"tokens": z["tokens"].astype(np.int64), "forwards": z["forwards"].astype(np.float64)}
-    from tqdm import tqdm
+def setting_key(ckpt_key: str, method: str, opts: dict, sampling: dict, labels, seed: int, batch_size: int) -> str:
+    """What a setting's tokens are a function of, as canonical JSON. The method's *effective* options
+    (defaults filled in) go in, so a changed default invalidates the cache too. Batch size is part of
+    it: in fp32 a sampled method's tokens can depend on the batch shape (README, "Batches")."""
+    from vvs_engine.methods import resolve_options
 
-    toks, fwd = [], []
-    chunks = [list(range(i, min(i + batch_size, len(labels)))) for i in range(0, len(labels), batch_size)]
-    for ch in tqdm(chunks, desc=f"{method} {opts}", disable=not show, leave=False, dynamic_ncols=True):
+    effective = resolve_options(method, opts)
+    return json.dumps({"checkpoints": ckpt_key, "method": method, "options": effective, "sampling": sampling,
+                       "labels": list(labels), "seed": seed, "batch_size": batch_size, "rng": "counter-rng"},
+                      sort_keys=True, default=str)
+
+
+def digest_of(key: str) -> str:
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def _save_npz(path: str, **arrays) -> None:
+    """Atomic write: an interrupted save never leaves a truncated cache file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def load_cache(path: str, digest: str):
+    """The cached setting at ``path`` if it is complete and its digest matches, else None."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with np.load(path) as z:
+            if str(z["digest"]) != digest:
+                return None
+            return {k: (z[k] if z[k].shape else z[k].item()) for k in z.files}
+    except Exception:  # an unreadable file is regenerated, never trusted
+        return None
+
+
+def code_revision() -> str:
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def generate_setting(eng, name, method, opts, labels, seed, sampling, batch_size=16, cache=None, key="",
+                     show=True, ops=True) -> dict:
+    """Tokens of one setting -> {"tokens": [n, T] int64, "forwards": [n], "ops_per_token", ...};
+    loaded from ``cache`` (an .npz path) when it holds the same digest. Batch k is images
+    [k*batch_size, (k+1)*batch_size); after each batch the tokens so far go to ``<cache>.partial.npz``,
+    so an interrupted run resumes at the next batch."""
+    digest = digest_of(key)
+    if cache:
+        done = load_cache(cache, digest)
+        if done is not None:
+            done["tokens"] = done["tokens"].astype(np.int64)
+            done["forwards"] = done["forwards"].astype(np.float64)
+            return done
+    partial = cache[: -len(".npz")] + ".partial.npz" if cache else None
+    toks, fwd, seconds = [], [], 0.0
+    if partial:
+        prev = load_cache(partial, digest)
+        if prev is not None:
+            toks, fwd, seconds = [prev["tokens"].astype(np.int64)], list(prev["forwards"]), float(prev["gen_seconds"])
+    n_done = sum(len(t) for t in toks)
+    n = len(labels)
+    for start in range(n_done, n, batch_size):
+        chunk = list(range(start, min(start + batch_size, n)))
+        t0 = time.time()
         # image i's random numbers come from (seed, i): batch-invariant, paired across settings
-        out = eng.generate(class_labels=[labels[i] for i in ch], method=method, seed=seed,
-                           image_indices=ch, batch_size=batch_size, decode_images=False, **sampling, **opts)
+        out = eng.generate(class_labels=[labels[i] for i in chunk], method=method, seed=seed,
+                           image_indices=chunk, batch_size=batch_size, decode_images=False, **sampling, **opts)
+        seconds += time.time() - t0
         toks.append(out.tokens.numpy())
         fwd += list(out.stats["per_image"]["target_forward_passes"])
-    res = {"tokens": np.concatenate(toks).astype(np.int64), "forwards": np.asarray(fwd, dtype=np.float64)}
+        done = chunk[-1] + 1
+        if partial:
+            _save_npz(partial, tokens=np.concatenate(toks).astype(np.int16), forwards=np.asarray(fwd, np.float64),
+                      digest=digest, key=key, gen_seconds=seconds)
+        if show:
+            rate = (done - n_done) / max(seconds - (float(prev["gen_seconds"]) if n_done else 0.0), 1e-9)
+            eta = (n - done) / max(rate, 1e-9)
+            print(f"[quality_speed] {name}: {done}/{n} images, {rate:.3f} images/s, about {eta / 60:.0f} min left",
+                  flush=True)
+    res = {"tokens": np.concatenate(toks).astype(np.int64), "forwards": np.asarray(fwd, dtype=np.float64),
+           "gen_seconds": seconds, "images_per_second": n / max(seconds, 1e-9),
+           "ops_per_token": ops_per_token(eng, method, opts, labels[0], seed, sampling) if ops else -1.0,
+           "threads": torch.get_num_threads(), "batch_size": batch_size, "torch": torch.__version__,
+           "device": str(eng.device), "revision": code_revision(),
+           "date": datetime.date.today().isoformat(), "digest": digest, "key": key}
     if cache:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        np.savez_compressed(cache, tokens=res["tokens"].astype(np.int16), forwards=res["forwards"], key=key)
+        _save_npz(cache, **{k: (v.astype(np.int16) if k == "tokens" else v) for k, v in res.items()})
+        if partial and os.path.exists(partial):
+            os.remove(partial)
     return res
 
 
@@ -167,6 +271,19 @@ def ops_per_token(eng, method, opts, label, seed, sampling) -> float:
     with OpCounter() as c:
         eng.generate(class_labels=[label], method=method, seed=seed, decode_images=False, **sampling, **opts)
     return c.total / eng.tokens_per_image
+
+
+def verify_cache(eng, gen: dict, name, method, opts, labels, seed, sampling, batch_size, n_batches=1) -> tuple:
+    """Regenerate the first ``n_batches`` batches of a cached setting exactly as the run made them
+    (same labels, image indices and batch shape) -> (images compared, images that differ)."""
+    n = min(len(labels), n_batches * batch_size)
+    differ = 0
+    for start in range(0, n, batch_size):
+        chunk = list(range(start, min(start + batch_size, n)))
+        out = eng.generate(class_labels=[labels[i] for i in chunk], method=method, seed=seed, image_indices=chunk,
+                           batch_size=batch_size, decode_images=False, **sampling, **opts)
+        differ += int((out.tokens.numpy() != gen["tokens"][chunk]).any(1).sum())
+    return n, differ
 
 
 # --- metrics ----------------------------------------------------------------------------------------
@@ -187,32 +304,129 @@ def image_features(eng, tokens, labels, inception: bool) -> dict:
     return out
 
 
+class ReferenceSet:
+    """Metrics against one fixed reference feature set, fast enough for 1000 bootstrap draws.
+
+    FD: with X the centred [n, D] sample features, tr((S S_r)^(1/2)) is the sum of the square roots
+    of the eigenvalues of the n x n matrix X S_r X^T / (n - 1) (the same non-zero spectrum as
+    S_r^(1/2) S S_r^(1/2)), so a draw costs one n x n eigendecomposition instead of two D x D ones
+    (D = 2048 for Inception): the same value as :func:`vvs_engine.evaluation.quality.frechet_distance`
+    (checked in the tests), about 30x faster. Precision/recall: the distances are computed once per
+    setting and each draw only indexes them (a resample's repeated images have distance 0 to each other,
+    exactly as in ``precision_recall`` on the resampled set)."""
+
+    def __init__(self, ref, k: int = 3):
+        self.ref = np.asarray(ref, dtype=np.float64)
+        self.mu = self.ref.mean(0)
+        self.cov = np.cov(self.ref, rowvar=False)
+        self.trace = float(np.trace(self.cov))
+        self.k = k
+        r = torch.as_tensor(self.ref)
+        self.ref_radii = torch.cdist(r, r).kthvalue(k + 1, dim=1).values  # [n_ref]
+
+    def fd(self, feats) -> float:
+        f = np.asarray(feats, dtype=np.float64)
+        n = f.shape[0]
+        x = f - f.mean(0)
+        gram = x @ self.cov @ x.T / (n - 1)
+        tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((gram + gram.T) / 2), 0, None)).sum()
+        d = float(((f.mean(0) - self.mu) ** 2).sum() + (x * x).sum() / (n - 1) + self.trace - 2 * tr_covmean)
+        return max(d, 0.0)
+
+    def precision_recall_draws(self, feats, draws: np.ndarray) -> tuple:
+        """(precision, recall) of the full set and of every draw (rows of image indices)."""
+        f = torch.as_tensor(np.asarray(feats, dtype=np.float64))
+        r = torch.as_tensor(self.ref)
+        inside_ref = (torch.cdist(f, r) <= self.ref_radii[None]).any(1).double()  # fake image in the real manifold
+        d_ff, d_rf = torch.cdist(f, f), torch.cdist(r, f)
+
+        def one(i):
+            i = torch.as_tensor(i)
+            radii = d_ff[i][:, i].kthvalue(self.k + 1, dim=1).values
+            recall = float((d_rf[:, i] <= radii[None]).any(1).double().mean())
+            return float(inside_ref[i].mean()), recall
+
+        full = one(np.arange(f.shape[0]))
+        per = np.array([one(i) for i in draws])
+        return full, per
+
+
+def metric_draws(feats, forwards, tokens_per_image, ref, idx, inception_reps=None, pr_k=3) -> dict:
+    """Every metric's value and bootstrap draws -> {name: (value, draws)}; intervals and paired
+    differences are made from these by :func:`summarise`. ``ref``: {"cls": features or ReferenceSet,
+    "inc": ...} of the held-out reference crops."""
+    ref = {k: (v if isinstance(v, ReferenceSet) else ReferenceSet(v, pr_k)) for k, v in ref.items()}
+    all_images = np.arange(idx.shape[1])
+    draws = {}
+
+    def add(name, stat, reps):
+        draws[name] = (float(stat(all_images)), np.array([stat(i) for i in reps]))
+
+    add("class_accuracy", lambda i: feats["correct"][i].mean(), idx)
+    add("fd_classifier", lambda i: ref["cls"].fd(feats["cls"][i]), idx)
+    add("tpf", lambda i: len(i) * tokens_per_image / forwards[i].sum(), idx)
+    if "inc" in feats and "inc" in ref:
+        reps = idx[:inception_reps] if inception_reps else idx
+        add("fid_inception", lambda i: ref["inc"].fd(feats["inc"][i]), reps)
+        full, per = ref["inc"].precision_recall_draws(feats["inc"], reps)
+        draws["precision"], draws["recall"] = (full[0], per[:, 0]), (full[1], per[:, 1])
+    return draws
+
+
 def setting_metrics(feats, forwards, tokens_per_image, ref, idx, inception_reps=None, ar=None, pr_k=3) -> tuple:
     """Every metric with its interval -> (metrics, draws). With ``ar`` (AR's draws from an earlier
     call on the same ``idx``) each metric also gets the paired difference to AR."""
-    from vvs_engine.evaluation.quality import feature_stats, frechet_distance, precision_recall
-
-    def fd(f, r):
-        mu_r, s_r = feature_stats(r)
-        return lambda i: frechet_distance(*feature_stats(f[i]), mu_r, s_r)
-
-    def pr(i):
-        return precision_recall(ref["inc"], feats["inc"][i], pr_k)
-
-    stats = {"class_accuracy": lambda i: feats["correct"][i].mean(),
-             "fd_classifier": fd(feats["cls"], ref["cls"]),
-             "tpf": lambda i: len(i) * tokens_per_image / forwards[i].sum()}
-    if "inc" in feats and "inc" in ref:
-        stats["fid_inception"] = fd(feats["inc"], ref["inc"])
-        stats["precision"] = lambda i: pr(i)["precision"]
-        stats["recall"] = lambda i: pr(i)["recall"]
-    out, draws = {}, {}
-    for name, stat in stats.items():
-        reps = idx[:inception_reps] if name in ("fid_inception", "precision", "recall") and inception_reps else idx
-        a = ar.get(name) if ar is not None else None
-        out[name], boot = estimate(stat, reps, a)
-        draws[name] = (out[name]["value"], boot)
+    draws = metric_draws(feats, forwards, tokens_per_image, ref, idx, inception_reps, pr_k)
+    out = {name: summarise(v, b, ar.get(name) if ar is not None else None) for name, (v, b) in draws.items()}
     return out, draws
+
+
+class WorkCache:
+    """Per-image features and bootstrap draws of a setting, keyed by its tokens and everything the
+    metrics depend on (git-ignored: rebuilt from the committed tokens when missing)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def _path(self, kind, parts) -> str:
+        h = hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+        return os.path.join(self.folder, f"{kind}_{h}.npz")
+
+    def get(self, kind, parts, make):
+        if self.folder is None:
+            return make()
+        path = self._path(kind, parts)
+        if os.path.exists(path):
+            try:
+                with np.load(path, allow_pickle=False) as z:
+                    return _unflatten(z)
+            except Exception:
+                pass
+        value = make()
+        _save_npz(path, **_flatten(value))
+        return value
+
+
+def _flatten(d: dict) -> dict:
+    """{name: array | (value, draws)} -> flat npz arrays."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, tuple):
+            out[f"{k}__value"], out[f"{k}__draws"] = np.asarray(v[0]), np.asarray(v[1])
+        else:
+            out[k] = np.asarray(v)
+    return out
+
+
+def _unflatten(z) -> dict:
+    out = {}
+    for k in z.files:
+        if k.endswith("__value"):
+            name = k[: -len("__value")]
+            out[name] = (float(z[k]), z[name + "__draws"])
+        elif not k.endswith("__draws"):
+            out[k] = z[k]
+    return out
 
 
 # --- report -----------------------------------------------------------------------------------------
@@ -228,7 +442,7 @@ def _diff(m, nd):
     return f"{m['diff']:+.{nd}f} [{m['diff_ci'][0]:+.{nd}f}, {m['diff_ci'][1]:+.{nd}f}]"
 
 
-def to_markdown(meta: dict, rows: list, fastest) -> str:
+def to_markdown(meta: dict, rows: list, fastest, missing=()) -> str:
     lines = ["# Quality versus speed on the Zoo model", "",
              f"Command: `{meta['command']}`", "",
              f"{meta['n_images']} images per setting ({meta['labels']}), image i seeded with {meta['seed']} + i "
@@ -238,19 +452,25 @@ def to_markdown(meta: dict, rows: list, fastest) -> str:
              f"Inception metrics); Δ = setting − AR on the same draws. Parity: no Δ interval (class accuracy, "
              f"classifier FD, FID) lies wholly on the worse side. FD intervals come from resamples that "
              f"repeat images and sit above the full-set value; the shift largely cancels in Δ. "
-             f"Ops/token: aten compute ops of one image (views excluded) per token.", "",
-             f"**Fastest setting at parity: {fastest or 'none'}**", "",
-             "| setting | TPF | ops/token | class acc | Δ acc vs AR | FD (classifier) | Δ FD | FID | precision | recall "
-             "| parity |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Ops/token: aten compute ops of one image (views excluded) per token. Images/s: this machine, "
+             f"the batch size and threads of the run that generated the setting (CPU wall clock; compare "
+             f"settings only as ratios).", "",
+             f"**Fastest setting at parity: {fastest or 'none'}**", ""]
+    if missing:
+        lines += [f"Not yet in the table ({len(missing)}): {', '.join(missing)}.", ""]
+    lines += ["| setting | TPF | ops/token | images/s | class acc | Δ acc vs AR | FD (classifier) | Δ FD | FID | Δ FID "
+              "| precision | recall | parity |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | error: {r['error']} |||||||||| ")
+            lines.append(f"| {r['name']} | error: {r['error']} |||||||||||| ")
             continue
-        ops = f"{r['ops_per_token']:.0f}" if r.get("ops_per_token") is not None else "–"
-        lines.append(f"| {r['name']} | {_ci(r['tpf'], 2)} | {ops} | {_ci(r['class_accuracy'], 3)} | "
+        ops = f"{r['ops_per_token']:.0f}" if r.get("ops_per_token") not in (None, -1.0) else "–"
+        ips = f"{r['images_per_second']:.3f}" if r.get("images_per_second") else "–"
+        lines.append(f"| {r['name']} | {_ci(r['tpf'], 2)} | {ops} | {ips} | {_ci(r['class_accuracy'], 3)} | "
                      f"{_diff(r['class_accuracy'], 3)} | {_ci(r['fd_classifier'], 2)} | {_diff(r['fd_classifier'], 2)} | "
-                     f"{_ci(r.get('fid_inception'), 1)} | {_ci(r.get('precision'), 2)} | {_ci(r.get('recall'), 2)} | "
+                     f"{_ci(r.get('fid_inception'), 1)} | {_diff(r.get('fid_inception'), 1)} | "
+                     f"{_ci(r.get('precision'), 2)} | {_ci(r.get('recall'), 2)} | "
                      f"{'yes' if r['parity'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
@@ -263,9 +483,9 @@ def plot(rows: list, path: str, fastest=None) -> None:
 
     ok = [r for r in rows if "error" not in r]
     ar = next(r for r in ok if r["method"] == "ar")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    for ax, key, label in ((axes[0], "class_accuracy", "class accuracy ↑"),
-                           (axes[1], "fd_classifier", "FD (classifier features) ↓")):
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    for ax, key, label in ((axes[0], "class_accuracy", "class accuracy (higher is better)"),
+                           (axes[1], "fd_classifier", "FD in classifier features (lower is better)")):
         ax.axhspan(*ar[key]["ci"], color="grey", alpha=0.2, label="AR 95 % interval")
         for r in ok:
             m, t = r[key], r["tpf"]
@@ -274,14 +494,15 @@ def plot(rows: list, path: str, fastest=None) -> None:
                                                       [max(0.0, m["ci"][1] - m["value"])]],
                         xerr=[[max(0.0, t["value"] - t["ci"][0])], [max(0.0, t["ci"][1] - t["value"])]],
                         fmt="o" if r["parity"] else "x",
-                        ms=5, capsize=2, color="C2" if r["parity"] else "C3")
-            ax.annotate(r["name"] + (" ★" if r["name"] == fastest else ""), (t["value"], m["value"]), fontsize=6,
-                        xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("TPF (tokens per target forward) →")
-        ax.set_ylabel(label)
+                        ms=6, capsize=2, color="C2" if r["parity"] else "C3")
+            ax.annotate(r["name"] + (" *" if r["name"] == fastest else ""), (t["value"], m["value"]), fontsize=8,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.set_xlabel("TPF (tokens per target forward)", fontsize=10)
+        ax.set_ylabel(label, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    fig.suptitle("Quality vs TPF (95 % bootstrap intervals; green o = AR parity, red x = not)")
+        ax.legend(fontsize=8, loc="best")
+    fig.suptitle(f"Quality vs TPF on the Zoo, {ar['n_images']} images per setting (95 % bootstrap intervals; "
+                 f"green o = at AR parity, red x = detectably worse; * = fastest at parity)", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -290,50 +511,101 @@ def plot(rows: list, path: str, fastest=None) -> None:
 
 # --- the run ----------------------------------------------------------------------------------------
 def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, inception_reps=100, batch_size=16,
-             cache_dir=None, ckpt_key="", ops=True, show=True) -> tuple:
-    """Generate (or load) every setting, compute the metrics -> (rows, fastest setting at parity)."""
+             cache_dir=None, ckpt_key="", ops=True, show=True, generate=None, work_dir=None) -> tuple:
+    """Generate what is asked and report what is complete -> (rows, fastest setting at parity, missing).
+
+    ``settings``: every setting the table lists (AR first). ``generate``: the names to generate when
+    their cache is missing or stale (default: all of ``settings``); the others are reported only if
+    their cache is complete and current, and listed as missing otherwise."""
     from vvs_engine.evaluation.quality import reference_features
     from vvs_engine.errors import VVSError
 
-    ref = {"cls": reference_features("classifier")}
-    if inception:
-        ref["inc"] = reference_features("inception")
+    want = set(s[0] for s in settings) if generate is None else set(generate)
+    work = WorkCache(work_dir)
     idx = bootstrap_indices(len(labels), reps, seed)
-    rows, ar = [], None
+    ref = {"cls": ReferenceSet(reference_features("classifier"))}
+    if inception:
+        ref["inc"] = ReferenceSet(reference_features("inception"))
+    rows, ar, missing = [], None, []
     for name, method, opts in settings:
-        if show:
-            print(f"[quality_speed] {name}", flush=True)
-        key = json.dumps([ckpt_key, method, opts, sampling, labels, seed, batch_size, "counter-rng"], sort_keys=True)
+        key = setting_key(ckpt_key, method, opts, sampling, labels, seed, batch_size)
         cache = os.path.join(cache_dir, _slug(name) + ".npz") if cache_dir else None
-        try:
-            gen = generate_setting(eng, method, opts, labels, seed, sampling, batch_size, cache, key, show)
-            opt = ops_per_token(eng, method, opts, labels[0], seed, sampling) if ops else None
-        except VVSError as e:
-            rows.append({"name": name, "method": method, "options": opts, "error": str(e)})
-            continue
-        feats = image_features(eng, gen["tokens"], labels, inception)
-        row = {"name": name, "method": method, "options": opts, "ops_per_token": opt}
-        metrics, draws = setting_metrics(feats, gen["forwards"], eng.tokens_per_image, ref, idx, inception_reps, ar)
-        row.update(metrics)
+        if name not in want:
+            gen = load_cache(cache, digest_of(key)) if cache else None
+            if gen is None:
+                missing.append(name)
+                continue
+            gen["tokens"], gen["forwards"] = gen["tokens"].astype(np.int64), gen["forwards"].astype(np.float64)
+        else:
+            if show:
+                print(f"[quality_speed] {name}", flush=True)
+            try:
+                gen = generate_setting(eng, name, method, opts, labels, seed, sampling, batch_size, cache, key, show,
+                                       ops)
+            except VVSError as e:
+                rows.append({"name": name, "method": method, "options": opts, "error": str(e)})
+                continue
+        token_digest = hashlib.sha1(np.ascontiguousarray(gen["tokens"]).tobytes()).hexdigest()
+        feats = work.get("features", [token_digest, list(labels), inception],
+                         lambda: image_features(eng, gen["tokens"], labels, inception))
+        draws = work.get("draws", [token_digest, gen["forwards"].tolist(), reps, inception_reps, seed, inception],
+                         lambda: metric_draws(feats, gen["forwards"], eng.tokens_per_image, ref, idx, inception_reps))
         if method == "ar":
             ar = draws
+        metrics = {k: summarise(v, b, ar.get(k) if (ar is not None and method != "ar") else None)
+                   for k, (v, b) in draws.items()}
+        row = {"name": name, "method": method, "options": opts, "n_images": len(labels),
+               "ops_per_token": float(gen.get("ops_per_token", -1.0)),
+               "images_per_second": float(gen["images_per_second"]) if "images_per_second" in gen else None,
+               "gen_seconds": float(gen["gen_seconds"]) if "gen_seconds" in gen else None,
+               "generated_with": {k: (gen[k] if not isinstance(gen.get(k), np.ndarray) else gen[k].item())
+                                  for k in ("threads", "batch_size", "device", "revision", "date", "torch")
+                                  if k in gen},
+               "digest": digest_of(key)}
+        row.update(metrics)
         rows.append(row)
-    fastest = parity_verdicts([r for r in rows if "error" not in r])
-    return rows, fastest
+    ok = [r for r in rows if "error" not in r]
+    if ok and ok[0]["method"] != "ar":
+        raise VVSError("AR's tokens are not cached: the table needs AR (run it first)")
+    fastest = parity_verdicts(ok)
+    return rows, fastest, missing
+
+
+def zoo_context(ckpt_dir=None) -> tuple:
+    """The Zoo checkpoints' paths, their digest and the sampling every setting uses."""
+    from vvs_engine import zoo
+    from vvs_engine.zoo import model_path
+
+    names = ("zoo-gpt", "zoo-vq", "zoo-drafter", "zoo-classifier")
+    paths = {n: (os.path.join(ckpt_dir, n + ".safetensors") if ckpt_dir and n != "zoo-classifier"
+                 else model_path(n)) for n in names}
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 4.0}
+    if hasattr(zoo, "sampling_defaults"):
+        sampling.update({k: v for k, v in zoo.sampling_defaults().items() if k in sampling})
+    return paths, checkpoint_digest(paths), sampling
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--images-per-class", type=int, default=40,
-                    help="images per class (default 40: 640 on the Zoo, class accuracy near 0.5 to +-3.9 points)")
-    ap.add_argument("--settings", default=None, help="comma list of setting names (default: all; AR is always run "
-                                                     "first). Known: " + ", ".join(SETTING_BY_NAME))
+    ap.add_argument("--images-per-class", type=int, default=CORE_IMAGES_PER_CLASS,
+                    help=f"images per class (default {CORE_IMAGES_PER_CLASS}: 512 on the Zoo, class accuracy "
+                         f"near 0.5 to +-4.3 points)")
+    ap.add_argument("--settings", default="core",
+                    help="what to generate: core (the default), all, or a comma list of setting names (AR is "
+                         "always included). The report lists every setting with a complete cache either way. "
+                         "Known: " + ", ".join(SETTING_BY_NAME))
+    ap.add_argument("--report-only", action="store_true", help="generate nothing; rebuild the report from the cache")
+    ap.add_argument("--verify", type=int, default=0, metavar="N",
+                    help="regenerate the first N batches of every cached setting and compare tokens; no report")
+    ap.add_argument("--time-budget", type=float, default=0.0, metavar="S",
+                    help="start no new setting after S seconds (0 = no limit); the report is written anyway")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quality_speed"),
-                    help="output prefix: .md, .json, _tokens/ (default benchmarks/results/quality_speed)")
+                    help="output prefix: .md, .json, _tokens/ (committed), _work/ (ignored); "
+                         "default benchmarks/results/quality_speed")
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "quality_speed.png"), help="Pareto plot path")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    ap.add_argument("--batch-size", type=int, default=16, help="images decoded together (default 16; tokens do not "
-                    "depend on it except for VVS-D)")
+    ap.add_argument("--batch-size", type=int, default=16, help="images decoded together (default 16; part of the "
+                                                              "cache digest)")
     ap.add_argument("--seed", type=int, default=0, help="image i draws from (seed, i); also seeds the bootstrap (default 0)")
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap draws (default 1000)")
     ap.add_argument("--inception-bootstrap", type=int, default=100, help="draws for FID/precision/recall "
@@ -342,57 +614,101 @@ def main(argv=None) -> int:
     ap.add_argument("--no-ops", action="store_true", help="skip the ops-per-token count")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ckpt-dir", default=None, help="load zoo-{gpt,vq,drafter} from this folder")
-    a = ap.parse_args(argv)
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
     from vvs_engine import Engine
     from vvs_engine.errors import VVSError
 
+    t_start = time.time()
     try:
         torch.set_num_threads(a.threads)
         if a.images_per_class < 1 or a.batch_size < 1 or a.bootstrap < 1 or a.inception_bootstrap < 1:
             raise VVSError("--images-per-class, --batch-size and the bootstrap counts must be >= 1")
-        settings = list(SETTINGS)
-        if a.settings:
-            names = [s.strip() for s in a.settings.split(",") if s.strip()]
-            bad = [n for n in names if n not in SETTING_BY_NAME]
+        known = available_settings()
+        known_names = [s[0] for s in known]
+        if a.settings == "core":
+            generate = [n for n in CORE if n in known_names]
+        elif a.settings == "all":
+            generate = known_names
+        else:
+            generate = [s.strip() for s in a.settings.split(",") if s.strip()]
+            bad = [n for n in generate if n not in SETTING_BY_NAME]
             if bad:
                 raise VVSError(f"unknown setting(s) {', '.join(bad)}; known: {', '.join(SETTING_BY_NAME)}")
-            settings = [SETTINGS[0]] + [SETTING_BY_NAME[n] for n in names if n != "AR"]
-        from vvs_engine.zoo import model_path
-
-        names = ("zoo-gpt", "zoo-vq", "zoo-drafter", "zoo-classifier")
-        paths = {n: (os.path.join(a.ckpt_dir, n + ".safetensors") if a.ckpt_dir and n != "zoo-classifier"
-                     else model_path(n)) for n in names}
+            unavailable = [n for n in generate if n not in known_names]
+            if unavailable:
+                raise VVSError(f"setting(s) {', '.join(unavailable)} need a method this engine does not have")
+        generate = ["AR"] + [n for n in generate if n != "AR"]
+        if a.report_only or a.verify:
+            generate = []
+        out_dir = os.path.dirname(os.path.abspath(a.out))
+        os.makedirs(out_dir, exist_ok=True)
+        if not os.access(out_dir, os.W_OK):
+            raise VVSError(f"cannot write to {out_dir}")
+        paths, ckpt, sampling = zoo_context(a.ckpt_dir)
         eng = Engine.load(gpt_ckpt=paths["zoo-gpt"], vq_ckpt=paths["zoo-vq"], drafter=paths["zoo-drafter"],
                           device=a.device)
-        ckpt = checkpoint_digest(paths)
-        from vvs_engine import zoo
-
-        sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 4.0}
-        if hasattr(zoo, "sampling_defaults"):
-            sampling.update({k: v for k, v in zoo.sampling_defaults().items() if k in sampling})
         ncls = eng.config.num_classes
         labels = [c for c in range(ncls) for _ in range(a.images_per_class)]
-        t0 = time.time()
-        rows, fastest = evaluate(eng, settings, labels, a.seed, sampling, not a.no_inception, a.bootstrap,
-                                 a.inception_bootstrap, a.batch_size, a.out + "_tokens", ckpt, not a.no_ops)
+        cache_dir = a.out + "_tokens"
+        if a.verify:
+            return verify_all(eng, known, labels, a, sampling, ckpt, cache_dir)
+        # Generate in order, honouring the time budget between settings; then report everything cached.
+        settings = [s for s in known if s[0] == "AR"] + [s for s in known if s[0] != "AR"]
+        order = [SETTING_BY_NAME[n] for n in generate]
+        for name, method, opts in order:
+            if a.time_budget and time.time() - t_start > a.time_budget:
+                print(f"[quality_speed] time budget of {a.time_budget:.0f} s spent: {name} and later settings "
+                      f"are left for the next run", flush=True)
+                break
+            key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size)
+            print(f"[quality_speed] {name}", flush=True)
+            generate_setting(eng, name, method, opts, labels, a.seed, sampling, a.batch_size,
+                             os.path.join(cache_dir, _slug(name) + ".npz"), key, True, not a.no_ops)
+        rows, fastest, missing = evaluate(eng, settings, labels, a.seed, sampling, not a.no_inception, a.bootstrap,
+                                          a.inception_bootstrap, a.batch_size, cache_dir, ckpt, not a.no_ops,
+                                          generate=[], work_dir=a.out + "_work")
     except VVSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    meta = {"command": "python benchmarks/quality_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "n_images": len(labels), "labels": f"{a.images_per_class} per class x {ncls} classes", "seed": a.seed,
-            "sampling": sampling, "checkpoints": ckpt, "torch": torch.__version__, "threads": a.threads,
-            "device": a.device, "bootstrap": a.bootstrap, "inception_bootstrap": a.inception_bootstrap,
-            "wall_s": time.time() - t0}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    except KeyboardInterrupt:
+        print("\n[quality_speed] interrupted: finished settings and batches are cached; run the same command "
+              "again to resume", file=sys.stderr)
+        return 130
+    whole = f"python benchmarks/quality_speed.py --images-per-class {a.images_per_class} --settings all"
+    if a.device != "cpu":
+        whole += f" --device {a.device}"
+    meta = {"command": whole, "n_images": len(labels), "labels": f"{a.images_per_class} per class x {ncls} classes",
+            "seed": a.seed, "sampling": sampling, "checkpoints": ckpt, "torch": torch.__version__,
+            "threads": a.threads, "device": a.device, "bootstrap": a.bootstrap,
+            "inception_bootstrap": a.inception_bootstrap, "complete": [r["name"] for r in rows], "missing": missing,
+            "this_run": "python benchmarks/quality_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "this_run_wall_s": time.time() - t_start}
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "fastest_at_parity": fastest}, f, indent=1)
-    md = to_markdown(meta, rows, fastest)
+    md = to_markdown(meta, rows, fastest, missing)
     with open(a.out + ".md", "w") as f:
         f.write(md)
     print(md)
-    if a.plot:
+    if a.plot and any(r["method"] == "ar" for r in rows):
         plot(rows, a.plot, fastest)
     return 0
+
+
+def verify_all(eng, settings, labels, a, sampling, ckpt, cache_dir) -> int:
+    """--verify N: every cached setting's first N batches regenerated and compared; exit 1 on a mismatch."""
+    bad = 0
+    for name, method, opts in settings:
+        key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size)
+        gen = load_cache(os.path.join(cache_dir, _slug(name) + ".npz"), digest_of(key))
+        if gen is None:
+            continue
+        n, differ = verify_cache(eng, gen, name, method, opts, labels, a.seed, sampling, a.batch_size, a.verify)
+        bad += differ
+        print(f"[quality_speed] verify {name}: {n - differ}/{n} images identical to the cache", flush=True)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def test_parity_and_fastest_at_parity():
     assert lines[2] == "Command: `python benchmarks/quality_speed.py --x`"
     assert "**Fastest setting at parity: faster at parity**" in md
     table = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| setting")]
-    assert len(table) == len(rows) and all(ln.count("|") == 12 for ln in table)
+    assert len(table) == len(rows) and all(ln.count("|") == 14 for ln in table)
     assert "0.500 [0.460, 0.540]" in table[0] and table[1].endswith("| no |")
     assert "-0.100, -0.020" in table[1]
 
@@ -71,8 +71,10 @@ def test_tiny_run_metrics_cache_and_report(tmp_path, monkeypatch):
     settings = [qs.SETTING_BY_NAME["AR"], qs.SETTING_BY_NAME["EAGLE-2"]]
     labels = [0, 0, 1, 1, 2, 2]
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 3.0}
-    kw = dict(inception=False, reps=30, cache_dir=str(tmp_path / "tok"), ckpt_key="tiny", show=False)
-    rows, fastest = qs.evaluate(eng, settings, labels, 0, sampling, **kw)
+    kw = dict(inception=False, reps=30, cache_dir=str(tmp_path / "tok"), ckpt_key="tiny", show=False,
+              work_dir=str(tmp_path / "work"))
+    rows, fastest, missing = qs.evaluate(eng, settings, labels, 0, sampling, **kw)
+    assert missing == []
     ar, eagle = rows
     assert ar["tpf"]["value"] == pytest.approx(1.0, abs=0.1) and eagle["tpf"]["value"] > ar["tpf"]["value"]
     for r in rows:
@@ -85,8 +87,16 @@ def test_tiny_run_metrics_cache_and_report(tmp_path, monkeypatch):
     assert fastest in (None, "EAGLE-2") and (fastest == "EAGLE-2") == eagle["parity"]
     # cached tokens: a second run generates nothing and reproduces every figure
     monkeypatch.setattr(eng, "generate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("regenerated")))
-    rows2, _ = qs.evaluate(eng, settings, labels, 0, sampling, ops=False, **kw)
+    rows2, _, _ = qs.evaluate(eng, settings, labels, 0, sampling, ops=False, **kw)
     assert rows2[1]["class_accuracy"] == eagle["class_accuracy"] and rows2[1]["tpf"] == eagle["tpf"]
+    # a report over more settings than are cached lists the others as missing and generates nothing
+    more = settings + [qs.SETTING_BY_NAME["SJD"]]
+    rows3, _, missing3 = qs.evaluate(eng, more, labels, 0, sampling, ops=False, generate=[], **kw)
+    assert [r["name"] for r in rows3] == ["AR", "EAGLE-2"] and missing3 == ["SJD"]
+    # a changed option changes the digest: that setting's cache is not reused
+    changed = [settings[0], ("EAGLE-2", "eagle", {"tree_topk": 4})]
+    _, _, missing4 = qs.evaluate(eng, changed, labels, 0, sampling, ops=False, generate=[], **kw)
+    assert missing4 == ["EAGLE-2"]
     qs.plot(rows, str(tmp_path / "p.png"), fastest)
     assert (tmp_path / "p.png").stat().st_size > 0
 
@@ -95,3 +105,88 @@ def test_cli_rejects_unknown_settings(capsys):
     assert qs.main(["--settings", "AR,NOPE", "--out", "/nonexistent/x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown setting(s) NOPE") and len(err.strip().splitlines()) == 1
+
+
+def test_interrupted_setting_resumes_from_its_last_batch(tmp_path):
+    """A run stopped after the first batch keeps that batch (``.partial.npz``); the next run generates
+    only the rest, and the result equals an uninterrupted run."""
+    from spec_models import tiny_engine
+
+    eng = tiny_engine(vocab=64, block=16, peak=4.0, dtype=__import__("torch").float32)
+    labels, sampling = [0, 1, 2, 0, 1, 2], {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 3.0}
+    key = qs.setting_key("tiny", "sjd", {}, sampling, labels, 0, 2)
+    whole = qs.generate_setting(eng, "SJD", "sjd", {}, labels, 0, sampling, 2, str(tmp_path / "a.npz"), key,
+                                show=False, ops=False)
+    calls = []
+    real = eng.generate
+
+    def stop_after_one_batch(*args, **kw):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(kw["image_indices"])
+        return real(*args, **kw)
+
+    eng.generate = stop_after_one_batch
+    cache = str(tmp_path / "b.npz")
+    with pytest.raises(KeyboardInterrupt):
+        qs.generate_setting(eng, "SJD", "sjd", {}, labels, 0, sampling, 2, cache, key, show=False, ops=False)
+    assert os.path.exists(str(tmp_path / "b.partial.npz")) and not os.path.exists(cache)
+    resumed = []
+    eng.generate = lambda *args, **kw: resumed.append(kw["image_indices"]) or real(*args, **kw)
+    again = qs.generate_setting(eng, "SJD", "sjd", {}, labels, 0, sampling, 2, cache, key, show=False, ops=False)
+    assert resumed == [[2, 3], [4, 5]]  # batch [0, 1] came from the partial file
+    assert (again["tokens"] == whole["tokens"]).all() and (again["forwards"] == whole["forwards"]).all()
+    assert not os.path.exists(str(tmp_path / "b.partial.npz"))
+    with np.load(cache) as z:
+        assert z["tokens"].dtype == np.int16 and str(z["digest"]) == qs.digest_of(key)
+
+
+COMMITTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                         "quality_speed_tokens")
+
+
+@pytest.mark.parametrize("name", ["AR", "SJD"])
+def test_committed_cache_is_what_generate_produces(name):
+    """The committed evaluation tokens are exactly what ``Engine.generate`` gives for those labels,
+    seeds, options and batch shape: the first batch (16 images) is regenerated and compared. (AR and
+    SJD: the cheapest; ``quality_speed.py --verify N`` checks every setting outside CI.)"""
+    import torch
+
+    from vvs_engine import Engine
+
+    path = os.path.join(COMMITTED, qs._slug(name) + ".npz")
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not committed yet")
+    _, ckpt, sampling = qs.zoo_context()
+    labels = [c for c in range(16) for _ in range(qs.CORE_IMAGES_PER_CLASS)]
+    _, method, opts = qs.SETTING_BY_NAME[name]
+    key = qs.setting_key(ckpt, method, opts, sampling, labels, 0, 16)
+    gen = qs.load_cache(path, qs.digest_of(key))
+    assert gen is not None, f"{path}: its digest does not match the current checkpoints/options (rerun the setting)"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(gen["threads"]))
+    try:
+        n, differ = qs.verify_cache(Engine.load(), gen, name, method, opts, labels, 0, sampling, 16, n_batches=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert n == 16 and differ == 0
+
+
+def test_fast_reference_metrics_equal_the_library_ones():
+    """ReferenceSet's FD (an n x n eigenproblem) and its precision/recall per draw (indexing distances
+    computed once) give the values of the project's plain implementations."""
+    from vvs_engine.evaluation.quality import frechet_distance_features, precision_recall
+
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(60, 24))
+    fake = rng.normal(0.3, 1.2, size=(20, 24))
+    rs = qs.ReferenceSet(ref, k=3)
+    assert rs.fd(fake) == pytest.approx(frechet_distance_features(fake, ref), rel=1e-8)
+    draws = qs.bootstrap_indices(20, 5, seed=2)
+    full, per = rs.precision_recall_draws(fake, draws)
+    want = precision_recall(ref, fake, 3)
+    assert full == (want["precision"], want["recall"])
+    for i, (p, r) in zip(draws, per):
+        w = precision_recall(ref, fake[i], 3)
+        assert (p, r) == (w["precision"], w["recall"])
+        assert rs.fd(fake[i]) == pytest.approx(frechet_distance_features(fake[i], ref), rel=1e-8)
