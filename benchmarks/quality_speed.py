@@ -167,16 +167,18 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-def setting_key(ckpt_key: str, method: str, opts: dict, sampling: dict, labels, seed: int, batch_size: int) -> str:
+def setting_key(ckpt_key: str, method: str, opts: dict, sampling: dict, labels, seed: int, batch_size: int,
+                device: str = "cpu", dtype: str = "fp32") -> str:
     """What a setting's tokens are a function of, as canonical JSON. The method's *effective* options
-    (defaults filled in) go in, so a changed default invalidates the cache too. Batch size is part of
-    it: in fp32 a sampled method's tokens can depend on the batch shape (README, "Batches")."""
+    (defaults filled in) go in, so a changed default invalidates the cache too. Batch size, device and
+    dtype are part of it: in fp32 a sampled method's tokens can depend on the batch shape, and other
+    devices round differently."""
     from vvs_engine.methods import resolve_options
 
     effective = resolve_options(method, opts)
     return json.dumps({"checkpoints": ckpt_key, "method": method, "options": effective, "sampling": sampling,
-                       "labels": list(labels), "seed": seed, "batch_size": batch_size, "rng": "counter-rng"},
-                      sort_keys=True, default=str)
+                       "labels": list(labels), "seed": seed, "batch_size": batch_size, "rng": "counter-rng",
+                       "device": torch.device(device).type, "dtype": dtype}, sort_keys=True, default=str)
 
 
 def digest_of(key: str) -> str:
@@ -528,7 +530,7 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
         ref["inc"] = ReferenceSet(reference_features("inception"))
     rows, ar, missing = [], None, []
     for name, method, opts in settings:
-        key = setting_key(ckpt_key, method, opts, sampling, labels, seed, batch_size)
+        key = setting_key(ckpt_key, method, opts, sampling, labels, seed, batch_size, str(eng.device))
         cache = os.path.join(cache_dir, _slug(name) + ".npz") if cache_dir else None
         if name not in want:
             gen = load_cache(cache, digest_of(key)) if cache else None
@@ -663,7 +665,7 @@ def main(argv=None) -> int:
                 print(f"[quality_speed] time budget of {a.time_budget:.0f} s spent: {name} and later settings "
                       f"are left for the next run", flush=True)
                 break
-            key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size)
+            key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size, a.device)
             print(f"[quality_speed] {name}", flush=True)
             generate_setting(eng, name, method, opts, labels, a.seed, sampling, a.batch_size,
                              os.path.join(cache_dir, _slug(name) + ".npz"), key, True, not a.no_ops)
@@ -701,7 +703,7 @@ def verify_all(eng, settings, labels, a, sampling, ckpt, cache_dir) -> int:
     """--verify N: every cached setting's first N batches regenerated and compared; exit 1 on a mismatch."""
     bad = 0
     for name, method, opts in settings:
-        key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size)
+        key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size, a.device)
         gen = load_cache(os.path.join(cache_dir, _slug(name) + ".npz"), digest_of(key))
         if gen is None:
             continue
