@@ -243,6 +243,9 @@ class ZipARDecoder:
         dev = self.device = s.device
         self.scratch = (self.c + self.T + torch.arange(R * L, device=dev)).view(R, L)  # a slot per lane
         self.window_lanes = torch.arange(L, device=dev)
+        self.row_lanes = {}  # R -> arange(R), made once per round size
+        self.vocab = torch.arange(engine.config.vocab_size, device=dev)
+        self.stored_rows = torch.arange(1, self.H + 1, device=dev)  # where rows 0 .. H - 1 sit in the per-row arrays
         self.batch_ids = torch.arange(self.B, device=dev)[:, None]
         # per-slot row and column of image slots (others: row -1, a column no count reaches)
         t = s.slot_ids - self.c
@@ -287,7 +290,7 @@ class ZipARDecoder:
         Vq = V if L > 1 else 1
         return ZipARState(tokens=tokens, codes=codes, written=written,
                           eol_written=torch.zeros(B, n, dtype=torch.bool, device=dev), lo=zeros(B),
-                          row_rounds=zeros(B, n), draft=zeros(B, n, L),
+                          row_rounds=zeros(B, n), draft=first[:, None, None].expand(B, n, L).clone(),  # row 0: copy-left
                           draft_q=torch.zeros(B, n if L > 1 else 1, L if L > 1 else 1, Vq, device=dev),
                           fresh=torch.ones(B, n, L, dtype=torch.bool, device=dev), passes=zeros(B),
                           committing_rows=zeros(B), accepted=zeros(B),
@@ -299,7 +302,9 @@ class ZipARDecoder:
         committed code (or its start, or its tail) and, with SJD, its drafts; commit."""
         B, L, V, H, W, Wp, c, T = self.B, self.L, self.V, self.H, self.W, self.Wp, self.c, self.T
         s, lanes, b = self.session, self.window_lanes, self.batch_ids
-        row = st.lo[:, None] + torch.arange(R, device=self.device)  # [B, R]
+        if R not in self.row_lanes:
+            self.row_lanes[R] = torch.arange(R, device=self.device)
+        row = st.lo[:, None] + self.row_lanes[R]  # [B, R]
         at = row + 1  # index into the per-row arrays
         codes, written = st.codes.gather(1, at), st.written.gather(1, at)
         above, below = st.codes.gather(1, at - 1), st.codes.gather(1, at + 1)
@@ -390,8 +395,8 @@ class ZipARDecoder:
             n_tested = testable.long().sum(-1)
             after = (k + 1).clamp(max=L - 1)[..., None]  # the draft that failed (if one did)
             rejected = d.gather(2, after - 1)[..., 0]
-            rejected_q = torch.where(fresh.gather(2, after),  # [B, R, 1]
-                                     torch.nn.functional.one_hot(rejected, V).to(p.dtype),
+            one_hot = (self.vocab == rejected[..., None]).to(p.dtype)
+            rejected_q = torch.where(fresh.gather(2, after), one_hot,  # fresh: [B, R, 1]
                                      q.gather(2, (after - 1)[..., None].expand(B, R, 1, V))[..., 0, :])
             q_k = torch.where((k < n_tested)[..., None], rejected_q, 0.0)  # the bonus token: q = 0
         else:
@@ -442,7 +447,7 @@ class ZipARDecoder:
         unfinished = st.lo < H
         st.passes.add_(unfinished.long())
         st.committing_rows.add_((commits > 0).long().sum(1))
-        rows = torch.arange(1, H + 1, device=self.device)
+        rows = self.stored_rows
         done = (st.codes[:, rows] == W) & ((st.written[:, rows] == W) | (rows == H))
         if not self.has_eol:
             done = done | ((st.codes[:, rows] == W) & (st.codes[:, rows + 1] == 0))
@@ -460,6 +465,7 @@ def decode(engine, batch: DecodeBatch, params, opts: ZipAROptions, use_graphs: b
     if opts.zipar_verify == "none":
         plan = fixed_window_plan(dec.geometry, dec.window)
         sizes = sorted({len(lanes) for lanes in plan})
+        assert not sizes or sizes[-1] <= dec.R, (sizes, dec.R)  # the scratch slots cover every lane
     else:
         plan, sizes = None, [dec.R]
     rounds = RoundGraphs({f"rows{R}": (lambda R=R: dec.zipar_round(st, R)) for R in sizes}, st.tensors(), use_graphs)
