@@ -7,7 +7,10 @@ statistics are ``benchmarks/quality_speed.py``'s (percentile bootstrap over imag
 every setting; Δ = setting − AR on the same draws). Generated tokens are cached per setting beside
 the table (``<out>_tokens/``), so an interrupted run resumes.
 
-    OMP_NUM_THREADS=1 python benchmarks/zipar_zoo.py --per-class 16
+    OMP_NUM_THREADS=1 python benchmarks/zipar_zoo.py --per-class 16 --doc docs/zipar.md
+    python benchmarks/zipar_zoo.py --from-json benchmarks/results/zipar_zoo.json --doc docs/zipar.md   # tables only
+
+``--doc`` also writes the table between the ``zipar-zoo`` marker comments of that file.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ SETTINGS = [("AR", "ar", {})] + [
     for s in (2, 4, 8)
 ]
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 4.0}
+DOC_BEGIN = "<!-- zipar-zoo:begin (written by benchmarks/zipar_zoo.py --doc; do not edit) -->"
+DOC_END = "<!-- zipar-zoo:end -->"
 
 
 def _cached_wall(cache, key):
@@ -99,6 +104,16 @@ def to_markdown(meta, rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_doc(path, meta, rows) -> None:
+    """The table (with its command) between the marker comments of ``path``."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    table = to_markdown(meta, rows).split("\n", 2)[2].strip()  # without the title line
+    start, end = text.index(DOC_BEGIN) + len(DOC_BEGIN), text.index(DOC_END)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text[:start] + "\n" + table + "\n" + text[end:])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--per-class", type=int, default=16, help="images per class (default 16: 256 images)")
@@ -109,7 +124,19 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=None, help="comma list of setting names (AR always runs first)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "zipar_zoo"),
                     help="output prefix: .md, .json, _tokens/ (default benchmarks/results/zipar_zoo)")
+    ap.add_argument("--doc", default=None, help="also write the table between this file's zipar-zoo markers")
+    ap.add_argument("--from-json", default=None, help="render the tables of an earlier run's JSON (no generation)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            saved = json.load(f)
+        md = to_markdown(saved["meta"], saved["rows"])
+        with open(os.path.splitext(a.from_json)[0] + ".md", "w") as f:
+            f.write(md)
+        if a.doc:
+            write_doc(a.doc, saved["meta"], saved["rows"])
+        print(md)
+        return 0
     torch.set_num_threads(a.threads)
     from vvs_engine import Engine
     from vvs_engine.zoo import model_path
@@ -134,6 +161,8 @@ def main(argv=None) -> int:
     md = to_markdown(meta, rows)
     with open(a.out + ".md", "w") as f:
         f.write(md)
+    if a.doc:
+        write_doc(a.doc, meta, rows)
     print(md)
     return 0
 
