@@ -4,8 +4,6 @@ slots written once, the degenerate window (>= the row length) reproducing AR, ev
 exactness claims of ``--zipar-verify sjd`` (raster AR at s >= W; the partial-context target at s < W)."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
