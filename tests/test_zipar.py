@@ -1,0 +1,369 @@
+"""ZipAR (several image rows at once) and ZipAR with SJD-verified row windows: the schedule and its
+forward count, the attention mask against a reference rebuilt from the recorded K/V writes, raster
+slots written once, the degenerate window (>= the row length) reproducing AR, every family, and the
+exactness claims of ``--zipar-verify sjd`` (raster AR at s >= W; the partial-context target at s < W)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spec_models import tiny_engine
+from test_speculative import _chi2, _chi2_crit
+from vvs_engine.acceptance.verify import ExactRule
+from vvs_engine.engine import Engine
+from vvs_engine.errors import VVSError
+from vvs_engine.methods import get_method
+from vvs_engine.methods.common import DecodeBatch
+from vvs_engine.methods.zipar import (PlanLane, RowGeometry, ZipARDecoder, fixed_window_forwards, fixed_window_plan,
+                                      row_geometry, rows_in_flight)
+from vvs_engine.models.hf_tiny import PROMPTS, make_chameleon_folder, make_emu3_folder, make_janus_folder
+from vvs_engine.rng import CounterRNG
+from vvs_engine.sampling import SamplingParams
+
+LABELS = [0, 3]
+
+
+# --- the schedule -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("eol", [None, 7])
+def test_plan_forward_count_is_the_formula(eol):
+    """(H - 1) * min(s, W) + W - 1 forwards, for every grid and window (rows: contiguous from the
+    first unfinished one, asserted inside the plan), never more rows than ``rows_in_flight``, and
+    every code decided exactly once."""
+    for H in (1, 2, 3, 6):
+        for W in (1, 2, 5, 8):
+            for s in (1, 2, 3, 4, 8, 9):
+                geo = RowGeometry(H, W, eol)
+                plan = fixed_window_plan(geo, s)
+                assert len(plan) == fixed_window_forwards(geo, s) == (H - 1) * min(s, W) + W - 1
+                assert max([len(lanes) for lanes in plan] + [0]) <= rows_in_flight(geo, s)
+                decided = sorted((l.row, l.decided_column) for lanes in plan for l in lanes if l.decided_column is not None)
+                assert decided == [(r, col) for r in range(H) for col in range(W) if (r, col) != (0, 0)]
+
+
+def test_plan_by_hand():
+    """Two rows of three codes, window 1, no end-of-line token: row 1 starts with a stand-in at
+    forward 1, row 0's last code is fed for its K/V alongside row 1's last decision."""
+    plan = fixed_window_plan(RowGeometry(2, 3), 1)
+    assert plan == [[PlanLane(0, 0, 1), PlanLane(1, -1, 0)],
+                    [PlanLane(0, 1, 2), PlanLane(1, 0, 1)],
+                    [PlanLane(0, 2, None), PlanLane(1, 1, 2)]]
+    # window >= the row length: one row at a time, the next row starts from the real end of the row above
+    assert [[tuple(l) for l in lanes] for lanes in fixed_window_plan(RowGeometry(2, 2), 5)] == \
+        [[(0, 0, 1)], [(1, -1, 0)], [(1, 0, 1)]]
+    # with an EOL: the next row starts by feeding the EOL while the row above feeds its last code
+    assert [[tuple(l) for l in lanes] for lanes in fixed_window_plan(RowGeometry(2, 2, 9), 5)] == \
+        [[(0, 0, 1)], [(0, 1, None), (1, -1, 0)], [(1, 0, 1)]]
+
+
+# --- tiny LlamaGen target ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eng():
+    return tiny_engine(vocab=64, block=36, peak=8.0)  # 6 x 6 codes, float64
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(eng):
+    return {t: eng.generate(class_labels=LABELS, temperature=t, cfg_scale=3.0, seed=4, decode_images=False).tokens
+            for t in (0.0, 1.0)}
+
+
+@pytest.mark.parametrize("verify", ["none", "sjd"])
+def test_window_of_a_row_or_more_is_ar(eng, ar_tokens, verify):
+    """s >= W: rows one after the other, each starting from the real end of the row above. Greedy
+    tokens are AR's; plain ZipAR's sampled tokens are AR's too (same draw at each raster index)."""
+    for s in (6, 9):
+        for t in (0.0, 1.0):
+            out = eng.generate(class_labels=LABELS, temperature=t, cfg_scale=3.0, seed=4, method="zipar",
+                               zipar_window=s, zipar_verify=verify, decode_images=False)
+            if t == 0.0 or verify == "none":
+                assert torch.equal(out.tokens, ar_tokens[t]), (s, t)
+            if verify == "none":
+                assert out.stats["per_image"]["target_forward_passes"] == [35, 35]  # T - 1, as AR
+
+
+@pytest.mark.parametrize("s", [1, 2, 4])
+def test_forwards_per_image_follow_the_schedule(eng, ar_tokens, s):
+    out = eng.generate(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=4, method="zipar", zipar_window=s,
+                       decode_images=False)
+    assert out.stats["per_image"]["target_forward_passes"] == [5 * s + 5] * 2  # (H - 1) s + W - 1
+    assert out.tokens.shape == (2, 36) and 0 <= int(out.tokens.min()) and int(out.tokens.max()) < 64
+    assert not torch.equal(out.tokens, ar_tokens[1.0])  # a partial context changes the samples
+    assert out.stats["committing_rows"] == 2 * 35  # one code per row per forward (token 0: the prefill)
+    # batch-invariant: each image alone gives the same tokens
+    alone = eng.generate(class_labels=LABELS[1:], image_indices=[1], temperature=1.0, cfg_scale=3.0, seed=4,
+                         method="zipar", zipar_window=s, decode_images=False)
+    assert torch.equal(alone.tokens[0], out.tokens[1])
+
+
+# --- the mask against a reference built from the recorded writes -------------------------------------
+def record_forwards(monkeypatch, model):
+    """Every round forward: tokens fed, RoPE positions, K/V slots and the mask, as the model saw them."""
+    log = []
+    embed, forward = model.embed_tokens, model.forward_hidden
+
+    def embed_tokens(tokens):
+        log.append({"tokens": tokens.clone()})
+        return embed(tokens)
+
+    def forward_hidden(x, positions, kv=None, slots=None, mask=None):
+        if kv is not None and isinstance(mask, torch.Tensor) and positions.dim() == 2:
+            log[-1].update(positions=positions.clone(), slots=slots.clone(), mask=mask[:, 0].clone())
+        return forward(x, positions, kv, slots, mask)
+
+    monkeypatch.setattr(model, "embed_tokens", embed_tokens)
+    monkeypatch.setattr(model, "forward_hidden", forward_hidden)
+    return log
+
+
+def check_against_reference(log, tokens, c, T, L, image, exact_once, unread, condition=None):
+    """Rebuild what each query may see from the writes alone: a raster slot is filled at a forward
+    once its final write lies in an earlier forward, or it is the committed token a row's first lane
+    feeds in this forward; a query sees the condition, the filled slots up to its row's first lane's
+    position, its own slot and the raster slots of its row's earlier lanes (its Jacobi window).
+    The device mask must be exactly that, and every slot's final write must hold the final token
+    (``unread``: the image's last slots, which no query reads, as AR never feeds its last token;
+    ``condition``: the visible condition slots, default all)."""
+    condition = set(range(c)) if condition is None else condition
+    log = [e for e in log if "mask" in e]
+    final_write, writes = {}, {}
+    for k, e in enumerate(log):
+        for q, s in enumerate(e["slots"][image].tolist()):
+            if c <= s < c + T:
+                writes[s] = writes.get(s, 0) + 1
+                if s not in unread:
+                    final_write[s] = (k, int(e["tokens"][image, q]))
+    for s, (_, tok) in final_write.items():
+        assert tok == int(tokens[s - c]), s  # the cache holds the committed token (never a stand-in)
+    if exact_once:
+        assert all(n == 1 for n in writes.values())
+    for k, e in enumerate(log):
+        slots, pos, mask = e["slots"][image].tolist(), e["positions"][image].tolist(), e["mask"][image]
+        raster = lambda s: c <= s < c + T
+        filled = {s for s, (j, _) in final_write.items() if j < k}
+        filled |= {slots[q] for q in range(0, len(slots), L) if raster(slots[q])}
+        for q in range(len(slots)):
+            first = q - q % L
+            ref = condition | {s for s in filled if s <= pos[first]} | {slots[q]}
+            ref |= {slots[i] for i in range(first, q) if raster(slots[i])}
+            got = set(torch.nonzero(mask[q]).flatten().tolist())
+            assert got == ref, (k, q, sorted(got ^ ref))
+    return writes
+
+
+@pytest.mark.parametrize("verify,s", [("none", 1), ("none", 2), ("sjd", 2), ("sjd", 1)])
+def test_mask_matches_the_reference_and_slots_are_written_once(eng, monkeypatch, verify, s):
+    L = 3 if verify == "sjd" else 1
+    log = record_forwards(monkeypatch, eng.gpt)
+    out = eng.generate(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=4, method="zipar", zipar_window=s,
+                       zipar_verify=verify, zipar_jacobi_window=L, decode_images=False)
+    c, T = eng.config.cls_token_num, eng.tokens_per_image
+    for image in range(2):
+        writes = check_against_reference(log, out.tokens[image], c, T, L, image, exact_once=verify == "none",
+                                         unread={c + T - 1})
+        assert set(writes) - {c + T - 1} == set(range(c, c + T - 1))  # every slot read later is written
+    rounds = [e for e in log if "mask" in e]
+    assert all(torch.equal(e["mask"][:2], e["mask"][2:]) for e in rounds)  # both CFG rows see the same
+    if verify == "none":  # the device serves the plan's rows and columns (positions: raster, start = predecessor)
+        plan = fixed_window_plan(row_geometry(eng.gpt), s)
+        assert len(rounds) == len(plan)
+        for e, lanes in zip(rounds, plan):
+            assert e["positions"][0].tolist() == [c + l.row * 6 + l.fed_column for l in lanes]
+
+
+@pytest.mark.parametrize("verify", ["none", "sjd"])
+def test_mask_reference_on_a_family_with_end_of_line(emu3, monkeypatch, verify):
+    eng, _ = emu3
+    geo = row_geometry(eng.gpt)
+    L = 3 if verify == "sjd" else 1
+    log = record_forwards(monkeypatch, eng.gpt)
+    out = eng.generate(prompts=PROMPTS, temperature=1.0, cfg_scale=3.0, seed=2, method="zipar", zipar_window=1,
+                       zipar_verify=verify, zipar_jacobi_window=L, decode_images=False)
+    c, T = eng.config.cls_token_num, eng.tokens_per_image
+    last_code = c + (geo.rows - 1) * geo.width + geo.codes - 1
+    _, key_mask = eng.condition_rows(None, PROMPTS, True)
+    assert not key_mask[0].all()  # the prompt's padded slots stay hidden
+    for image in range(2):
+        writes = check_against_reference(log, out.tokens[image], c, T, L, image, exact_once=verify == "none",
+                                         unread={last_code, c + T - 1},
+                                         condition=set(torch.nonzero(key_mask[image]).flatten().tolist()))
+        assert set(writes) - {last_code} == set(range(c, last_code))  # the last code and EOL are never read
+
+
+# --- every family ------------------------------------------------------------------------------------
+def fp64(eng):
+    eng.gpt.to(torch.float64)
+    eng.dtype = torch.float64
+    return eng
+
+
+@pytest.fixture(scope="module")
+def janus(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("janus"))
+    make_janus_folder(path)
+    eng = fp64(Engine.load(model_dir=path, max_prompt_tokens=24))
+    return eng, eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+
+
+@pytest.fixture(scope="module")
+def lumina(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("chameleon"))
+    make_chameleon_folder(path)
+    eng = fp64(Engine.load(model_dir=path, max_prompt_tokens=32, image_size=64))
+    return eng, eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+
+
+@pytest.fixture(scope="module")
+def emu3(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("emu3"))
+    make_emu3_folder(path)
+    eng = fp64(Engine.load(model_dir=path, max_prompt_tokens=24, image_size=32))
+    return eng, eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+
+
+@pytest.mark.parametrize("family", ["janus", "lumina", "emu3"])
+def test_every_family(request, family):
+    """Janus: a square grid; Lumina-mGPT and Emu3: rows closed by the forced EOL, which ZipAR places
+    (it never samples it) and which needs no forward of its own (H fewer than AR's T - 1)."""
+    eng, ar = request.getfixturevalue(family)
+    geo = row_geometry(eng.gpt)
+    assert (geo.eol is None) == (family == "janus") and geo.rows == geo.codes == 4
+    T = eng.tokens_per_image
+    for verify in ("none", "sjd"):
+        out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, method="zipar", zipar_window=geo.codes,
+                           zipar_verify=verify, decode_images=False)
+        assert torch.equal(out.tokens, ar)
+        if verify == "none":
+            assert out.stats["per_image"]["target_forward_passes"] == \
+                [T - 1 - (geo.rows if geo.eol is not None else 0)] * 2
+    for verify in ("none", "sjd"):
+        out = eng.generate(prompts=PROMPTS, temperature=1.0, cfg_scale=3.0, method="zipar", zipar_window=1, seed=3,
+                           zipar_verify=verify, decode_images=False)
+        rows = out.tokens.view(2, geo.rows, geo.width)
+        if geo.eol is not None:
+            assert (rows[:, :, -1] == geo.eol).all() and (rows[:, :, :-1] < geo.eol).all()
+        assert int(out.tokens.max()) < eng.config.vocab_size
+        if verify == "none":
+            assert out.stats["per_image"]["target_forward_passes"] == [fixed_window_forwards(geo, 1)] * 2
+
+
+# --- ZipAR + SJD: what is exact ------------------------------------------------------------------
+def _pair_marginals(eng, label, cfg, n_first, V):
+    """Exact target probability of every sequence of the first ``n_first`` tokens (raster AR)."""
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * n_first)
+    lg = eng.score(class_labels=[label] * len(seqs), tokens=seqs, cfg_scale=cfg)
+    probs = torch.log_softmax(lg.double(), -1).gather(2, seqs[:, :, None])[:, :, 0].sum(1).exp()
+
+    def pair(a, b):
+        marg = torch.zeros(V * V, dtype=probs.dtype).index_add_(0, seqs[:, a] * V + seqs[:, b], probs)
+        return torch.cartesian_prod(torch.arange(V), torch.arange(V)), marg
+
+    return pair
+
+
+def test_sjd_rows_with_a_full_window_are_distributed_as_raster_ar():
+    """s >= W: every row sees the whole raster prefix, so the SJD rule makes the tokens raster AR's.
+    Chi-square of pair marginals (V = 4, 3 x 3 grid, 1000 images) within row 0 (carried Jacobi
+    drafts), across the row boundary and at the start of row 1, against the exact AR law; accepting
+    every draft (no verification) must fail."""
+    eng = tiny_engine(vocab=4, block=9, seed=1, peak=25.0, with_vq=False)
+    pair = _pair_marginals(eng, 1, 2.0, 5, 4)
+    kw = dict(class_labels=[1] * 1000, temperature=1.0, cfg_scale=2.0, method="zipar", seed=5, zipar_window=3,
+              zipar_verify="sjd", zipar_jacobi_window=3, decode_images=False, batch_size=250)
+    out = eng.generate(**kw)
+    assert out.stats["accepted_drafts"] > 500
+    for a, b in ((1, 2), (2, 3), (3, 4)):
+        cells, marg = pair(a, b)
+        stat, dof = _chi2(out.tokens[:, [a, b]], cells, marg)
+        assert stat < _chi2_crit(dof), ((a, b), stat, dof)
+    original = ExactRule.accept
+    try:
+        ExactRule.accept = lambda self, r, x, qx, u, ctx: (torch.ones_like(x, dtype=torch.bool), None)
+        bad = eng.generate(**dict(kw, class_labels=[1] * 500))
+    finally:
+        ExactRule.accept = original
+    cells, marg = pair(1, 2)
+    stat, dof = _chi2(torch.cat([bad.tokens] * 2)[:, [1, 2]], cells, marg)
+    assert stat > _chi2_crit(dof), (stat, dof)
+
+
+def committed_scores(eng, opts, n_images, seed, rule=None):
+    """Drive a ZipAR + SJD decode forward by forward. For every committed token x, with p the target
+    distribution of the lane that decided it (the target given that forward's partial context and
+    the row's committed prefix): log p(x), and its mean and variance were x ~ p."""
+    params = SamplingParams(temperature=1.0, cfg_scale=2.0)
+    _, o = get_method("zipar", eng, opts)
+    cond, key_mask = eng.condition_rows([i % 5 for i in range(n_images)], None, True)
+    batch = DecodeBatch(cond, key_mask, CounterRNG(seed, torch.arange(n_images)), n_images)
+    scores = []
+    with torch.inference_mode():
+        dec = ZipARDecoder(eng, batch, params, o, rule)
+        st = dec.prefill()
+        seen = {}
+        processed = dec.processed
+
+        def keep(h):
+            seen["p"] = processed(h)
+            return seen["p"]
+
+        dec.processed = keep
+        while int(st.lo.min()) < dec.H:
+            rows = st.lo[:, None] + torch.arange(dec.R)
+            before = st.codes.gather(1, rows + 1).clone()
+            dec.zipar_round(st, dec.R)
+            after = st.codes.gather(1, rows + 1)
+            p = seen["p"].view(n_images, dec.R, dec.L, -1).double()
+            for b, j in torch.nonzero(after > before).tolist():
+                for i in range(int(after[b, j] - before[b, j])):
+                    x = int(st.tokens[b, int(rows[b, j]) * dec.Wp + int(before[b, j]) + i])
+                    dist = p[b, j, i]
+                    logp = dist.clamp(min=1e-300).log()
+                    mean = float((dist * logp).sum())
+                    scores.append((float(logp[x]), mean, float((dist * logp ** 2).sum()) - mean ** 2))
+    return torch.tensor(scores, dtype=torch.float64)
+
+
+def likelihood_z(scores):
+    """Sum of log p(x) - E log p over the committed tokens, in standard deviations: each term has
+    mean 0 given everything before it when x ~ p, so the sum is a martingale (approximately normal)."""
+    return float((scores[:, 0] - scores[:, 1]).sum() / scores[:, 2].sum().sqrt())
+
+
+def test_sjd_commits_exact_samples_of_the_partial_context_target():
+    """s < W (the lossy case): what is exact is each committed token given its forward's context.
+    Over every committed token, the log-likelihood under the lane that decided it matches its
+    expectation (|z| < 3.29, two-sided 1e-3); a sampler that accepts every draft (no verification)
+    commits tokens of the wrong likelihood and fails (z = -10.6 here). Subtler bugs of the rule
+    itself (carried q taken as one-hot, residual = p) stay within |z| < 2.5 at this size: the
+    chi-square test of ``tests/test_jacobi.py`` covers the shared SJD rule against those."""
+    eng = tiny_engine(vocab=16, block=16, seed=2, peak=6.0, with_vq=False)
+    opts = dict(zipar_window=1, zipar_verify="sjd", zipar_jacobi_window=3)
+    scores = committed_scores(eng, opts, 160, 7)
+    assert len(scores) == 160 * 15
+    assert abs(likelihood_z(scores)) < 3.29, likelihood_z(scores)
+
+    class AcceptAll(ExactRule):
+        def accept(self, r, x, qx, u, ctx):
+            return torch.ones_like(x, dtype=torch.bool), None
+
+    bad = committed_scores(eng, opts, 160, 7, AcceptAll())
+    assert abs(likelihood_z(bad)) > 3.29, likelihood_z(bad)
+
+
+# --- options ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opts,match", [
+    ({"zipar_window": 0}, "zipar-window"), ({"zipar_window": 2.5}, "zipar-window"),
+    ({"zipar_verify": "gsd"}, "zipar-verify"), ({"zipar_jacobi_window": 0}, "zipar-jacobi-window"),
+])
+def test_bad_options_are_one_line_errors(eng, opts, match):
+    with pytest.raises(VVSError, match=match):
+        eng.generate(class_labels=LABELS, method="zipar", decode_images=False, **opts)
+
+
+def test_grid_must_be_rows():
+    eng = tiny_engine(vocab=16, block=16, with_vq=False)
+    eng.gpt.config.block_size = 15  # neither a square nor a family row layout
+    try:
+        with pytest.raises(VVSError, match="square token grid"):
+            get_method("zipar", eng, {})
+    finally:
+        eng.gpt.config.block_size = 16

@@ -1,0 +1,512 @@
+"""ZipAR: several image rows decoded at once (He et al., ICML 2025, arXiv 2412.04062), plain and with
+each row's frontier decoded as a Jacobi window verified by the SJD rule (``--zipar-verify sjd``).
+
+A token depends mostly on its spatial neighbours, so row r + 1 need not wait for row r to finish:
+it starts once row r holds ``window`` codes (s), and every forward then advances each row in flight
+by one token (a diagonal wavefront). The target sees a *partial* context: the slots already filled,
+at their raster positions. That is the approximation (ZipAR is lossy); everything else is exact:
+
+* K/V are written at each token's raster slot (``c + r * W' + column``), RoPE at raster positions
+  (LlamaGen's 2-D table is indexed by raster position as usual), and each query sees exactly the
+  slots that hold a committed token's K/V and precede it in raster order (plus itself). The mask is
+  built on the device from per-row counts of written codes (every row is filled as a prefix), never
+  from a raster-causal mask: an unfilled slot is never attended (the released LlamaGen code attends
+  them; we do not).
+* Geometry (:class:`RowGeometry`, read through :func:`row_geometry`): LlamaGen and Janus are square
+  grids of codes; Lumina-mGPT and Emu3 rows end with the forced end-of-line token (EOL), which is
+  placed in the token buffer up front (never sampled) and whose K/V are written once, by the query
+  that starts the next row (its output is that row's first code, as in raster order).
+* Row starts without an EOL (LlamaGen, Janus): the query that predicts (r, 0) sits at the raster
+  position of (r - 1, W - 1), the end of the row above, which does not exist yet. When the row above
+  is complete, that query feeds the real token there (raster order exactly). Otherwise it feeds a
+  *stand-in*, the newest committed code of the row above, whose K/V go to a scratch slot that only
+  this one query sees; the raster slot (r - 1, W - 1) is written once, by the real token when it
+  arrives (the row's "tail" feed, K/V only). So no query ever attends a stand-in or an unfilled
+  slot; the stand-in only shapes the input of the one query that starts the row. (Withholding that
+  query until the real token exists would be raster order: the token sits at the end of the row
+  above.)
+
+Schedule (fixed window, one token per row per forward): row 0 starts from the prefill, row r at
+forward r * s; every row needs W - 1 more forwards after its first code, so a decode takes
+``(H - 1) * min(s, W) + W - 1`` forwards (:func:`fixed_window_forwards`; W codes per row, H rows;
+prefill excluded, as for AR's T - 1). With s >= W the rows run one after the other: the tokens are
+raster AR's (LlamaGen/Janus: T - 1 forwards; Lumina-mGPT/Emu3: H fewer than AR's T - 1, because
+the forced EOL needs no forward of its own). The schedule is the same for every image of a model,
+resolution and window, so :func:`fixed_window_plan` precomputes it on the host (step -> rows and
+columns) and each forward runs the round function of its row count (one CUDA graph each); the
+device state decides the same lanes without any host read.
+
+``--zipar-verify sjd``: each row in flight feeds a window of L lanes along its row (its last
+committed code, then L - 1 drafts: the previous forward's target samples at those columns, the
+Jacobi update, or copies of the code above for new columns) and commits the accepted prefix plus
+one token by the SJD rule, so a row may commit several codes per forward. The window rule stays:
+code (r, c) may be committed only while row r - 1 holds at least c + s codes (or is complete); a
+row that may commit nothing in a forward takes no part in it. Exactness: every committed token is
+an exact sample of the target given the context its forward saw (the filled slots of the rows above
+and the row's own committed prefix), the same law plain ZipAR samples from at that context; the
+contexts differ from raster AR's (partial rows above), so the tokens are not distributed as raster
+AR unless s >= W (rows sequential: exact SJD per row, tokens distributed as raster AR).
+``tests/test_zipar.py`` checks both statements.
+
+Randomness is keyed by image and raster index (batch-invariant): the token at raster index t of an
+image is drawn with the counter RNG at step t of the ``SAMPLE`` stream, as AR draws it, so with
+s >= W ZipAR's sampled tokens are AR's too. Drafts are tested with ``ACCEPT`` uniforms at their
+raster index (each index is tested at most once) and Jacobi samples use the row's forward counter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from .. import kernels
+from ..acceptance.verify import ExactRule
+from ..errors import VVSError
+from ..rng import Streams, sample_inverse_cdf
+from ..runtime.runner import RoundGraphs
+from ..runtime.target import TargetSession
+from ..sampling import guided_logits, process_logits
+from . import register
+from .common import DecodeBatch, LateCounter, MethodResult
+from .options import option
+
+VERIFY_MODES = ("none", "sjd")
+DEFAULT_WINDOW = 4  # chosen from benchmarks/results/zipar_zoo.md (docs/zipar.md)
+DEFAULT_JACOBI_WINDOW = 4
+MAX_JACOBI_WINDOW = 64
+
+
+# --- geometry and the fixed-window schedule (host side, pure Python) -----------------------------
+@dataclass(frozen=True)
+class RowGeometry:
+    """An image as the methods see it: ``rows`` rows of ``codes`` VQ codes, each closed by the token
+    ``eol`` (a method-vocabulary index) when the family's layout has one."""
+
+    rows: int
+    codes: int
+    eol: Optional[int] = None
+
+    @property
+    def width(self) -> int:
+        """Tokens per row (W'): the codes plus the end-of-line token, if any."""
+        return self.codes + (self.eol is not None)
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+
+def row_geometry(model) -> RowGeometry:
+    """The target's row layout: Lumina-mGPT/Emu3 configs name their grid (``grid_h`` rows of
+    ``grid_w`` codes, EOL = method token ``n_codes``); LlamaGen and Janus are square grids."""
+    cfg = model.config
+    T = cfg.block_size
+    grid_h, grid_w = getattr(cfg, "grid_h", None), getattr(cfg, "grid_w", None)
+    if grid_h is not None and grid_w is not None and grid_h * (grid_w + 1) == T:
+        return RowGeometry(int(grid_h), int(grid_w), int(getattr(cfg, "n_codes", cfg.vocab_size - 1)))
+    side = math.isqrt(T)
+    if side * side != T:
+        raise VVSError(f"zipar needs a square token grid or a family with a row layout, got {T} tokens per image")
+    return RowGeometry(side, side, None)
+
+
+def fixed_window_forwards(geometry: RowGeometry, window: int) -> int:
+    """Forwards of a fixed-window decode (prefill excluded): ``(H - 1) * min(s, W) + W - 1``."""
+    return (geometry.rows - 1) * min(window, geometry.codes) + geometry.codes - 1
+
+
+def rows_in_flight(geometry: RowGeometry, window: int) -> int:
+    """Most rows a forward can serve: the rows still decoding lag one another by at least s codes
+    (``(W - 1) // s + 1`` of them), plus one complete row whose last code is fed for its K/V."""
+    return min(geometry.rows, (geometry.codes - 1) // window + 2)
+
+
+class PlanLane(NamedTuple):
+    row: int
+    fed_column: int  # column of the token fed; -1: the row's start (the raster predecessor, or a stand-in)
+    decided_column: Optional[int]  # the code its output decides; None: a K/V-only feed (the row's tail)
+
+
+def fixed_window_plan(geometry: RowGeometry, window: int) -> List[List[PlanLane]]:
+    """The fixed-window schedule, step by step: which rows each forward serves and with which
+    columns. It simulates the rules the device applies (per-row code counts, one code per row per
+    forward), independently of the device code; the rows of a step are always the first unfinished
+    row and the ones after it."""
+    H, W, has_eol = geometry.rows, geometry.codes, geometry.eol is not None
+    codes = [1] + [0] * H  # row 0's first code comes from the prefill; a sentinel row after the last
+    written = [0] * (H + 1)
+
+    def finished(r):
+        return codes[r] == W and (written[r] == W or r == H - 1 or (not has_eol and codes[r + 1] == 0))
+
+    plan = []
+    while not all(finished(r) for r in range(H)):
+        lanes = []
+        for r in range(H):
+            above = codes[r - 1] if r else W
+            last_allowed = W - 1 if above == W else above - window
+            if codes[r] <= last_allowed:
+                lanes.append(PlanLane(r, codes[r] - 1, codes[r]))
+            elif (codes[r] == W and written[r] == W - 1 and r < H - 1
+                  and (has_eol or codes[r + 1] > 0)):  # no-EOL: else the next row's start feeds it
+                lanes.append(PlanLane(r, W - 1, None))
+        rows = [lane.row for lane in lanes]
+        first = next(r for r in range(H) if not finished(r))
+        assert rows == list(range(first, first + len(rows))), rows  # contiguous from the first unfinished row
+        for lane in lanes:  # K/V writes, then commits (all rules above read the state before the step)
+            if lane.fed_column >= 0:
+                written[lane.row] = lane.fed_column + 1
+            elif not has_eol and codes[lane.row - 1] == W:
+                written[lane.row - 1] = W  # the row starts from the real end of the row above
+            if lane.decided_column is not None:
+                codes[lane.row] += 1
+        plan.append(lanes)
+    return plan
+
+
+# --- options ---------------------------------------------------------------------------------------
+@dataclass
+class ZipAROptions:
+    zipar_window: int = option(DEFAULT_WINDOW, "ZipAR: local window s; row r + 1 starts once row r holds s codes "
+                                               "(>= the row length: raster order)")
+    zipar_verify: str = option("none", "ZipAR: none (one code per row in flight per forward) or sjd (each row's "
+                                       "frontier as a Jacobi window verified by the SJD rule)")
+    zipar_jacobi_window: int = option(DEFAULT_JACOBI_WINDOW, "ZipAR with --zipar-verify sjd: lanes per row "
+                                                             "(its last committed code + L - 1 drafts)")
+
+    def validate(self):
+        s = self.zipar_window
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise VVSError(f"zipar-window must be an integer >= 1, got {s!r}")
+        if self.zipar_verify not in VERIFY_MODES:
+            raise VVSError(f"zipar-verify must be one of {', '.join(VERIFY_MODES)}, got {self.zipar_verify!r}")
+        L = self.zipar_jacobi_window
+        if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= MAX_JACOBI_WINDOW:
+            raise VVSError(f"zipar-jacobi-window must be an integer in [1, {MAX_JACOBI_WINDOW}], got {L!r}")
+        return self
+
+    def check_engine(self, engine):
+        row_geometry(engine.gpt)
+
+    @property
+    def lanes(self) -> int:
+        return self.zipar_jacobi_window if self.zipar_verify == "sjd" else 1
+
+
+# --- the device decode -----------------------------------------------------------------------------
+@dataclass
+class ZipARState:
+    """Device state of a batched ZipAR decode (static shapes, updated in place by each forward).
+    Per-row arrays have H + R + 2 entries: row r at index r + 1, index 0 a complete virtual row above
+    row 0, rows >= H never start, and the last entry takes the writes of lanes that write nothing."""
+
+    tokens: torch.Tensor  # [B, T + 1] committed tokens, raster order; EOLs placed up front; column T: write sink
+    codes: torch.Tensor  # [B, H + R + 2] committed codes per row
+    written: torch.Tensor  # [B, H + R + 2] codes of the row whose K/V are in the cache (a prefix of the row)
+    eol_written: torch.Tensor  # [B, H + R + 2] bool: the row's EOL K/V are in the cache
+    lo: torch.Tensor  # [B] finished rows: lane j serves row lo + j
+    row_rounds: torch.Tensor  # [B, H + R + 2] forwards the row took part in (step of its Jacobi samples)
+    draft: torch.Tensor  # [B, H + R + 2, L] lane i >= 1: the draft of column codes - 1 + i
+    draft_q: torch.Tensor  # [B, H + R + 2, L, V] what a carried draft was drawn from ([B, 1, 1, 1] when L = 1)
+    fresh: torch.Tensor  # [B, H + R + 2, L] bool: a copied draft (q one-hot)
+    passes: torch.Tensor  # [B] forwards while the image was unfinished
+    committing_rows: torch.Tensor  # [B] (row, forward) pairs that committed codes
+    accepted: torch.Tensor  # [B] drafts accepted
+    progress: torch.Tensor  # [2]: the slowest image's finished rows, unfinished real images (the host's one read)
+
+    def tensors(self):
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+class ZipARDecoder:
+    """Constants and buffers of one batched decode; :meth:`zipar_round` is the round function."""
+
+    def __init__(self, engine, batch: DecodeBatch, params, opts: ZipAROptions, rule=None):
+        self.params, self.rng = params, batch.rng
+        self.rule = rule if rule is not None else ExactRule()
+        self.geometry = geo = row_geometry(engine.gpt)
+        self.window, self.L = opts.zipar_window, opts.lanes
+        self.B, self.n_real = batch.size, batch.n_real
+        self.H, self.W, self.Wp = geo.rows, geo.codes, geo.width
+        self.has_eol = geo.eol is not None
+        self.R = rows_in_flight(geo, self.window)  # lanes of the round functions in SJD mode
+        self.n_row_entries = self.H + self.R + 2
+        self.sink_row = self.n_row_entries - 1
+        L, R = self.L, self.R
+        self.session = s = TargetSession(engine.gpt, batch.cond, self.B, params.use_cfg, batch.key_mask,
+                                         extra_slots=R * L)
+        self.c, self.T, self.V = s.c, s.T, engine.config.vocab_size
+        if geo.tokens != self.T:
+            raise VVSError(f"zipar: the row layout has {geo.tokens} tokens but the model {self.T}")
+        dev = self.device = s.device
+        self.scratch = (self.c + self.T + torch.arange(R * L, device=dev)).view(R, L)  # a slot per lane
+        self.window_lanes = torch.arange(L, device=dev)
+        self.row_lanes = {}  # R -> arange(R), made once per round size
+        self.vocab = torch.arange(engine.config.vocab_size, device=dev)
+        self.stored_rows = torch.arange(1, self.H + 1, device=dev)  # where rows 0 .. H - 1 sit in the per-row arrays
+        self.batch_ids = torch.arange(self.B, device=dev)[:, None]
+        # per-slot row and column of image slots (others: row -1, a column no count reaches)
+        t = s.slot_ids - self.c
+        image = (t >= 0) & (t < self.T)
+        self.slot_row = torch.where(image, t.div(self.Wp, rounding_mode="floor"), -1)
+        col = torch.where(image, t.remainder(self.Wp), self.Wp + 1)
+        self.slot_is_code = image & (col < self.W)
+        self.slot_is_eol = image & (col == self.W) if self.has_eol else torch.zeros_like(image)
+        self.slot_col = col
+        self.cond_visible = (s.slot_ids < self.c) & s.key_valid  # [rows, S]
+        self.sample_stream = self.rng.stream_offsets([Streams.SAMPLE])
+        self.accept_stream = self.rng.stream_offsets([Streams.ACCEPT])
+        self.update_stream = self.rng.stream_offsets([Streams.JACOBI_UPDATE])
+
+    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x]) if self.params.use_cfg else x
+
+    def processed(self, h: torch.Tensor) -> torch.Tensor:
+        return process_logits(guided_logits(self.session.logits(h), self.params), self.params)
+
+    def uniforms(self, step: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """Counter-RNG uniforms keyed by (image, ``step`` [B, ...]) on one stream -> [B, ...]."""
+        key = self.rng.key.view(self.B, *([1] * (step.dim() - 1))).expand(step.shape)
+        return kernels.counter_uniform(key.reshape(-1), step.reshape(-1), stream, 1).view(step.shape)
+
+    # --- prefill (eager) ----------------------------------------------------------------------------
+    def prefill(self) -> ZipARState:
+        B, L, V, T, dev = self.B, self.L, self.V, self.T, self.device
+        n = self.n_row_entries
+        p0 = self.processed(self.session.prefill()[:, -1])
+        first = self.rng.sample(p0, 0, Streams.SAMPLE)  # as AR draws image token 0
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
+        tokens = zeros(B, T + 1)
+        if self.has_eol:  # the layout's end-of-line tokens: placed, never sampled
+            eol_cols = torch.arange(self.H, device=dev) * self.Wp + self.W
+            tokens.index_put_((self.batch_ids.expand(B, self.H), eol_cols.expand(B, self.H)),
+                              torch.tensor(self.geometry.eol, device=dev))
+        tokens.index_put_((self.batch_ids[:, 0], zeros(B)), first)
+        entry = torch.arange(n, device=dev)  # index 0: the complete virtual row above row 0; 1: row 0
+        codes = torch.where(entry == 0, self.W, (entry == 1).long()).expand(B, n).clone()
+        written = torch.where(entry == 0, self.W, 0).expand(B, n).clone()
+        Vq = V if L > 1 else 1
+        return ZipARState(tokens=tokens, codes=codes, written=written,
+                          eol_written=torch.zeros(B, n, dtype=torch.bool, device=dev), lo=zeros(B),
+                          row_rounds=zeros(B, n), draft=first[:, None, None].expand(B, n, L).clone(),  # row 0: copy-left
+                          draft_q=torch.zeros(B, n if L > 1 else 1, L if L > 1 else 1, Vq, device=dev),
+                          fresh=torch.ones(B, n, L, dtype=torch.bool, device=dev), passes=zeros(B),
+                          committing_rows=zeros(B), accepted=zeros(B),
+                          progress=torch.tensor([0, self.n_real], dtype=torch.long, device=dev))
+
+    # --- one forward: static shapes, no host read ---------------------------------------------------
+    def zipar_round(self, st: ZipARState, R: int) -> None:
+        """One target forward serving rows ``lo .. lo + R - 1`` of every image: feed each row's last
+        committed code (or its start, or its tail) and, with SJD, its drafts; commit."""
+        B, L, V, H, W, Wp, c, T = self.B, self.L, self.V, self.H, self.W, self.Wp, self.c, self.T
+        s, lanes, b = self.session, self.window_lanes, self.batch_ids
+        if R not in self.row_lanes:
+            self.row_lanes[R] = torch.arange(R, device=self.device)
+        row = st.lo[:, None] + self.row_lanes[R]  # [B, R]
+        at = row + 1  # index into the per-row arrays
+        codes, written = st.codes.gather(1, at), st.written.gather(1, at)
+        above, below = st.codes.gather(1, at - 1), st.codes.gather(1, at + 1)
+        real_row = row < H
+        above_done = above >= W
+        last_allowed = torch.where(above_done, W - 1, above - self.window)  # the window rule
+        allowed = torch.where(real_row, (last_allowed - codes + 1).clamp(0, L), 0)  # codes it may commit now
+        tail = real_row & (codes == W) & (written == W - 1) & (row < H - 1)  # K/V of the last code
+        if not self.has_eol:
+            tail = tail & (below > 0)  # else the next row's start feeds the real token itself
+        active = (allowed > 0) | tail
+        start = active & (codes == 0)
+        stand_in = start & ~above_done if not self.has_eol else torch.zeros_like(start)
+
+        # --- inputs, positions and K/V slots of the R x L lanes ---------------------------------------
+        column = codes[..., None] - 1 + lanes  # [B, R, L] column of the token each lane feeds (-1: start)
+        live = active[..., None] & (column < W)
+        raster = row[..., None] * Wp + column  # a start's lane 0: r * W' - 1, the raster predecessor
+        committed = st.tokens.gather(1, raster[..., 0].clamp(0, T - 1))  # lane 0: a committed token
+        newest_above = st.tokens.gather(1, ((row - 1) * Wp + above - 1).clamp(0, T - 1))
+        lane0 = torch.where(stand_in, newest_above, committed)
+        if L > 1:
+            stored = st.draft.gather(1, at[..., None].expand(B, R, L))
+            stored_q = st.draft_q.gather(1, at[..., None, None].expand(B, R, L, V))
+            stored_fresh = st.fresh.gather(1, at[..., None].expand(B, R, L))
+            # a row that starts now: copies of the codes above (or of its input beyond them)
+            above_col = (row - 1)[..., None] * Wp + lanes - 1
+            copy_above = st.tokens.gather(1, above_col.clamp(0, T - 1).view(B, -1)).view(B, R, L)
+            copy = torch.where(lanes - 1 < above[..., None], copy_above, lane0[..., None])
+            new_row = (codes == 0)[..., None]
+            drafts = torch.where(new_row, copy, stored)
+            fresh = new_row | stored_fresh
+            inputs = torch.cat([lane0[..., None], drafts[..., 1:]], -1)
+        else:
+            inputs = lane0[..., None]
+        position = (c + raster).clamp(0, c + T - 1)
+        own_slot = live & ~(stand_in[..., None] & (lanes == 0))
+        slot = torch.where(own_slot, c + raster, self.scratch[:R])  # [B, R, L]
+
+        # --- the cache after this forward's writes: per-row counts -> filled slots ------------------
+        trash = self.sink_row
+        feeds_own = active & (codes > 0)  # lane 0 writes the row's last committed code
+        real_start = start & ~stand_in
+        if self.has_eol:
+            st.eol_written.index_put_((b.expand(B, R), torch.where(real_start, at - 1, trash)),
+                                      torch.ones_like(real_start))
+            st.written.index_put_((b.expand(B, R), torch.where(feeds_own, at, trash)), codes)
+        else:  # a real start writes the last code of the row above
+            index = torch.cat([torch.where(feeds_own, at, trash), torch.where(real_start, at - 1, trash)], 1)
+            st.written.index_put_((b.expand(B, 2 * R), index), torch.cat([codes, torch.full_like(codes, W)], 1))
+        slot_row = (self.slot_row + 1).expand(B, -1)
+        filled = self.slot_is_code & (self.slot_col < st.written.gather(1, slot_row))
+        if self.has_eol:
+            filled = filled | (self.slot_is_eol & st.eol_written.gather(1, slot_row))
+        before = s.slot_ids <= (c + raster[..., 0])[..., None]  # [B, R, S]: raster order
+        context = (filled[:, None, :] & before)[:, :, None, :]  # [B, R, 1, S]
+        mine = slot[..., None] == s.slot_ids  # [B, R, L, S]
+        # lane i also sees lanes < i of its row (causal window), but not a stand-in: it is no context
+        shared = mine & (live & ~(stand_in[..., None] & (lanes == 0)))[..., None]
+        window = shared.long().cumsum(2) > 0
+        visible = (context | window | mine).view(B, R * L, -1)
+        mask = self.rows_of(visible) | self.cond_visible[:, None, :]
+
+        # --- forward ------------------------------------------------------------------------------------
+        Q = R * L
+        x = s.model.embed_tokens(self.rows_of(inputs.view(B, Q)))
+        h = s.model.forward_hidden(x, self.rows_of(position.view(B, Q)), s.kv, self.rows_of(slot.view(B, Q)),
+                                   mask[:, None])
+        s.last_positions = self.rows_of(position.view(B, Q))  # the layout rules of these logits
+        p = self.processed(h).view(B, R, L, V)
+
+        # --- acceptance: the longest passing prefix of the drafts the window rule allows -------------
+        greedy = self.params.greedy
+        if L > 1:
+            d = inputs[..., 1:]  # [B, R, L-1]: draft of lane i tested against lane i-1's output
+            q = stored_q[..., 1:, :]
+            qx = torch.where(fresh[..., 1:], 1.0, q.gather(3, d[..., None])[..., 0])
+            testable = live[..., 1:] & (lanes[1:] <= allowed[..., None] - 1)
+            if greedy:
+                ok = p[..., :-1, :].argmax(-1) == d
+            else:
+                u = self.uniforms(raster[..., 1:], self.accept_stream)
+                ok, _ = self.rule.accept(p[..., :-1, :].reshape(-1, V), d.reshape(-1), qx.reshape(-1), u.reshape(-1),
+                                         None)
+                ok = ok.view(B, R, L - 1)
+            ok = ok & testable
+            k = ok.long().cumprod(-1).sum(-1)  # [B, R] accepted drafts
+            n_tested = testable.long().sum(-1)
+            after = (k + 1).clamp(max=L - 1)[..., None]  # the draft that failed (if one did)
+            rejected = d.gather(2, after - 1)[..., 0]
+            one_hot = (self.vocab == rejected[..., None]).to(p.dtype)
+            rejected_q = torch.where(fresh.gather(2, after), one_hot,  # fresh: [B, R, 1]
+                                     q.gather(2, (after - 1)[..., None].expand(B, R, 1, V))[..., 0, :])
+            q_k = torch.where((k < n_tested)[..., None], rejected_q, 0.0)  # the bonus token: q = 0
+        else:
+            k = torch.zeros_like(codes)
+            rejected, q_k = torch.zeros_like(codes), torch.zeros(B, R, V, device=self.device, dtype=p.dtype)
+        p_k = p.gather(2, k[..., None, None].expand(B, R, 1, V))[..., 0, :]
+        residual = self.rule.residual(p_k.reshape(-1, V), q_k.reshape(-1, V), rejected.reshape(-1), None).view(B, R, V)
+        decided = row * Wp + codes + k  # raster index of the token after the accepted prefix
+        if greedy:
+            nxt = residual.argmax(-1)
+        else:
+            nxt = sample_inverse_cdf(residual, self.uniforms(decided, self.sample_stream))
+
+        # --- commit: accepted drafts, then the residual / bonus token ---------------------------------
+        commits = torch.where(allowed > 0, k + 1, 0)
+        values = torch.where(lanes < k[..., None], inputs.roll(-1, 2), nxt[..., None])
+        target = torch.where(lanes < commits[..., None], (row * Wp + codes)[..., None] + lanes, T)
+        st.tokens.index_put_((b[..., None].expand(B, R, L), target), values)
+        new_codes = codes + commits
+        st.codes.index_put_((b.expand(B, R), at), new_codes)
+        if L > 1:  # accepted drafts were fed at their own slots: their K/V are in place (filled from now on)
+            st.written.index_put_((b.expand(B, R), torch.where(commits > 1, at, trash)), codes + k)
+        st.row_rounds.index_put_((b.expand(B, R), at), st.row_rounds.gather(1, at) + active.long())
+
+        if L > 1:  # --- next drafts: the Jacobi update, copies for new columns --------------------------
+            rounds = st.row_rounds.gather(1, at)  # after this forward: a new step for the next samples
+            if greedy:
+                y = p.argmax(-1)
+            else:
+                y = sample_inverse_cdf(p, self.uniforms(rounds[..., None] * (T + 1) + raster + 1, self.update_stream))
+            source = commits[..., None] - 1 + lanes  # new lane i holds the column old lane (commits - 1 + i) decided
+            src = source.clamp(0, L - 1)
+            carried = (source >= 0) & (source <= L - 1) & live.gather(2, src)
+            new_column = new_codes[..., None] - 1 + lanes
+            copy_above = st.tokens.gather(1, ((row - 1)[..., None] * Wp + new_column).clamp(0, T - 1).view(B, -1))
+            last = st.tokens.gather(1, (row * Wp + new_codes - 1).clamp(0, T - 1))
+            copy = torch.where((new_column < above[..., None]) & (row > 0)[..., None], copy_above.view(B, R, L),
+                               last[..., None])
+            new_drafts = torch.where(carried, y.gather(2, src), copy)
+            new_q = p.gather(2, src[..., None].expand(B, R, L, V))
+            update = (commits > 0)[..., None]
+            st.draft.index_put_((b.expand(B, R), at), torch.where(update, new_drafts, drafts))
+            st.fresh.index_put_((b.expand(B, R), at), torch.where(update, ~carried, fresh))
+            st.draft_q.index_put_((b.expand(B, R), at), torch.where(update[..., None], new_q, stored_q))
+            st.accepted.add_(torch.where(allowed > 0, k, 0).sum(1))
+
+        # --- bookkeeping -------------------------------------------------------------------------------
+        unfinished = st.lo < H
+        st.passes.add_(unfinished.long())
+        st.committing_rows.add_((commits > 0).long().sum(1))
+        rows = self.stored_rows
+        done = (st.codes[:, rows] == W) & ((st.written[:, rows] == W) | (rows == H))
+        if not self.has_eol:
+            done = done | ((st.codes[:, rows] == W) & (st.codes[:, rows + 1] == 0))
+        st.lo.copy_(done.long().cumprod(1).sum(1))
+        st.progress.copy_(torch.stack([st.lo.min(), (st.lo < H)[: self.n_real].sum()]))
+
+
+def decode(engine, batch: DecodeBatch, params, opts: ZipAROptions, use_graphs: bool, rule=None) -> MethodResult:
+    """Eager prefill, then one round function per forward: plain ZipAR follows the precomputed plan
+    (the round function of each step's row count, no host read at all); with SJD the rows' progress
+    is data-dependent, so every forward serves R rows and the host reads one progress counter per
+    forward (one forward late on CUDA)."""
+    dec = ZipARDecoder(engine, batch, params, opts, rule)
+    st = dec.prefill()
+    if opts.zipar_verify == "none":
+        plan = fixed_window_plan(dec.geometry, dec.window)
+        sizes = sorted({len(lanes) for lanes in plan})
+        assert not sizes or sizes[-1] <= dec.R, (sizes, dec.R)  # the scratch slots cover every lane
+    else:
+        plan, sizes = None, [dec.R]
+    rounds = RoundGraphs({f"rows{R}": (lambda R=R: dec.zipar_round(st, R)) for R in sizes}, st.tensors(), use_graphs)
+    n_forwards = 0
+    if plan is not None:
+        for lanes in plan:
+            rounds(f"rows{len(lanes)}")
+            n_forwards += 1
+            decided = sum(lane.decided_column is not None for lane in lanes)
+            if batch.on_tokens is not None and decided:
+                batch.on_tokens(decided * batch.n_real)
+    else:
+        counters = LateCounter(dec.device, 2)
+        limit = dec.T + dec.H + 2  # every forward commits a code or feeds a tail in each unfinished image
+        while counters.push(st.progress)[0] < dec.H:
+            rounds(f"rows{dec.R}")
+            n_forwards += 1
+            if n_forwards > limit:
+                raise RuntimeError("zipar: a decode made no progress (a bug)")
+    n = batch.n_real
+    passes = int(st.passes[:n].sum())
+    stats = {"target_forward_passes": passes, "batch_iterations": n_forwards, "zipar_window": dec.window,
+             "zipar_verify": opts.zipar_verify, "zipar_lanes": dec.L,
+             "committing_rows": int(st.committing_rows[:n].sum()), "accepted_drafts": int(st.accepted[:n].sum()),
+             "cuda_graphs": bool(use_graphs)}
+    return MethodResult(tokens=st.tokens[:, : dec.T].clone(), stats=stats, image_passes=st.passes.clone())
+
+
+def merge_stats(per_batch: list) -> dict:
+    out = {k: v for k, v in per_batch[0].items()}
+    for key in ("target_forward_passes", "batch_iterations", "committing_rows", "accepted_drafts"):
+        out[key] = sum(b[key] for b in per_batch)
+    out["rows_per_forward"] = out["committing_rows"] / out["target_forward_passes"] if out["target_forward_passes"] else 0.0
+    return out
+
+
+@register("zipar", ZipAROptions)
+def run_zipar(engine, batch: DecodeBatch, params, opts: ZipAROptions) -> MethodResult:
+    use_graphs = engine.device.type == "cuda" and (batch.use_graphs is None or bool(batch.use_graphs))
+    return decode(engine, batch, params, opts, use_graphs)
+
+
+run_zipar.batched = True
+run_zipar.merge_stats = merge_stats
