@@ -72,6 +72,9 @@ SETTINGS = [
     ("CASCADE drafter", "cascade", {"cascade_source": "drafter"}),
     ("CASCADE llamagen", "cascade", {"cascade_variant": "llamagen"}),
     ("CASCADE lumina-final", "cascade", {"cascade_variant": "lumina-final"}),
+    # ZipAR (lossy): the default window (the best of benchmarks/results/zipar_zoo.md) and the smallest
+    ("ZipAR s=4", "zipar", {"zipar_window": 4}),
+    ("ZipAR s=2", "zipar", {"zipar_window": 2}),
     # compositions no published system has
     ("VVS-U i=2 + GSD", "vvs", {"skip_policy": "uniform", "skip_interval": 2, "accept": "gsd"}),
     ("VVS-U i=2 + CASCADE", "vvs", {"skip_policy": "uniform", "skip_interval": 2, "accept": "cascade",
@@ -80,7 +83,7 @@ SETTINGS = [
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 # The core settings, in the order a run generates them (cheapest first, so a short run finishes some).
 CORE = ["AR", "SJD", "GSD G=8", "VVS-U i=2 fill", "CASCADE", "VVS-U i=2 + GSD", "VVS-U i=2 + CASCADE",
-        "VVS-D s=0.65 fill", "LANTERN++", "LANTERN d=0.2", "EAGLE-2"]
+        "VVS-D s=0.65 fill", "LANTERN++", "LANTERN d=0.2", "EAGLE-2", "ZipAR s=4"]
 CORE_IMAGES_PER_CLASS = 32
 
 
