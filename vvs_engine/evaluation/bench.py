@@ -25,7 +25,6 @@ call -> images per second, TPF and the per-image TPF spread, side by side in one
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -462,7 +461,9 @@ def _plot(result, path):
 
 # --- entry point ----------------------------------------------------------------------------------
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="vvs-engine bench", description=__doc__.split("\n\n")[0])
+    from ..errors import OneLineParser  # a bad flag is one line (exit 2), not argparse's whole usage
+
+    p = OneLineParser(prog="vvs-engine bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="zoo", help="zoo (default; the shipped Zoo model) or a random-weight "
                                                  f"shape: {', '.join(SHAPES)}")
     p.add_argument("--model-dir", default=None, metavar="DIR",
