@@ -558,3 +558,18 @@ def test_inception_pass_shows_progress(tmp_path, capsys):
     net = InceptionFeatures(path, size=8, batch=2)
     feats = net(np.zeros((5, 16, 16, 3), dtype=np.uint8), desc="Inception: 5 images")
     assert feats.shape == (5, 4) and "Inception: 5 images" in capsys.readouterr().err
+
+
+def test_train_drafter_prints_a_time_estimate(tmp_path):
+    """After a few steps the measured time per step and the whole run's estimate are logged."""
+    from dataset_utils import write_tiny_checkpoints
+    from vvs_engine.training.drafter import train_drafter
+
+    tiny = write_tiny_checkpoints(str(tmp_path))
+    eng = Engine.load(gpt_ckpt=tiny["gpt_ckpt"], threads=1)
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 10, (8,), generator=g)
+    logged = []
+    train_drafter(eng.gpt, tokens, labels, steps=12, batch_size=2, log=logged.append, progress=False)
+    (estimate,) = [m for m in logged if "s/step" in m]
+    assert re.search(r"over the first 5 steps: about [\d.]+ min for 12 steps", estimate), estimate
