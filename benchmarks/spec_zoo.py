@@ -126,7 +126,7 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+", default=None, help="merge shard JSON files into one table")
     ap.add_argument("--reeval", action="store_true", help="with --merge: recompute quality from saved tokens")
     ap.add_argument("--table", default=None, metavar="JSON", help="only rewrite the markdown table (--out + .md) "
-                    "from a results JSON; runs nothing")
+                    "and the plot (--plot) from a results JSON; runs nothing")
     ap.add_argument("--readme", default=None, metavar="README", help="with --table: also rewrite the README's "
                     "summary table (between its spec-zoo markers)")
     ap.add_argument("--ckpt-dir", default=None, help="load zoo-{gpt,vq,drafter} from this folder")
@@ -134,7 +134,10 @@ def main(argv=None):
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "vvs_pareto.png"))
     a = ap.parse_args(argv)
     if a.table:
-        return write_table(a.table, a.out, a.readme)
+        write_table(a.table, a.out, a.readme)
+        with open(a.table) as fh:
+            plot(json.load(fh)["rows"], a.plot)
+        return 0
     if a.merge:
         return merge(a.merge, a.out, a.plot, a.reeval, not a.no_inception)
     if a.ckpt_dir:
@@ -300,28 +303,36 @@ def to_markdown(meta, rows, table_command=None):
 
 
 def plot(rows, path):
+    """Quality against TPF, one numbered marker per row; the numbers are keyed in a legend beside the
+    axes (names written next to 19 close points overlapped into an unreadable block)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((axes[0], "fd_classifier", "FD (classifier features) ↓"),
-                           (axes[1], "class_accuracy", "class accuracy ↑")):
-        for r in rows:
-            if "error" in r or key not in r:
+    shown = [r for r in rows if "error" not in r and r.get("tpf") is not None]
+    markers = {"AR": "s", "EAGLE-2": "^", "EAGLE-1": "v", "LANTERN": "o", "LANTERN++": "D", "VVS-U": "*",
+               "VVS-D": "P", "SJD": "X", "GSD": "h", "CASCADE": "p"}
+    colours = plt.get_cmap("tab20")
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6.2))
+    for ax, key, label in ((axes[0], "fd_classifier", "FD in the Zoo classifier's features (lower is better)"),
+                           (axes[1], "class_accuracy", "class accuracy (higher is better)")):
+        for i, r in enumerate(shown, 1):
+            if key not in r:
                 continue
-            fam = r["name"].split()[0]
-            marker = {"AR": "s", "EAGLE-2": "^", "LANTERN": "o", "LANTERN++": "D", "VVS-U": "*", "VVS-D": "P"}.get(fam, "x")
-            ax.scatter(r["tpf"], r[key], marker=marker, s=60)
-            ax.annotate(r["name"], (r["tpf"], r[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("TPF (tokens per target forward) →")
-        ax.set_ylabel(label)
+            ax.scatter(r["tpf"], r[key], marker=markers.get(r["name"].split()[0], "x"), s=90, color=colours(i - 1),
+                       label=f"{i}  {r['name']}" if ax is axes[0] else None, edgecolors="black", linewidths=0.4)
+            ax.annotate(str(i), (r["tpf"], r[key]), fontsize=10, xytext=(5, 4), textcoords="offset points")
+        ax.set_xlabel("TPF: tokens per target forward (higher is faster on a GPU)", fontsize=11)
+        ax.set_ylabel(label, fontsize=11)
+        ax.tick_params(labelsize=10)
         ax.grid(alpha=0.3)
-    fig.suptitle("Quality vs tokens per target forward on the Zoo model (one run, same seed and labels)")
-    fig.tight_layout()
+    fig.legend(loc="center right", fontsize=10, frameon=False, title="setting", title_fontsize=11)
+    fig.suptitle("Quality against tokens per target forward, Zoo model (one run: same seed and labels)", fontsize=13)
+    fig.tight_layout(rect=(0, 0, 0.78, 0.95))
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ images are 8x8 px. They are saved as the project's safetensors + JSON config, wh
 learns a config that is not one of the (large) published presets.
 """
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -83,7 +84,6 @@ def test_generate_contract(ckpts, tmp_path, capsys):
     assert tokens.min() >= 0 and tokens.max() < 64
     np.testing.assert_array_equal(tokens[0], tokens[2])  # greedy: a repeated label gives the same row
 
-    import json
 
     stats = json.load(open(out / "stats.json"))
     for key in ("method", "n_images", "tokens_per_image", "target_forward_passes", "tokens_generated", "tpf",
@@ -94,10 +94,16 @@ def test_generate_contract(ckpts, tmp_path, capsys):
     assert stats["tpf"] == pytest.approx(stats["tokens_generated"] / stats["target_forward_passes"])
 
     pngs = sorted(p for p in os.listdir(out) if p.endswith(".png"))
-    assert pngs == ["000000.png", "000001.png", "000002.png"]
+    assert pngs == ["000000.png", "000001.png", "000002.png", "grid.png"]
     from PIL import Image
 
     assert Image.open(out / pngs[0]).size == (IMAGE_SIZE, IMAGE_SIZE)
+    # the contact sheet: the three images in one row, 2 px apart, in row order
+    grid = np.asarray(Image.open(out / "grid.png").convert("RGB"))
+    assert grid.shape == (IMAGE_SIZE, 3 * IMAGE_SIZE + 2 * 2, 3)
+    for i, name in enumerate(pngs[:3]):
+        x0 = i * (IMAGE_SIZE + 2)
+        assert np.array_equal(grid[:, x0:x0 + IMAGE_SIZE], np.asarray(Image.open(out / name).convert("RGB")))
 
     # The CLI and the Python API agree token for token.
     eng = Engine.load(gpt_ckpt=ckpts["gpt"], vq_ckpt=ckpts["vq"], device="cpu")
@@ -107,7 +113,6 @@ def test_generate_contract(ckpts, tmp_path, capsys):
 
 def test_generate_batch_size_flag(ckpts, tmp_path, capsys):
     """--batch-size reaches the engine (stats) and the tokens do not depend on it."""
-    import json
 
     outs = {}
     for bs in ("1", "2"):
@@ -146,7 +151,6 @@ def test_sampling_flags_and_seed(ckpts, tmp_path):
     assert main(contract_argv(ckpts, c, **common, **{"--seed": "6", "--dtype": "bf16"})) == 0
     ta, tb = np.load(a / "tokens.npz")["tokens"], np.load(b / "tokens.npz")["tokens"]
     np.testing.assert_array_equal(ta, tb)  # same seed, same tokens
-    import json
 
     stats = json.load(open(c / "stats.json"))
     assert stats["dtype"] == "bfloat16" and stats["seed"] == 6
@@ -356,8 +360,9 @@ def test_subcommand_dispatch(monkeypatch, tmp_path, capsys):
     assert main(["train-drafter", "--epochs", "1"]) == 0
     assert calls["drafter"] == ["--epochs", "1"]
     assert main(["eval", "--images", str(tmp_path), "--out", str(tmp_path / "m.json")]) == 0
-    assert calls["eval"] == (str(tmp_path), str(tmp_path / "m.json"), True)
+    assert calls["eval"] == (str(tmp_path), None, True)  # the CLI writes the file itself, after printing
     assert "class_accuracy" in capsys.readouterr().out
+    assert json.loads((tmp_path / "m.json").read_text()) == {"class_accuracy": 1.0}
 
 
 def test_missing_optional_dependency_is_one_line(monkeypatch, capsys):

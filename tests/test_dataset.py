@@ -27,7 +27,7 @@ def tiny(tmp_path_factory):
 
 
 def tiny_job(out, tiny, **kw):
-    args = dict(class_labels=[3, 1, 4, 1, 5], per_condition=2, shard_size=3, batch_size=2, seed=7, model=tiny,
+    args = dict(class_labels=[3, 1, 4, 1, 5], per_condition=2, shard_size=3, batch_size=1, seed=7, model=tiny,
                 threads=1, progress=False)
     args.update(kw)
     return dataset.generate(str(out), **args)
@@ -77,7 +77,10 @@ def test_bad_input_is_one_line(tiny, tmp_path, capsys):
     cases = [(["--prompts", str(prompts)], "class-conditional"),
              (["--class-labels", "0-10"], "out of range"),
              (["--class-labels", "0", "--prompts", str(prompts)], "exactly one"),
-             (["--class-labels", "0", "--shard-size", "0"], "shard size"),
+             (["--class-labels", "0", "--shard-size", "0"], "--shard-size"),
+             (["--class-labels", "0", "--shard-size", "24"], "multiple of the --batch-size 16"),
+             (["--class-labels", "0", "--workers", "2"], "add --ray"),
+             (["--class-labels", "0", "--max-prompt-tokens", "0"], "--max-prompt-tokens"),
              (["--class-labels", "0", "--method", "nope"], "unknown method"),
              (["--class-labels", "0", "--lantern-k", "3"], "takes no options")]
     for extra, match in cases:
@@ -107,19 +110,75 @@ def test_merge_stats():
 # --- identity -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["ar", "vvs"])
 def test_zoo_tokens_do_not_depend_on_sharding(tmp_path, method):
-    """The same job as 1 shard of 2 (one batch) and as 2 shards of 1: identical tokens, equal to the
-    engine generating the image alone with its index."""
-    labels = [2, 9]
+    """The Zoo model, fp32, sampled: the same job (batch size 2) as 2 shards of 2 and as 1 shard of 4
+    writes the same tokens and forward counts, because its decode batches are images [0, 2) and [2, 3)
+    in both (the batch size itself may change a near-tie in fp32: README, "What is reproducible")."""
+    labels = [2, 9, 5]
     runs = {}
-    for name, shard in (("one", 2), ("two", 1)):
+    for name, shard in (("two", 2), ("one", 4)):
         dataset.generate(str(tmp_path / name), class_labels=labels, method=method, seed=11, shard_size=shard,
-                         batch_size=shard, threads=1, progress=False, decode_images=False)
+                         batch_size=2, threads=1, progress=False, decode_images=False)
         runs[name] = read_all(tmp_path / name)
-        assert len(runs[name]["shards"]) == 2 // shard
+        assert len(runs[name]["shards"]) == (2 if shard == 2 else 1)
     assert np.array_equal(runs["one"]["tokens"], runs["two"]["tokens"])
-    assert runs["one"]["index"].tolist() == [0, 1] and runs["two"]["labels"].tolist() == labels
-    alone = Engine.load().generate(class_labels=[9], method=method, seed=11, image_indices=[1], decode_images=False)
-    assert torch.equal(alone.tokens[0], torch.from_numpy(runs["two"]["tokens"][1]))
+    assert runs["one"]["index"].tolist() == [0, 1, 2] and runs["two"]["labels"].tolist() == labels
+    with np.load(tmp_path / "one" / "shard-00000.npz") as z:
+        passes = z["target_forward_passes"].tolist()
+    with np.load(tmp_path / "two" / "shard-00000.npz") as a, np.load(tmp_path / "two" / "shard-00001.npz") as b:
+        assert passes == a["target_forward_passes"].tolist() + b["target_forward_passes"].tolist()
+
+
+class RecordingEngine:
+    """An engine that records the image indices of every generate call (one call = one decode batch)."""
+
+    calls = []
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    @property
+    def device(self):
+        return self.engine.device
+
+    def generate(self, **kw):
+        RecordingEngine.calls.append((list(kw["image_indices"]), kw["batch_size"]))
+        return self.engine.generate(**kw)
+
+
+def test_decode_batches_are_global_whatever_the_shard_size(tiny, tmp_path):
+    """Batch j is images [j*B, (j+1)*B) of the job for every shard size (a multiple of B); a shard size
+    that would split a batch is refused before anything is written."""
+    def factory(model):
+        return RecordingEngine(dataset.load_engine(model))
+
+    tokens = {}
+    for shard in (2, 4, 6):
+        RecordingEngine.calls = []
+        tiny_job(tmp_path / f"s{shard}", tiny, shard_size=shard, batch_size=2, decode_images=False,
+                 engine_factory=factory)
+        assert RecordingEngine.calls == [([i, i + 1], 2) for i in range(0, 10, 2)], shard
+        tokens[shard] = read_all(tmp_path / f"s{shard}")["tokens"]
+    assert np.array_equal(tokens[2], tokens[4]) and np.array_equal(tokens[2], tokens[6])
+    with pytest.raises(VVSError, match="multiple of the batch size 2"):
+        tiny_job(tmp_path / "bad", tiny, shard_size=3, batch_size=2)
+    assert not os.path.exists(tmp_path / "bad" / "manifest.json")
+
+
+def test_identical_runs_write_identical_files(tiny, tmp_path):
+    """Two runs of the same job: every shard and PNG equal byte for byte (no wall time, no zip date in
+    a shard); the times are in each run's manifest entry, per shard."""
+    for name in ("a", "b"):
+        tiny_job(tmp_path / name, tiny, shard_size=4, batch_size=2)
+    a, b = read_all(tmp_path / "a"), read_all(tmp_path / "b")
+    assert a["shards"] == b["shards"] and a["pngs"] == b["pngs"]
+    for name in a["shards"] + a["pngs"]:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    with np.load(tmp_path / "a" / "shard-00000.npz") as z:
+        assert "wall_time_s" not in z.files and "wall_time_s" not in json.loads(str(z["stats"]))
+    run = json.loads((tmp_path / "a" / "manifest.json").read_text())["runs"][0]
+    assert [e["shard"] for e in run["shards"]] == [0, 1, 2]  # images [0, 4), [4, 8), [8, 10)
+    assert [len(e["batch_wall_s"]) for e in run["shards"]] == [2, 2, 1]
+    assert all(e["wall_s"] >= e["decode_s"] > 0 for e in run["shards"])
 
 
 def test_seed_and_index_change_the_image(tiny):
@@ -162,7 +221,7 @@ def test_resume_after_worker_crash(tiny, tmp_path):
     assert len(manifest["runs"]) == 3 and manifest["identity"]["model_checksums"]["gpt"]
     # Per-image and merged stats: AR makes one forward pass per token after the prefill.
     with np.load(out / "shard-00001.npz") as z:
-        assert z["target_forward_passes"].tolist() == [15, 15, 15] and z["wall_time_s"].shape == (3,)
+        assert z["target_forward_passes"].tolist() == [15, 15, 15] and "wall_time_s" not in z.files
         assert json.loads(str(z["stats"]))["n_images"] == 3
     totals = manifest["stats"]
     assert totals["n_images"] == 10 and totals["target_forward_passes"] == 150 and totals["tpf"] == 160 / 150
@@ -171,11 +230,13 @@ def test_resume_after_worker_crash(tiny, tmp_path):
 def test_changed_job_is_refused(tiny, tmp_path, capsys):
     tiny_job(tmp_path / "o", tiny, class_labels=[1, 2], per_condition=1)
     for change, word in (({"seed": 8}, "seed"), ({"method": "sjd"}, "method"), ({"temperature": 0.5}, "sampling"),
-                         ({"class_labels": [1, 3]}, "conditions_sha256"), ({"shard_size": 2}, "shard_size")):
+                         ({"class_labels": [1, 3]}, "conditions_sha256"), ({"shard_size": 2}, "shard_size"),
+                         ({"batch_size": 3}, "batch_size")):
         with pytest.raises(VVSError, match=word):
             tiny_job(tmp_path / "o", tiny, **{"class_labels": [1, 2], "per_condition": 1, **change})
     rc = main(["generate-dataset", "--gpt-ckpt", tiny["gpt_ckpt"], "--vq-ckpt", tiny["vq_ckpt"], "--image-size", "8",
-               "--class-labels", "1,2", "--shard-size", "3", "--seed", "9", "--quiet", "--out", str(tmp_path / "o")])
+               "--class-labels", "1,2", "--shard-size", "3", "--batch-size", "1", "--seed", "9", "--quiet", "--out",
+               str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and "different settings (seed)" in err and "\n" not in err
 
@@ -196,6 +257,8 @@ def test_interrupted_run_leaves_only_complete_shards(tiny, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "error: interrupted"
+    hint = err.strip().splitlines()[-2]  # what was kept and how to finish
+    assert "shards are complete" in hint and "run the same command again" in hint, err
     part = read_all(out)
     n_done = len(part["shards"])
     assert 3 <= n_done < 30 and part["other"] == []
@@ -206,8 +269,8 @@ def test_interrupted_run_leaves_only_complete_shards(tiny, tmp_path):
     assert done.returncode == 0, done.stderr
     got = read_all(out)
     assert got["index"].tolist() == list(range(120)) and len(got["pngs"]) == 120
-    tiny_job(tmp_path / "ref", tiny, class_labels=list(range(10)), per_condition=12, shard_size=4, seed=3,
-             decode_images=False)
+    tiny_job(tmp_path / "ref", tiny, class_labels=list(range(10)), per_condition=12, shard_size=4, batch_size=2,
+             seed=3, decode_images=False)
     assert np.array_equal(got["tokens"], read_all(tmp_path / "ref")["tokens"])
 
 
@@ -226,6 +289,7 @@ def test_prompt_shard_layout(tmp_path):
 
 
 def test_eval_reads_the_dataset_folder(tiny, tmp_path):
+    """eval reads the complete shards and says which are missing or unreadable (the README's rule)."""
     from vvs_engine.evaluation.report import read_generate_dir
 
     tiny_job(tmp_path / "o", tiny)
@@ -233,8 +297,97 @@ def test_eval_reads_the_dataset_folder(tiny, tmp_path):
     assert imgs.shape == (10, 8, 8, 3) and labels.tolist() == [3, 3, 1, 1, 4, 4, 1, 1, 5, 5]
     assert np.array_equal(tokens, read_all(tmp_path / "o")["tokens"])
     os.remove(tmp_path / "o" / "shard-00001.npz")
-    with pytest.raises(VVSError, match="1 shard"):
-        read_generate_dir(str(tmp_path / "o"))
+    shard2 = tmp_path / "o" / "shard-00002.npz"
+    shard2.write_bytes(shard2.read_bytes()[:200])  # truncated, as a full disk leaves it
+    notes = []
+    imgs, labels, tokens = read_generate_dir(str(tmp_path / "o"), notes)
+    assert imgs.shape[0] == 4 and labels.tolist() == [3, 3, 1, 5]  # shards 0 and 3: images 0-2 and 9
+    assert len(notes) == 1 and "2 of 4 shards" in notes[0] and "shard-00002.npz (unreadable)" in notes[0]
+    assert "shard-00001.npz" in notes[0]
+
+
+def test_truncated_shard_is_redone(tiny, tmp_path):
+    """A re-run redoes an unreadable shard (and keeps the others) instead of crashing on it."""
+    out = tmp_path / "o"
+    tiny_job(out, tiny)
+    ref = read_all(out)
+    shard = out / "shard-00001.npz"
+    shard.write_bytes(shard.read_bytes()[:300])
+    s = tiny_job(out, tiny)
+    assert s["shards_this_run"] == 1 and s["shards_skipped"] == 3
+    assert np.array_equal(read_all(out)["tokens"], ref["tokens"])
+
+
+def test_failed_first_run_does_not_lock_the_folder(tiny, tmp_path, capsys):
+    """A run that fails before its first shard (a garbage checkpoint) leaves a manifest but no shard:
+    the corrected command then runs instead of being refused as 'different settings'."""
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a checkpoint")
+    out = str(tmp_path / "o")
+    base = ["generate-dataset", "--image-size", "8", "--class-labels", "1,2", "--shard-size", "2", "--batch-size", "2",
+            "--threads", "1", "--quiet", "--no-images", "--out", out]
+    assert main(base + ["--gpt-ckpt", str(garbage)]) == 1
+    assert os.listdir(out) == ["manifest.json"]
+    capsys.readouterr()
+    assert main(base + ["--gpt-ckpt", tiny["gpt_ckpt"], "--vq-ckpt", tiny["vq_ckpt"]]) == 0
+    assert read_all(out)["index"].tolist() == [0, 1]
+
+
+def test_generate_and_dataset_folders_are_kept_apart(tiny, tmp_path, capsys):
+    """generate into a dataset folder, or generate-dataset into a generate folder, is refused before
+    anything is written: each would replace the other's PNGs (they share the names)."""
+    tiny_job(tmp_path / "ds", tiny)
+    before = {p: (tmp_path / "ds" / p).read_bytes() for p in os.listdir(tmp_path / "ds")}
+    model = ["--gpt-ckpt", tiny["gpt_ckpt"], "--vq-ckpt", tiny["vq_ckpt"], "--image-size", "8", "--quiet"]
+    assert main(["generate", "--class-labels", "1", "--out", str(tmp_path / "ds")] + model) == 1
+    err = capsys.readouterr().err.strip()
+    assert "generate-dataset" in err and "\n" not in err
+    assert {p: (tmp_path / "ds" / p).read_bytes() for p in os.listdir(tmp_path / "ds")} == before
+    assert main(["generate", "--class-labels", "1,2", "--out", str(tmp_path / "g")] + model) == 0
+    assert main(["generate-dataset", "--class-labels", "1", "--out", str(tmp_path / "g")] + model) == 1
+    err = capsys.readouterr().err.strip()
+    assert "output of `vvs-engine generate`" in err and "\n" not in err
+    assert sorted(os.listdir(tmp_path / "g")) == ["000000.png", "000001.png", "grid.png", "stats.json", "tokens.npz"]
+
+
+def test_dataset_api_arguments(tiny, tmp_path):
+    """class_labels as a range string, a numpy array or a list give the same job; workers without Ray
+    and a mixed-type list are one-line errors."""
+    jobs = {}
+    for name, labels in (("str", "3-4"), ("array", np.array([3, 4])), ("list", [3, 4])):
+        tiny_job(tmp_path / name, tiny, class_labels=labels, per_condition=1, decode_images=False)
+        jobs[name] = read_all(tmp_path / name)
+        assert jobs[name]["labels"].tolist() == [3, 4]
+    assert np.array_equal(jobs["str"]["tokens"], jobs["array"]["tokens"])
+    for kw, match in (({"workers": 2}, "Ray"), ({"class_labels": [1, 2.5]}, "integers"),
+                      ({"class_labels": [1], "prompts": ["a"]}, "not both")):
+        with pytest.raises(VVSError, match=match):
+            tiny_job(tmp_path / "bad", tiny, **kw)
+
+
+def test_model_dir_is_honoured(tmp_path, capsys):
+    """generate-dataset --model-dir generates with that folder's model (not the Zoo) and records it; a
+    missing folder is a one-line error."""
+    from vvs_engine.models.hf_tiny import make_emu3_folder
+
+    rc = main(["generate-dataset", "--model-dir", str(tmp_path / "nope"), "--prompts", __file__, "--quiet",
+               "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "model folder not found" in err and "\n" not in err
+    folder = str(tmp_path / "emu3")
+    make_emu3_folder(folder)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red cat\na blue dog\n")
+    out = tmp_path / "o"
+    assert main(["generate-dataset", "--model-dir", folder, "--image-size", "32", "--max-prompt-tokens", "24",
+                 "--prompts", str(prompts), "--shard-size", "2", "--batch-size", "2", "--device", "cpu",
+                 "--threads", "1", "--quiet", "--no-images", "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["model_dir"] == folder and manifest["identity"]["image_size"] == 32
+    assert any(k.startswith("model_dir/") for k in manifest["identity"]["model_checksums"])
+    eng = Engine.load(model_dir=folder, image_size=32, max_prompt_tokens=24, threads=1)
+    ref = eng.generate(prompts=["a red cat", "a blue dog"], seed=0, batch_size=2, decode_images=False)
+    assert np.array_equal(read_all(out)["tokens"], ref.tokens.numpy())
 
 
 def test_ray_missing_is_a_one_line_hint(tiny, tmp_path, monkeypatch, capsys):

@@ -26,7 +26,7 @@ def cluster():
 
 def test_one_and_two_workers_match_one_process(cluster, tmp_path):
     """The Zoo model, sampling at temperature 1: 1 process, 1 Ray worker and 2 Ray workers write the same
-    shards (same tokens, indices, labels and PNGs)."""
+    shards and PNGs, byte for byte."""
     job = dict(class_labels=[5, 12], method="ar", seed=4, shard_size=1, batch_size=1, threads=1,
                progress=False)
     runs = {}
@@ -37,8 +37,8 @@ def test_one_and_two_workers_match_one_process(cluster, tmp_path):
     for name in ("ray1", "ray2"):
         assert np.array_equal(runs[name]["tokens"], runs["local"]["tokens"]), name
         assert runs[name]["index"].tolist() == [0, 1] and runs[name]["labels"].tolist() == [5, 12]
-        for png in runs["local"]["pngs"]:
-            assert (tmp_path / name / png).read_bytes() == (tmp_path / "local" / png).read_bytes()
+        for f in runs["local"]["pngs"] + runs["local"]["shards"]:  # the same files, byte for byte
+            assert (tmp_path / name / f).read_bytes() == (tmp_path / "local" / f).read_bytes(), (name, f)
     assert ray.is_initialized()  # a cluster the job did not start is left running
 
 

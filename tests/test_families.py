@@ -133,6 +133,59 @@ def assert_lumina_layout(eng, tokens):
     assert (rows[:, :, :-1] < c.n_codes).all()  # and appears nowhere else
 
 
+# Lumina-mGPT's condition, written out by hand from its released rules (lumina_mgpt/data/item_processor.py
+# FlexARItemProcessor, data/convertsation.py Conversation, inference_solver.py's guidance processor), not
+# from the engine: the human turn is BOS + the tokens of "Generate an image of {W}x{H} according to the
+# following prompt:\n{prompt}" + the turn separator <reserved08706> (id 8710: <reservedN> is id N + 4);
+# the image then starts with <racm3:break> (8197) and the resolution tokens <reserved{8800 + n}> = 8804 + n,
+# n = pixels / 32 (its 32-px patches of 2 x 2 codes), height then width. Unconditional (CFG) row: from
+# <racm3:break> on. The tiny tokenizer's ids: <s> 0, <unk> 100, then LUMINA_WORDS from 101 ("64x64" is
+# 105; "512x512" and "768x768" are not words of it: <unk>).
+LUMINA_INSTRUCTION = {64: [101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111],
+                      512: [101, 102, 103, 104, 100, 106, 107, 108, 109, 110, 111],
+                      768: [101, 102, 103, 104, 100, 106, 107, 108, 109, 110, 111]}
+LUMINA_PROMPTS = {"a red cat": [112, 113, 114],
+                  "a photo of the small blue dog on the grass": [112, 115, 104, 108, 116, 117, 118, 119, 108, 120]}
+LUMINA_CONDITIONS = {  # (pixels, prompt) -> the conditional row, the unconditional row
+    (512, "a red cat"): ([0, 101, 102, 103, 104, 100, 106, 107, 108, 109, 110, 111, 112, 113, 114, 8710, 8197, 8820, 8820],
+                         [8197, 8820, 8820]),
+    (768, "a red cat"): ([0, 101, 102, 103, 104, 100, 106, 107, 108, 109, 110, 111, 112, 113, 114, 8710, 8197, 8828, 8828],
+                         [8197, 8828, 8828]),
+    (64, "a photo of the small blue dog on the grass"):
+        ([0, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 115, 104, 108, 116, 117, 118, 119, 108, 120,
+          8710, 8197, 8806, 8806], [8197, 8806, 8806]),
+}
+
+
+@pytest.mark.parametrize("pixels", [64, 512, 768])
+def test_lumina_condition_ids_are_lumina_mgpts(lumina, pixels):
+    """The condition rows (conditional, then the CFG rows) equal Lumina-mGPT's ids written out by hand."""
+    from vvs_engine.models.hf_loader import load_hf_folder
+
+    path, _, _ = lumina
+    target, _, _ = load_hf_folder(path, 32, pixels)
+    for prompt, words in LUMINA_PROMPTS.items():
+        cond = [0] + LUMINA_INSTRUCTION[pixels] + words + [8710, 8197, 8804 + pixels // 32, 8804 + pixels // 32]
+        uncond = [8197, 8804 + pixels // 32, 8804 + pixels // 32]
+        if (pixels, prompt) in LUMINA_CONDITIONS:
+            assert (cond, uncond) == LUMINA_CONDITIONS[pixels, prompt]  # the pieces agree with the literal rows
+        ids, mask = target.condition_rows([prompt, prompt], True, "cpu")
+        for row, want in zip(range(4), [cond, cond, uncond, uncond]):
+            assert ids[row][mask[row]].tolist() == want, (pixels, prompt, row)
+            assert mask[row].tolist() == [False] * (32 - len(want)) + [True] * len(want)  # left-padded
+    # 48 codes a side at 768 px: the layout the resolution tokens describe (2 codes per 32-px patch)
+    assert target.config.grid_h == 2 * pixels // 32 and target.config.block_size == (pixels // 16) * (pixels // 16 + 1)
+
+
+def test_lumina_image_size_must_be_a_multiple_of_32(lumina):
+    from vvs_engine.models.hf_loader import load_hf_folder
+
+    path, _, _ = lumina
+    for bad, hint in ((80, "64 or 96"), (520, "512 or 544"), (16, "32 or 64")):
+        with pytest.raises(VVSError, match=f"multiples of 32 px .*{hint}"):
+            load_hf_folder(path, 32, bad)
+
+
 def test_lumina_logits_match_transformers(lumina):
     path, hf, eng = lumina
     m, T = eng.gpt, eng.tokens_per_image
@@ -166,9 +219,9 @@ def hf_lumina_greedy(hf, m, prompt, cfg_scale):
 
 def test_lumina_greedy_cfg_equals_transformers_with_layout_rules(lumina):
     _, hf, eng = lumina
-    for p in PROMPTS:
-        ours = eng.generate(prompts=[p], temperature=0, cfg_scale=3.0).tokens
-        ref = hf_lumina_greedy(hf, eng.gpt, p, 3.0)
+    for p in PROMPTS:  # CFG 4: at 3 the random tiny model's greedy image of the long prompt is nearly constant
+        ours = eng.generate(prompts=[p], temperature=0, cfg_scale=4.0).tokens
+        ref = hf_lumina_greedy(hf, eng.gpt, p, 4.0)
         assert len(set(ref[0].tolist())) > 3
         assert torch.equal(ours, ref)
         assert_lumina_layout(eng, ours)
@@ -472,7 +525,7 @@ def test_cli_generate_and_train_drafter_with_model_dir(janus, tmp_path, capsys):
     tokens = np.load(out / "tokens.npz")["tokens"]
     api = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
     np.testing.assert_array_equal(tokens, api.numpy())
-    assert sorted(p.name for p in out.glob("*.png")) == ["000000.png", "000001.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == ["000000.png", "000001.png", "grid.png"]
 
     drafter = tmp_path / "janus-drafter.safetensors"
     assert main(["train-drafter", "--model-dir", path, "--max-prompt-tokens", "24", "--prompts", str(prompts),
@@ -562,7 +615,7 @@ def test_train_drafter_on_family_images_then_eagle(family, request, tmp_path):
     ar = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
     np.testing.assert_array_equal(eagle, ar.numpy())
     assert json.loads((out / "stats.json").read_text())["method"] == "eagle"
-    assert sorted(p.name for p in out.glob("*.png")) == ["000000.png", "000001.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == ["000000.png", "000001.png", "grid.png"]
 
 
 def test_train_drafter_images_need_one_prompt_each(lumina, tmp_path, capsys):

@@ -16,7 +16,6 @@ cannot be read or written, a bad value) prints one ``error: ...`` line and exits
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
@@ -25,18 +24,11 @@ import re
 import sys
 from typing import List, Optional, Sequence
 
-from .errors import VVSError
+from .errors import OneLineParser, UsageError, VVSError
 from .methods.options import method_flags
-
-
-def default_threads() -> int:
-    """CPU threads when --threads is not given: ``OMP_NUM_THREADS`` if set, else half the cores, at
-    most 4. The Zoo model's matrices are too small to gain from more, and on a shared machine a thread
-    per core oversubscribes it (one AR Zoo image, 2 busy cores: 150 s with 2 threads, 12 s with 1)."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, min(4, (os.cpu_count() or 1) // 2))
+from .paths import check_writable_file
+from .threads import apply_threads as _apply_threads
+from .threads import default_threads  # noqa: F401  (re-exported: the CLI's default)
 
 
 def add_threads_flag(parser) -> None:
@@ -46,23 +38,12 @@ def add_threads_flag(parser) -> None:
 
 
 def apply_threads(n: Optional[int]) -> int:
-    import torch
-
-    n = default_threads() if n is None else n
-    if n < 1:
-        raise VVSError(f"--threads must be >= 1, got {n}")
-    torch.set_num_threads(n)
-    return n
+    """--threads N, or the default (the CLI always sets it: a command is its own process)."""
+    return _apply_threads(default_threads() if n is None else n, "--threads")
 
 
 # --- argument parsing ---------------------------------------------------------------------------
-class UsageError(Exception):
-    """Raised instead of argparse's print-usage-and-exit so that main() prints one line and returns 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse calls this for every bad argument
-        raise UsageError(message)
+Parser = OneLineParser  # argparse without the usage dump: a bad argument raises UsageError
 
 
 def build_parser() -> Parser:
@@ -147,6 +128,8 @@ def build_parser() -> Parser:
                     help="where to write the checkpoints (default ./zoo-retrained; the shipped ones are never "
                          "overwritten unless you name their folder)")
     zt.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    zt.add_argument("--resume", action="store_true",
+                    help="keep the stages whose outputs already exist in --out (after an interrupted run)")
     add_threads_flag(zt)
     zt.set_defaults(func=cmd_zoo_train)
 
@@ -206,9 +189,12 @@ def method_options(args) -> dict:
 
 
 def flag_names(message: str) -> str:
-    """An option error in CLI terms: ``lantern_delta`` -> ``--lantern-delta``."""
+    """An option error in CLI terms: ``lantern_delta`` -> ``--lantern-delta``, ``tree must`` -> ``--tree must``."""
     for fl in method_flags():
-        if "_" not in fl.name:  # one-word options (tree, accept, select) are ordinary words in messages
+        if "_" not in fl.name:
+            # one-word options (tree, accept, select) are ordinary words elsewhere in a message: only the
+            # subject of "... must/is/needs" at its start names the option
+            message = re.sub(rf"^{re.escape(fl.name)}(?= (?:must|is|needs) )", fl.flag, message)
             continue
         names = "|".join(re.escape(n) for n in {fl.name, fl.flag[2:]})
         message = re.sub(rf"(?<![\w-])(?:{names})(?![\w-])", fl.flag, message)
@@ -217,9 +203,12 @@ def flag_names(message: str) -> str:
 
 def prepare_out_dir(path: str) -> str:
     """Create the output folder (or accept an existing one) and check that it is writable, before any
-    model is loaded."""
+    model is loaded. A generate-dataset folder is refused: its PNGs share the names of ours."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise VVSError(f"--out {path} is a file, not a folder")
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        raise VVSError(f"--out {path} holds a generate-dataset dataset (manifest.json): generate would replace "
+                       f"its PNGs; use another folder")
     head = os.path.abspath(path)
     while not os.path.exists(head):
         head = os.path.dirname(head)
@@ -235,7 +224,8 @@ def prepare_out_dir(path: str) -> str:
 
 
 def cmd_generate(args) -> int:
-    from .engine import Engine, check_seed, resolve_device, resolve_dtype
+    from .engine import (Engine, check_batch_fits, check_load_args, check_method_fits, check_seed, peek_shape,
+                         resolve_device, resolve_dtype)
     from .methods import get_method_options
     from .sampling import SamplingParams
 
@@ -245,12 +235,12 @@ def cmd_generate(args) -> int:
         raise VVSError("give either --class-labels or --prompts, not both")
     if args.class_labels is None and args.prompts is None:
         raise VVSError("give --class-labels (class-conditional) or --prompts FILE (text-conditional)")
-    if args.gpt_model is not None and args.gpt_ckpt is None:
-        raise VVSError("--gpt-model names the architecture of a --gpt-ckpt file; give the checkpoint too "
-                       "(the default Zoo model has its own config)")
+    check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
+                    t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
+                    image_size=args.image_size, cli=True)
     labels = parse_class_labels(args.class_labels) if args.class_labels is not None else None
     prompts = read_prompts(args.prompts) if args.prompts is not None else None
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
     try:
         check_seed(args.seed)
     except VVSError as e:
@@ -263,19 +253,25 @@ def cmd_generate(args) -> int:
 
     if args.method not in method_names():
         raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
-    if args.model_dir is not None and (args.gpt_ckpt or args.vq_ckpt):
-        raise VVSError("--model-dir replaces --gpt-ckpt/--vq-ckpt: give one or the other")
     try:
-        get_method_options(args.method, method_options(args))
+        opts = get_method_options(args.method, method_options(args))
+        # a project checkpoint's config (the Zoo's) tells the image and vocabulary before loading
+        shape = peek_shape(args.gpt_ckpt, args.vq_ckpt) if args.model_dir is None and args.image_size is None else None
+        if shape is not None:
+            check_method_fits(shape, opts)
+            check_batch_fits(shape, opts, len(labels or prompts), args.batch_size, params.use_cfg, device,
+                             args.dtype)
     except VVSError as e:
         raise VVSError(flag_names(str(e))) from None
     prepare_out_dir(args.out)
-    apply_threads(args.threads)
+    if args.profile:
+        check_writable_file(args.profile, "--profile")
+    threads = apply_threads(args.threads)
 
     engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
                          device=device, dtype=args.dtype, t5_path=args.t5_path, model_dir=args.model_dir,
-                         max_prompt_tokens=args.max_prompt_tokens)
+                         max_prompt_tokens=args.max_prompt_tokens, threads=threads)
     if prompts is not None:
         enc = engine.caption_encoder
         if engine.config.model_type == "t2i" and enc is not None and enc.dim != engine.config.caption_dim:
@@ -296,6 +292,8 @@ def cmd_generate(args) -> int:
     with torch_trace(args.profile):
         out = run()
     if args.profile:
+        if not os.path.isfile(args.profile):
+            raise VVSError(f"--profile: torch.profiler wrote no trace to {args.profile}")
         print(f"profiler trace: {args.profile}", file=sys.stderr)
 
     write_outputs(args.out, out)
@@ -328,7 +326,27 @@ def json_ready(x):
     return str(x)
 
 
-OWNED_FILE = re.compile(r"^(tokens\.npz|stats\.json|\d{6}\.png)$")
+OWNED_FILE = re.compile(r"^(tokens\.npz|stats\.json|grid\.png|\d{6}\.png)$")
+GRID_IMAGES, GRID_COLUMNS, GRID_CELL_PX = 64, 8, 256  # the contact sheet: the first 64 images, 8 a row
+
+
+def contact_sheet(images) -> "object":
+    """``grid.png``: the first ``GRID_IMAGES`` images in rows of ``GRID_COLUMNS``, in row order of
+    tokens.npz, each at most ``GRID_CELL_PX`` px, 2 px apart on white."""
+    from PIL import Image
+
+    images = list(images)[:GRID_IMAGES]
+    w, h = images[0].size
+    scale = min(1.0, GRID_CELL_PX / max(w, h))
+    cw, ch = max(1, round(w * scale)), max(1, round(h * scale))
+    cols = min(GRID_COLUMNS, len(images))
+    rows = -(-len(images) // cols)
+    gap = 2
+    sheet = Image.new("RGB", (cols * cw + (cols - 1) * gap, rows * ch + (rows - 1) * gap), (255, 255, 255))
+    for i, img in enumerate(images):
+        cell = img.convert("RGB") if scale == 1.0 else img.convert("RGB").resize((cw, ch), Image.BICUBIC)
+        sheet.paste(cell, ((i % cols) * (cw + gap), (i // cols) * (ch + gap)))
+    return sheet
 
 
 def write_outputs(out_dir: str, out) -> None:
@@ -363,6 +381,8 @@ def write_outputs(out_dir: str, out) -> None:
         # Zero-padded names: sorting the file names gives the row order of tokens.npz.
         for i, img in enumerate(out.images):
             img.save(os.path.join(tmp, f"{i:06d}.png"))
+        if out.images:
+            contact_sheet(out.images).save(os.path.join(tmp, "grid.png"))
         for name in os.listdir(out_dir):
             if OWNED_FILE.match(name) and os.path.isfile(os.path.join(out_dir, name)):
                 os.remove(os.path.join(out_dir, name))
@@ -393,7 +413,7 @@ def print_stats(stats: dict, out_dir: str, n_png: int) -> None:
     print(f"{'-' * width}  {'-' * 12}")
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    print(f"wrote {out_dir}/tokens.npz, stats.json" + (f" and {n_png} PNGs" if n_png else ""))
+    print(f"wrote {out_dir}/tokens.npz, stats.json" + (f", {n_png} PNGs and grid.png (contact sheet)" if n_png else ""))
 
 
 def _fmt(v) -> str:
@@ -419,23 +439,46 @@ def cmd_zoo_list(args) -> int:
     return _exit_code(call("vvs_engine.zoo", "cli_list"))
 
 
+ZOO_EXTRA = ("skimage", "sklearn", "matplotlib")  # the Zoo's photos ship in these (pip install -e ".[zoo]")
+
+
+def require_zoo_extra(what: str) -> None:
+    """The Zoo's training photos come from the `.[zoo]` extra: say so in one line before any work."""
+    import importlib.util
+
+    missing = [m for m in ZOO_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise VVSError(f"{what} needs the Zoo photos from scikit-image, scikit-learn and matplotlib "
+                       f"({', '.join(missing)} missing): pip install -e \".[zoo]\"")
+
+
 def cmd_zoo_train(args) -> int:
+    require_zoo_extra("zoo train")
     prepare_out_dir(args.out)
     threads = apply_threads(args.threads)
-    return _exit_code(call("vvs_engine.training.zoo", "train_all", args.out, args.seed, None, None, False, print,
-                           threads))
+    return _exit_code(call("vvs_engine.training.zoo", "train_all", args.out, args.seed, None, None, args.resume,
+                           print, threads))
 
 
 def cmd_eval(args) -> int:
     if not os.path.isdir(args.images):
         raise VVSError(f"not a folder: {args.images}")
     out_json = args.out or os.path.join(args.images, "metrics.json")
+    check_writable_file(out_json, "--out" if args.out else "eval's metrics file")  # before minutes of compute
     apply_threads(args.threads)
-    metrics = call("vvs_engine.evaluation.report", "evaluate_dir", args.images, out_json, not args.no_inception)
-    if isinstance(metrics, dict):
-        print(json.dumps(json_ready(metrics), indent=2))
-        return 0
-    return _exit_code(metrics)
+    metrics = call("vvs_engine.evaluation.report", "evaluate_dir", args.images, None, not args.no_inception)
+    if not isinstance(metrics, dict):
+        return _exit_code(metrics)
+    print(json.dumps(json_ready(metrics), indent=2))  # shown even if writing the file fails
+    for note in metrics.get("warnings", []):
+        print(f"warning: {note}", file=sys.stderr)
+    try:
+        with open(out_json, "w") as f:
+            json.dump(json_ready(metrics), f, indent=2)
+    except OSError as e:
+        raise VVSError(f"the metrics above could not be written to {out_json}: {e.strerror or e}") from None
+    print(f"wrote {out_json}", file=sys.stderr)
+    return 0
 
 
 def cmd_bench(rest: List[str]) -> int:

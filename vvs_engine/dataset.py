@@ -3,11 +3,13 @@
     from vvs_engine import dataset
     dataset.generate("out/c2i", class_labels=dataset.parse_label_ranges("0-15"), per_condition=4, method="vvs")
 
-Shard k holds images [k*S, (k+1)*S) of the job (S = ``shard_size``), whoever generates it; image i's
-tokens depend only on (seed, i, its condition), so any number of workers gives the same files. The
-output folder holds ``manifest.json``, ``shard-NNNNN.npz`` (tokens, index, labels, prompt ids, per-image
-stats) and one PNG per image named by its global index. A shard is written to temporary files and
-renamed into place, so the folder only ever holds complete shards; a re-run skips them.
+Shard k holds images [k*S, (k+1)*S) of the job (S = ``shard_size``), whoever generates it, and decode
+batch j is images [j*B, (j+1)*B) of the job (B = ``batch_size``; S is a multiple of B), so every image is
+decoded with the same batch-mates whatever the number of shards or workers: they write the same files,
+byte for byte. The output folder holds ``manifest.json``, ``shard-NNNNN.npz`` (tokens, index, labels,
+prompt ids, per-image forward passes; no times, which go to the manifest) and one PNG per image named by
+its global index. A shard is written to temporary files and renamed into place, so the folder only ever
+holds complete shards; a re-run skips them.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import os
 import re
 import sys
 import time
+import zipfile
 from collections import deque
 from typing import Callable, List, Optional, Sequence
 
@@ -108,42 +111,47 @@ def _read_text(path: str, what: str) -> str:
 
 
 # --- workers ------------------------------------------------------------------------------------
-def load_engine(model: dict):
+def load_engine(model: dict, threads: Optional[int] = None):
     """The engine of one worker. ``model`` holds ``Engine.load`` arguments; device ``auto`` picks the
-    worker's GPU (Ray sets CUDA_VISIBLE_DEVICES) when there is one."""
+    worker's GPU (Ray sets CUDA_VISIBLE_DEVICES) when there is one. ``threads``: torch's CPU threads
+    (None: the engine's default)."""
     import torch
 
     from .engine import Engine
 
-    spec = dict(model)
+    spec = {k: v for k, v in model.items() if v is not None}
     if spec.get("device", "auto") == "auto":
         spec["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    return Engine.load(**spec)
+    return Engine.load(threads=threads, **spec)
 
 
 class ShardWorker:
     """One engine; generates whole shards. Used in-process, or as a Ray actor (one per GPU / CPU slot)."""
 
     def __init__(self, model: dict, threads: Optional[int] = None, engine_factory: Optional[Callable] = None):
-        import torch
+        from .threads import apply_threads
 
-        if threads:
-            torch.set_num_threads(int(threads))
-        self.engine = (engine_factory or load_engine)(model)
+        if engine_factory is None:
+            self.engine = load_engine(model, threads)
+        else:  # a test's engine: the thread count is still this worker's
+            self.engine = engine_factory(model)
+            apply_threads(threads)
 
     def device(self) -> str:
         return str(self.engine.device)
 
     def run_shard(self, indices: Sequence[int], labels, prompts, job: dict, on_batch=None) -> dict:
-        """-> tokens [n, T], the PNGs as bytes, the stats of each batch."""
+        """-> tokens [n, T], the PNGs as bytes, the stats of each batch. ``indices`` is a shard: it starts
+        at a multiple of the batch size, so its batches are the job's global batches."""
         tokens, pngs, stats = [], [], []
         bs = job["batch_size"]
+        check(indices[0] % bs == 0, f"shard starting at image {indices[0]} is not aligned to batches of {bs}")
         for b in range(0, len(indices), bs):
             out = self.engine.generate(class_labels=None if labels is None else list(labels[b:b + bs]),
                                        prompts=None if prompts is None else list(prompts[b:b + bs]),
                                        method=job["method"], seed=job["seed"], image_indices=list(indices[b:b + bs]),
-                                       decode_images=job["decode_images"], progress=False, **job["sampling"],
-                                       **job["options"])
+                                       decode_images=job["decode_images"], progress=False, batch_size=bs,
+                                       **job["sampling"], **job["options"])
             tokens.append(out.tokens.numpy().astype(np.int64))
             for img in out.images:
                 buf = io.BytesIO()
@@ -173,7 +181,17 @@ def file_sha256(path: str) -> str:
 
 
 def model_checksums(model: dict) -> dict:
-    """sha256 of every checkpoint file the job loads (the Zoo files when no target is given)."""
+    """sha256 of every checkpoint file the job loads (the Zoo files when no target is given; every file
+    of a ``model_dir`` folder)."""
+    if model.get("model_dir"):
+        folder = model["model_dir"]
+        check(os.path.isdir(folder), f"model folder not found: {folder}")
+        out = {f"model_dir/{name}": file_sha256(os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+               if os.path.isfile(os.path.join(folder, name))}
+        if model.get("drafter"):
+            check(os.path.isfile(model["drafter"]), f"drafter checkpoint not found: {model['drafter']}")
+            out["drafter"] = file_sha256(model["drafter"])
+        return out
     files = {"gpt": model.get("gpt_ckpt"), "vq": model.get("vq_ckpt"), "drafter": model.get("drafter")}
     if files["gpt"] is None:
         from . import zoo
@@ -188,12 +206,45 @@ def model_checksums(model: dict) -> dict:
     return out
 
 
+UNREADABLE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)  # what a truncated or foreign .npz raises
+
+
 def shard_complete(out_dir: str, k: int, indices: range) -> bool:
+    """The shard file exists, reads, and holds exactly these images (anything else is redone)."""
     try:
         with np.load(shard_path(out_dir, k), allow_pickle=False) as z:
-            return np.array_equal(z["index"], np.arange(indices.start, indices.stop))
-    except (OSError, ValueError, KeyError, EOFError):
+            return np.array_equal(z["index"], np.arange(indices.start, indices.stop)) and "tokens" in z.files
+    except UNREADABLE:
         return False
+
+
+def load_shard(path: str, keys: Sequence[str]) -> dict:
+    """The arrays ``keys`` (those present) of a shard file; an unreadable file is a one-line error naming it."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {key: z[key] for key in keys if key in z.files}
+    except UNREADABLE as e:
+        raise VVSError(f"{path} is unreadable ({type(e).__name__}: truncated or not a shard); re-run the same "
+                       f"generate-dataset command to redo it") from None
+
+
+# The zip entries' date: np.savez stamps the current time, so two identical runs would differ byte for byte.
+ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+
+
+def save_npz_reproducible(f, arrays: dict) -> None:
+    """``np.savez`` (uncompressed, the same reader) with fixed entry dates: equal arrays give equal bytes."""
+    with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for key, value in arrays.items():
+            info = zipfile.ZipInfo(key + ".npy", date_time=ZIP_DATE)
+            info.external_attr = 0o644 << 16
+            with zf.open(info, "w", force_zip64=True) as entry:
+                np.lib.format.write_array(entry, np.asanyarray(value), allow_pickle=False)
+
+
+# Stats that measure time, not tokens: kept out of the shard files (identical runs give identical files)
+# and recorded per shard in the manifest's run entry instead.
+TIME_STATS = ("wall_time_s", "per_batch")
 
 
 def write_shard(out_dir: str, k: int, indices: range, labels, prompt_ids, prompts, result: dict, n_images: int):
@@ -212,9 +263,10 @@ def write_shard(out_dir: str, k: int, indices: range, labels, prompt_ids, prompt
         for s in result["stats"]:
             for key, vals in (s.get("per_image") or {}).items():
                 per_image.setdefault(key, []).extend(vals)
+        merged = _merge([_without(s, ("per_image",) + TIME_STATS) for s in result["stats"]])
         arrays = {"tokens": result["tokens"], "index": np.arange(indices.start, indices.stop, dtype=np.int64),
                   "labels": np.asarray(labels if labels is not None else [-1] * len(indices), dtype=np.int64),
-                  "stats": np.asarray(json.dumps(plain(_merge([_without(s, "per_image") for s in result["stats"]])))),
+                  "stats": np.asarray(json.dumps(plain(merged), sort_keys=True)),
                   "device": np.asarray(result.get("device", ""))}
         if prompts is not None:
             arrays["prompt_ids"] = np.asarray(prompt_ids, dtype=np.int64)
@@ -225,7 +277,7 @@ def write_shard(out_dir: str, k: int, indices: range, labels, prompt_ids, prompt
         path = shard_path(out_dir, k)
         tmp = os.path.join(out_dir, f".shard-{k:05d}.npz.tmp")
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            save_npz_reproducible(f, arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -273,22 +325,33 @@ def is_dataset_dir(path: str) -> bool:
 
 def read_dataset(path: str, require_complete: bool = True) -> dict:
     """The complete shards of a dataset folder, concatenated in image order: tokens, index, labels,
-    prompt_ids (t2i), the PNG paths and the manifest."""
+    prompt_ids (t2i), the PNG paths, the manifest, and ``missing`` (the names of shards that are absent
+    or unreadable: a run that was interrupted or a truncated file). ``require_complete``: a missing or
+    unreadable shard is an error (naming it) instead."""
     m = read_manifest(path)
     check(m is not None, f"{path} has no {MANIFEST}")
     n, size = m["n_images"], m["shard_size"]
-    parts = {}
+    parts, missing = {}, []
     for k in range((n + size - 1) // size):
         p = shard_path(path, k)
-        if os.path.exists(p):
-            with np.load(p, allow_pickle=False) as z:
-                parts[k] = {key: z[key] for key in ("tokens", "index", "labels", "prompt_ids") if key in z.files}
-    missing = (n + size - 1) // size - len(parts)
-    check(not (require_complete and missing), f"{path}: {missing} shard(s) missing; re-run the same command to finish")
-    check(bool(parts), f"{path} holds no complete shard")
+        rng = range(k * size, min(n, (k + 1) * size))
+        if not os.path.exists(p):
+            missing.append(os.path.basename(p))
+            continue
+        if require_complete:
+            parts[k] = load_shard(p, ("tokens", "index", "labels", "prompt_ids"))
+        elif shard_complete(path, k, rng):
+            parts[k] = load_shard(p, ("tokens", "index", "labels", "prompt_ids"))
+        else:
+            missing.append(os.path.basename(p) + " (unreadable)")
+    check(not (require_complete and missing), f"{path}: {len(missing)} shard(s) missing; re-run the same command "
+                                              f"to finish")
+    check(bool(parts), f"{path} holds no complete shard ({len(missing)} missing or unreadable); re-run the "
+                       f"generate-dataset command that made it")
     out = {key: np.concatenate([parts[k][key] for k in sorted(parts)]) for key in parts[min(parts)]}
     out["pngs"] = [os.path.join(path, png_name(int(i), n)) for i in out["index"]]
     out["manifest"] = m
+    out["missing"] = missing
     return out
 
 
@@ -310,16 +373,35 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     from .sampling import SamplingParams
 
     t_start = time.perf_counter()
-    check((class_labels is None) != (prompts is None), "give either class labels or prompts")
+    check(class_labels is None or prompts is None, "give either class labels or prompts, not both")
+    check(class_labels is not None or prompts is not None, "give class labels or prompts")
+    if isinstance(class_labels, str):  # "0-15,20": the CLI's range syntax
+        class_labels = parse_label_ranges(class_labels)
+    if class_labels is not None:
+        class_labels = _integer_list(class_labels, "class labels")
+    if prompts is not None:
+        check(not isinstance(prompts, str) and all(isinstance(x, str) for x in prompts),
+              "prompts must be a list of strings (one condition each)")
     for name, v, lo in (("per-class", per_condition, 1), ("shard size", shard_size, 1), ("batch size", batch_size, 1),
                         ("max retries", max_retries, 0)):
         check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
+    # Decode batch j is images [j*B, (j+1)*B) of the job; a shard of whole batches never splits one, so
+    # the shard size and the number of workers cannot change an image's batch-mates (or its tokens).
+    check(shard_size % batch_size == 0,
+          f"shard size {shard_size} must be a multiple of the batch size {batch_size} (a decode batch never spans "
+          f"two shards); e.g. shard size {max(batch_size, shard_size // batch_size * batch_size)} or "
+          f"{-(-shard_size // batch_size) * batch_size}")
     check(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be an integer, got {seed!r}")
-    check(workers is None or (isinstance(workers, int) and workers >= 1), f"workers must be >= 1, got {workers!r}")
-    check(threads is None or (isinstance(threads, int) and threads >= 1), f"threads must be >= 1, got {threads!r}")
+    check(workers is None or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1),
+          f"workers must be >= 1, got {workers!r}")
+    check(workers is None or ray is not None, "workers are Ray workers: give ray (--ray) too, or leave workers out "
+                                              "(one process runs one engine)")
+    check(gpus_per_worker is None or ray is not None, "gpus-per-worker needs ray (--ray)")
+    check(threads is None or (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1),
+          f"threads must be >= 1, got {threads!r}")
     params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
     options = resolve_options(method, method_opts)
-    model = dict(model or {})
+    model = {k: v for k, v in dict(model or {}).items() if v is not None}
     model.setdefault("device", "auto")
     model.setdefault("dtype", "fp32")
     _check_conditions(model, class_labels, prompts)
@@ -337,22 +419,31 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
         ids = None if prompts is None else [prompt_ids[i // per_condition] for i in rng]
         return (c, None, None) if prompts is None else (None, c, ids)
 
+    # batch_size is part of the identity: in fp32/bf16 it can change a sampled token (README).
     identity = {"engine_version": __version__, "method": method, "method_options": options,
                 "sampling": params.to_dict(), "seed": seed, "n_images": n, "shard_size": shard_size,
-                "per_condition": per_condition, "conditions_sha256": _sha256_json([conds, prompt_ids]),
+                "batch_size": batch_size, "per_condition": per_condition,
+                "conditions_sha256": _sha256_json([conds, prompt_ids]),
                 "kind": "labels" if prompts is None else "prompts", "dtype": model["dtype"],
                 "decode_images": bool(decode_images), "model_checksums": model_checksums(model)}
+    for key in ("max_prompt_tokens", "image_size"):
+        if key in model:
+            identity[key] = model[key]
+    check_dataset_folder(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     manifest = read_manifest(out_dir)
+    if manifest is not None and not _any_shard(out_dir):
+        manifest = None  # an earlier run that failed before its first shard: nothing to keep or to match
     if manifest is not None:
-        diff = [k for k in identity if plain(manifest["identity"].get(k)) != plain(identity[k])]
-        check(not diff, f"{out_dir} holds a dataset made with different settings ({', '.join(diff)}); "
+        diff = [k for k in set(identity) | set(manifest["identity"])
+                if plain(manifest["identity"].get(k)) != plain(identity.get(k))]
+        check(not diff, f"{out_dir} holds a dataset made with different settings ({', '.join(sorted(diff))}); "
                         f"use another folder or the same options")
     else:
         manifest = {"format": FORMAT, "identity": identity, "n_images": n, "shard_size": shard_size,
                     "n_shards": (n + shard_size - 1) // shard_size, "model": model, "runs": []}
     run_info = {"command": list(command) if command is not None else sys.argv, "started": time.time(),
-                "ray": ray, "batch_size": batch_size}
+                "ray": ray, "batch_size": batch_size, "shards": []}
     manifest["runs"].append(run_info)
     manifest["command"] = manifest["runs"][0]["command"]
     write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
@@ -371,17 +462,26 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
 
     bar = tqdm(total=n, initial=sum(len(shards[k]) for k in done), unit="img", desc="generate-dataset",
                disable=not progress, dynamic_ncols=True)
-    timing = {"shard_wall_s": [], "shard_decode_s": []}
+    timing = {"shard_wall_s": [], "shard_decode_s": [], "per_shard": run_info["shards"]}
     try:
         def commit(k, result):
             c, p, ids = cond_of(shards[k])
             write_shard(out_dir, k, shards[k], c, ids, p, result, n)
+            timing["per_shard"].append({"shard": k, "device": result.get("device", ""),
+                                        "decode_s": sum(s.get("wall_time_s", 0.0) for s in result["stats"]),
+                                        "batch_wall_s": [w for s in result["stats"]
+                                                         for w in (s.get("per_batch") or {}).get("wall_time_s", [])]})
 
         if ray is None:
             _run_local(model, threads, engine_factory, shards, todo, cond_of, job, commit, bar, timing)
         else:
             _run_ray(ray, workers, threads, gpus_per_worker, model, engine_factory, shards, todo, cond_of, job,
                      commit, bar, timing, max_retries)
+    except BaseException:
+        # the shards done so far are kept; the manifest records this run's per-shard times
+        run_info.update(interrupted=time.time(), images=sum(len(shards[e["shard"]]) for e in run_info["shards"]))
+        write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+        raise
     finally:
         bar.close()
         clean_tmp(out_dir)
@@ -408,8 +508,10 @@ def merged_dataset_stats(out_dir: str, n_shards: int) -> dict:
     for k in range(n_shards):
         p = shard_path(out_dir, k)
         if os.path.exists(p):
-            with np.load(p, allow_pickle=False) as z:
-                stats.append(json.loads(str(z["stats"])))
+            try:
+                stats.append(json.loads(str(load_shard(p, ("stats",))["stats"])))
+            except (VVSError, KeyError):  # an unreadable shard counts for nothing (a re-run redoes it)
+                continue
     out = _merge(stats)
     out.pop("per_image", None)
     return out
@@ -502,12 +604,52 @@ def _record_shard(timing: dict, t_start: float, result: dict) -> None:
     """Shard wall time (hand-out to files written) and the engine's decode-loop time within it."""
     timing["shard_wall_s"].append(time.perf_counter() - t_start)
     timing["shard_decode_s"].append(sum(s.get("wall_time_s", 0.0) for s in result["stats"]))
+    if timing["per_shard"]:
+        timing["per_shard"][-1]["wall_s"] = timing["shard_wall_s"][-1]
+
+
+def _integer_list(values, what: str) -> List[int]:
+    """Python or numpy integers (a list, an integer array or tensor) -> a list of ints."""
+    import numbers
+
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()
+    check(isinstance(values, (list, tuple)), f"{what} must be a list of integers, got {type(values).__name__}")
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+    check(not bad, f"{what} must be integers, got {bad[0]!r}" if bad else "")
+    return [int(v) for v in values]
+
+
+def _any_shard(out_dir: str) -> bool:
+    return any(SHARD_RE.match(name) for name in os.listdir(out_dir))
+
+
+GENERATE_FILES = ("tokens.npz", "stats.json")  # what `vvs-engine generate` writes (its PNGs share our names)
+
+
+def check_dataset_folder(out_dir: str) -> None:
+    """A dataset folder may be new, empty, or a dataset; a `generate` output folder is refused, because
+    a dataset re-run removes PNGs that belong to no finished shard (and theirs have our names)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise VVSError(f"--out {out_dir} is a file, not a folder")
+    if os.path.isdir(out_dir) and not is_dataset_dir(out_dir):
+        found = [f for f in GENERATE_FILES if os.path.exists(os.path.join(out_dir, f))]
+        check(not found, f"{out_dir} holds the output of `vvs-engine generate` ({', '.join(found)}): its PNGs would "
+                         f"be replaced; use another folder for the dataset")
 
 
 def _check_conditions(model: dict, labels, prompts) -> None:
     """Fail before any worker starts when the conditions cannot fit the model (read from its config)."""
     from .checkpoint import read_config
 
+    if model.get("model_dir"):  # every Hugging Face family is text-conditional
+        from .models.hf_loader import read_folder_config
+
+        check(not (model.get("gpt_ckpt") or model.get("vq_ckpt")),
+              "--model-dir replaces --gpt-ckpt/--vq-ckpt: give one or the other")
+        read_folder_config(model["model_dir"])
+        check(labels is None, "this model is text-conditional: pass a prompts file, not class labels")
+        return
     path = model.get("gpt_ckpt")
     if path is None:
         from . import zoo
@@ -530,8 +672,8 @@ def _merge(stats: List[dict]) -> dict:
     return merge_stats(stats)
 
 
-def _without(d: dict, key: str) -> dict:
-    return {k: v for k, v in d.items() if k != key}
+def _without(d: dict, keys: Sequence[str]) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}
 
 
 def _sha256_json(obj) -> str:

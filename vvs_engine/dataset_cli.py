@@ -6,6 +6,7 @@ commands cannot drift apart); conditions, output and Ray flags are its own.
 from __future__ import annotations
 
 import copy
+import sys
 
 from . import dataset
 from .errors import VVSError
@@ -56,7 +57,8 @@ def add_dataset_parser(sub, generate_parser) -> None:
     r.add_argument("--workers", type=int, default=None, metavar="N",
                    help="engines (default: one per GPU of the cluster, else one per --threads CPUs)")
     r.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch CPU threads per worker (default: torch's; 1 per Ray worker)")
+                   help="torch CPU threads per worker (default: $OMP_NUM_THREADS, else half the cores, at most 4; "
+                        "1 per Ray worker)")
     r.add_argument("--gpus-per-worker", type=float, default=None, metavar="G",
                    help="GPUs per worker (default 1 when the cluster has GPUs, else 0)")
     r.add_argument("--max-retries", type=int, default=dataset.DEFAULT_MAX_RETRIES, metavar="N",
@@ -77,19 +79,46 @@ def cmd_generate_dataset(args) -> int:
     else:
         ids, prompts = dataset.read_prompt_file(args.prompts)
     device = args.device  # "auto": each worker takes its GPU when it has one (dataset.load_engine)
+    from .engine import check_load_args
+
+    check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
+                    t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
+                    image_size=args.image_size, cli=True)
     model = {"gpt_ckpt": args.gpt_ckpt, "gpt_model": args.gpt_model, "vq_ckpt": args.vq_ckpt,
              "vq_model": args.vq_model, "image_size": args.image_size, "drafter": args.drafter, "device": device,
-             "dtype": args.dtype, "t5_path": args.t5_path}
+             "dtype": args.dtype, "t5_path": args.t5_path, "model_dir": args.model_dir,
+             "max_prompt_tokens": args.max_prompt_tokens}
+    if args.workers is not None and args.ray is None:
+        raise VVSError("--workers counts Ray workers: add --ray (without it one process runs one engine)")
     threads = args.threads if args.threads is not None else (1 if args.ray is not None else None)
-    summary = dataset.generate(
-        args.out, class_labels=labels, prompts=prompts, prompt_ids=ids, per_condition=args.per_class,
-        method=args.method, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        cfg_scale=args.cfg_scale, seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size,
-        decode_images=not args.no_images, model=model, ray=args.ray, workers=args.workers, threads=threads,
-        gpus_per_worker=args.gpus_per_worker, max_retries=args.max_retries, progress=not args.quiet,
-        **{name: getattr(args, name) for name in args.method_option_names})
+    try:
+        summary = dataset.generate(
+            args.out, class_labels=labels, prompts=prompts, prompt_ids=ids, per_condition=args.per_class,
+            method=args.method, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            cfg_scale=args.cfg_scale, seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size,
+            decode_images=not args.no_images, model=model, ray=args.ray, workers=args.workers, threads=threads,
+            gpus_per_worker=args.gpus_per_worker, max_retries=args.max_retries, progress=not args.quiet,
+            **{name: getattr(args, name) for name in args.method_option_names})
+    except KeyboardInterrupt:
+        print(resume_hint(args.out), file=sys.stderr)
+        raise
+    except VVSError as e:
+        raise VVSError(str(e).replace("shard size", "--shard-size").replace("batch size", "--batch-size")) from None
     print_summary(summary, args.out)
     return 0
+
+
+def resume_hint(out_dir: str) -> str:
+    """What an interrupted job left, and how to finish it."""
+    import os
+
+    try:
+        m = dataset.read_manifest(out_dir)
+        done = sum(1 for name in os.listdir(out_dir) if dataset.SHARD_RE.match(name))
+    except (VVSError, OSError):
+        m, done = None, 0
+    kept = f"{done} of {m['n_shards']} shards are complete in {out_dir}" if m else f"nothing was written to {out_dir}"
+    return f"generate-dataset interrupted: {kept}; run the same command again to finish the rest"
 
 
 def _fmt(v) -> str:

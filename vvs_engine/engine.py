@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .checkpoint import load_into, read_config, read_state_dict
@@ -20,6 +21,7 @@ from .models.gpt import GPT, GPTConfig, gpt_config
 from .models.vq import VQ_PRESETS, VQConfig, VQModel, to_uint8
 from .sampling import SamplingParams
 from .runtime.target import TargetSession
+from . import threads as _threads  # noqa: F401  (records torch's thread count at import, see threads.py)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -43,6 +45,39 @@ def check_seed(seed) -> int:
     if not -2 ** 63 <= seed < 2 ** 63:
         raise VVSError(f"seed must fit in 64 bits (|seed| < 2**63), got {seed}")
     return seed
+
+
+def check_load_args(gpt_ckpt=None, gpt_model=None, vq_ckpt=None, drafter=None, t5_path=None, model_dir=None,
+                    max_prompt_tokens=None, image_size=None, cli: bool = False) -> None:
+    """The ``Engine.load`` arguments that can be checked without reading a file: combinations, numbers,
+    and that every named file or folder exists. ``cli``: name the flags (``--gpt-ckpt``) in messages."""
+    import os
+
+    def name(arg: str) -> str:
+        return "--" + arg.replace("_", "-") if cli else arg
+
+    if model_dir is not None and (gpt_ckpt or vq_ckpt):
+        raise VVSError(f"{name('model_dir')} replaces {name('gpt_ckpt')}/{name('vq_ckpt')}: give one or the other")
+    if gpt_model is not None and gpt_ckpt is None:
+        raise VVSError(f"{name('gpt_model')} names the architecture of a {name('gpt_ckpt')} file; give the "
+                       f"checkpoint too (the default Zoo model has its own config)")
+    if max_prompt_tokens is not None:
+        if model_dir is None:
+            raise VVSError(f"{name('max_prompt_tokens')} pads the prompts of a {name('model_dir')} family; without "
+                           f"{name('model_dir')} it would do nothing")
+        if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 2:
+            raise VVSError(f"{name('max_prompt_tokens')} must be an integer >= 2, got {max_prompt_tokens!r}")
+    if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int)
+                                   or image_size < 1):
+        raise VVSError(f"{name('image_size')} must be a positive integer (pixels), got {image_size!r}")
+    for arg, path, what in (("gpt_ckpt", gpt_ckpt, "checkpoint"), ("vq_ckpt", vq_ckpt, "checkpoint"),
+                            ("drafter", drafter, "drafter checkpoint")):
+        if path and not os.path.isfile(path):
+            raise VVSError(f"{what} not found: {path}" if not os.path.isdir(path) else
+                           f"{name(arg)} {path} is a folder, not a checkpoint file")
+    for path, what in ((model_dir, "model folder"), (t5_path, "T5 folder")):
+        if path is not None and not os.path.isdir(path):
+            raise VVSError(f"{what} not found: {path}")
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -79,19 +114,25 @@ class Engine:
     def load(cls, gpt_ckpt: Optional[str] = None, gpt_model: Optional[str] = None, vq_ckpt: Optional[str] = None,
              vq_model: str = "VQ-16", image_size: Optional[int] = None, drafter: Optional[str] = None,
              device="cpu", dtype="fp32", t5_path: Optional[str] = None, model_dir: Optional[str] = None,
-             max_prompt_tokens: Optional[int] = None) -> "Engine":
+             max_prompt_tokens: Optional[int] = None, threads: Optional[int] = None) -> "Engine":
         """Load a target (official LlamaGen file or the project's safetensors), optionally a VQ tokenizer
         and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used.
         ``model_dir``: a local Hugging Face folder of another family (Janus-Pro, Lumina-mGPT, Emu3);
         its prompts are left-padded to ``max_prompt_tokens`` (default 128); ``image_size`` (pixels)
-        sets the Lumina-mGPT/Emu3 image."""
+        sets the Lumina-mGPT/Emu3 image. ``threads``: torch's CPU threads, set here for the whole
+        process; default: the CLI's (``$OMP_NUM_THREADS``, else half the cores, at most 4), unless you
+        already called ``torch.set_num_threads`` after importing vvs_engine (then yours is kept)."""
+        from .threads import apply_threads
+
         device, dtype = resolve_device(device), resolve_dtype(dtype)
+        check_load_args(gpt_ckpt, gpt_model, vq_ckpt, drafter, t5_path, model_dir, max_prompt_tokens, image_size)
+        apply_threads(threads)
         info = {}
         if model_dir is not None:
             from .models.hf_loader import DEFAULT_MAX_PROMPT_TOKENS, load_hf_folder
 
-            target, image_decoder, info = load_hf_folder(model_dir, max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS,
-                                                         image_size)
+            target, image_decoder, info = load_hf_folder(
+                model_dir, DEFAULT_MAX_PROMPT_TOKENS if max_prompt_tokens is None else max_prompt_tokens, image_size)
             dr = None
             if drafter:
                 from .drafting.drafter import load_drafter
@@ -99,9 +140,6 @@ class Engine:
                 dr = load_drafter(drafter, target)
             info["drafter"] = drafter
             return cls(target, image_decoder, dr, None, info).to(device, dtype)
-        if gpt_ckpt is None and gpt_model is not None:
-            raise VVSError("gpt_model names the architecture of a gpt_ckpt file; give the checkpoint too "
-                           "(the default Zoo model has its own config)")
         if gpt_ckpt is None:
             from . import zoo
 
@@ -152,19 +190,26 @@ class Engine:
     def tokens_per_image(self) -> int:
         return self.config.block_size
 
+    @property
+    def shape(self) -> "ModelShape":
+        return ModelShape.of(self.config, self.vq)
+
     def check_labels(self, labels) -> List[int]:
+        """Class labels: a list (or 1-D integer array / tensor) of integers in [0, num_classes)."""
         check(self.config.model_type == "c2i", "this model is text-conditional: pass prompts, not class labels")
+        if isinstance(labels, (torch.Tensor, np.ndarray)):
+            check(labels.ndim == 1, f"class_labels must be 1-D (one label per image), got shape {tuple(labels.shape)}")
+            is_int = (not labels.is_floating_point() and not labels.is_complex() and labels.dtype != torch.bool
+                      if isinstance(labels, torch.Tensor) else np.issubdtype(labels.dtype, np.integer))
+            check(is_int, f"class labels must be integers, got an array of {labels.dtype}")
+            labels = labels.tolist()
         if isinstance(labels, (int, str)) or not hasattr(labels, "__iter__"):
             raise VVSError(f"class_labels must be a list of integers (one image each), e.g. [3], got {labels!r}")
         out = []
         for x in labels:
-            if isinstance(x, bool) or not isinstance(x, int):
-                if isinstance(x, str) and x.strip().lstrip("-").isdigit():
-                    x = int(x)
-                elif isinstance(x, float) and x.is_integer():
-                    x = int(x)
-                else:
-                    raise VVSError(f"class labels must be integers, got {x!r}")
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                raise VVSError(f"class labels must be integers, got {x!r} ({type(x).__name__})")
+            x = int(x)
             if not 0 <= x < self.config.num_classes:
                 raise VVSError(f"class label {x} out of range [0, {self.config.num_classes})")
             out.append(x)
@@ -214,13 +259,19 @@ class Engine:
         check_seed(seed)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise VVSError(f"batch-size must be an integer >= 1, got {batch_size!r}")
+        if class_labels is not None and prompts is not None:
+            raise VVSError("give either class_labels or prompts, not both")
         labels = self.check_labels(class_labels) if class_labels is not None else None
         if labels is None and prompts is None:
             raise VVSError("give class labels or prompts")
         if prompts is not None and (isinstance(prompts, str) or not all(isinstance(x, str) for x in prompts)):
             raise VVSError("prompts must be a list of strings (one image each), e.g. [\"a cat\"]")
-
         n = len(labels) if labels is not None else len(prompts)
+        check(n > 0, "no prompts given")
+        # Before any compute: options the model and image allow, and a batch the device can hold.
+        check_method_fits(self.shape, opts)
+        check_batch_fits(self.shape, opts, n, batch_size, params.use_cfg, self.device, self.dtype)
+
         if image_indices is None:
             image_indices = list(range(n))
         check(len(image_indices) == n, f"image_indices has {len(image_indices)} entries for {n} images")
@@ -229,8 +280,8 @@ class Engine:
                   f"image indices must be non-negative integers, got {idx!r}")
         image_indices = [int(i) for i in image_indices]
         t0 = time.perf_counter()
-        tokens, passes, method_stats, wall_share = [], [], [], []
-        bar = _progress_bar(n, progress, method)
+        tokens, passes, method_stats, batch_walls = [], [], [], []
+        bar = _progress_bar(n, progress, method, self.tokens_per_image)
         with torch.inference_mode():
             for lo in range(0, n, batch_size):
                 hi = min(n, lo + batch_size)
@@ -242,11 +293,12 @@ class Engine:
                 index = torch.tensor([image_indices[i] for i in pick], dtype=torch.long, device=self.device)
                 batch = DecodeBatch(cond, key_mask, CounterRNG(seed, index), hi - lo,
                                     on_tokens=bar.tokens if bar is not None else None, use_graphs=cuda_graphs)
+                if bar is not None:
+                    bar.new_batch(hi - lo)
                 batch_t0 = time.perf_counter()
                 res = run(self, batch, params, opts)
                 tokens.append(res.tokens[: hi - lo].cpu())  # one host sync per batch
-                # an image's share of its batch's decode time (images of a batch finish together)
-                wall_share += [(time.perf_counter() - batch_t0) / (hi - lo)] * (hi - lo)
+                batch_walls.append(time.perf_counter() - batch_t0)  # the batch decodes as one: one time each
                 passes.append(res.image_passes[: hi - lo].double().cpu())
                 method_stats.append(res.stats)
                 if bar is not None:
@@ -272,7 +324,13 @@ class Engine:
         all_passes = torch.cat(passes)
         stats["per_image"] = {"target_forward_passes": [int(x) if float(x).is_integer() else float(x)
                                                         for x in all_passes.tolist()],
-                              "wall_time_s": wall_share}
+                              "batch": [lo // batch_size for lo in range(n)]}
+        # Images of a batch decode together, so time is a batch's, not an image's.
+        stats["per_batch"] = {"images": [min(batch_size, n - lo) for lo in range(0, n, batch_size)],
+                              "wall_time_s": batch_walls}
+        from dataclasses import asdict, is_dataclass
+
+        stats["options"] = asdict(opts) if is_dataclass(opts) else {}  # the method's options, defaults filled in
         stats["sampling"] = params.to_dict()
         stats["seed"] = seed
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
@@ -298,8 +356,15 @@ class Engine:
         from PIL import Image
 
         check(self.vq is not None, "no VQ tokenizer loaded")
-        check(int(tokens.max()) < self.vq.config.codebook_size if tokens.numel() else True,
-              "token ids exceed the tokenizer's codebook")
+        check(getattr(self.vq, "can_decode", True), "this tokenizer has no decoder weights: only tokens can be made")
+        tokens = torch.as_tensor(tokens)
+        check(not tokens.is_floating_point() and tokens.dim() == 2 and tokens.shape[1] == self.tokens_per_image,
+              f"tokens must be integers [n, {self.tokens_per_image}], got {tuple(tokens.shape)} {tokens.dtype}")
+        tokens = tokens.long()
+        # the methods' vocabulary (a family's end-of-line index included), which the decoder reads
+        limit = min(self.vq.config.codebook_size, self.config.vocab_size)
+        check(tokens.numel() == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < limit),
+              f"token ids must lie in [0, {limit}) (the tokenizer's codebook)")
         out = []
         for i in range(0, tokens.shape[0], batch):
             imgs = to_uint8(self.vq.decode(tokens[i:i + batch].to(self.device)))
@@ -311,7 +376,11 @@ class Engine:
         """Teacher-forced next-token logits ``[n, T, V]`` for given conditions and tokens [n, T]:
         row t is the (CFG-combined when cfg_scale != 1) logit vector predicting tokens[:, t]."""
         check(tokens is not None, "score() needs tokens")
-        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        SamplingParams(cfg_scale=cfg_scale).validate()  # a finite guidance scale
+        check(class_labels is None or prompts is None, "give either class_labels or prompts, not both")
+        tokens = torch.as_tensor(tokens)
+        check(not tokens.is_floating_point(), f"tokens must be integer ids, got {tokens.dtype}")
+        tokens = tokens.to(dtype=torch.long, device=self.device)
         check(tokens.dim() == 2 and tokens.shape[1] <= self.tokens_per_image,
               f"tokens must be [n, <= {self.tokens_per_image}]")
         check(0 <= int(tokens.min()) and int(tokens.max()) < self.config.vocab_size, "token ids out of range")
@@ -347,6 +416,146 @@ class Engine:
 
             self._codebook_cache[k] = neighbor_table(self.codebook_vectors(), k)
         return self._codebook_cache[k]
+
+
+# --- what a generation needs: option bounds and a memory estimate, checked before any compute --------
+@dataclass
+class ModelShape:
+    """The sizes of a target that bound the method options and the memory of a decode."""
+
+    tokens_per_image: int
+    vocab_size: int  # the methods' vocabulary
+    codebook_size: Optional[int]  # VQ codebook vectors (LANTERN neighbourhoods); None without a tokenizer
+    cls_token_num: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    dim: int
+
+    @classmethod
+    def of(cls, config, vq=None) -> "ModelShape":
+        book = getattr(getattr(vq, "config", None), "codebook_size", None) if vq is not None else None
+        return cls(config.block_size, config.vocab_size, book, config.cls_token_num, config.n_layer, config.n_head,
+                   getattr(config, "n_kv_head", config.n_head), config.head_dim, config.dim)
+
+
+def peek_shape(gpt_ckpt: Optional[str] = None, vq_ckpt: Optional[str] = None) -> Optional[ModelShape]:
+    """The shape of a project checkpoint (the Zoo's when none is given) from its JSON config, without
+    reading the weights; None where only loading tells (official files, Hugging Face folders)."""
+    if gpt_ckpt is None:
+        from . import zoo
+
+        paths = zoo.default_paths()
+        gpt_ckpt, vq_ckpt = paths["gpt"], vq_ckpt or paths["vq"]
+    try:
+        meta = read_config(gpt_ckpt) or {}
+        vq_meta = (read_config(vq_ckpt) or {}) if vq_ckpt else {}
+    except VVSError:
+        return None  # loading reports it
+    if meta.get("kind") != "gpt":
+        return None
+    cfg = GPTConfig.from_dict(meta["config"])
+    book = None
+    if vq_meta.get("kind") == "vq":
+        book = VQConfig.from_dict(vq_meta["config"]).codebook_size
+    return ModelShape(cfg.block_size, cfg.vocab_size, book, cfg.cls_token_num, cfg.n_layer, cfg.n_head, cfg.n_head,
+                      cfg.head_dim, cfg.dim)
+
+
+def check_method_fits(shape: ModelShape, opts) -> None:
+    """Method options bounded by the model and the image: a tree no deeper than the image, a top-k no
+    wider than the vocabulary, a node count the tree can hold, a Jacobi window inside the image,
+    LANTERN neighbours inside the codebook. Messages use the option names (the CLI maps them to flags)."""
+    T, V = shape.tokens_per_image, shape.vocab_size
+    spec = opts.tree_spec() if hasattr(opts, "tree_spec") else None
+    if spec is not None:
+        if spec.topk > V:
+            raise VVSError(f"tree-topk {spec.topk} exceeds the model's vocabulary of {V} tokens")
+        if spec.kind in ("dynamic", "chain") and spec.depth >= T:
+            raise VVSError(f"tree-depth {spec.depth} is too deep: a round commits at most depth + 1 tokens and an "
+                           f"image has {T} (use <= {T - 1})")
+        if spec.kind == "dynamic":
+            capacity = 1 + spec.topk + spec.depth * spec.topk ** 2  # root + first level + topk^2 per deeper level
+            if spec.total > capacity:
+                raise VVSError(f"tree-total {spec.total} is more nodes than a dynamic tree of tree-depth {spec.depth} "
+                               f"and tree-topk {spec.topk} can hold ({capacity}: root + topk + depth * topk^2)")
+    k = getattr(opts, "lantern_k", None)
+    if k is not None and shape.codebook_size is not None and k >= shape.codebook_size:
+        raise VVSError(f"lantern-k {k} must be smaller than the codebook ({shape.codebook_size} codes: a code has "
+                       f"at most {shape.codebook_size - 1} neighbours)")
+    window = getattr(opts, "jacobi_window", None)
+    if window is not None and window > T:
+        raise VVSError(f"jacobi-window {window} is longer than an image ({T} tokens; use <= {T})")
+
+
+def decode_bytes(shape: ModelShape, opts, batch: int, use_cfg: bool, dtype) -> int:
+    """A rough upper estimate of the memory one decode batch needs beyond the weights: the static KV
+    caches (target and drafter), the logits of one verification forward (fp32, a few working copies),
+    its attention scores and masks, and LANTERN's neighbour table."""
+    elt = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+    rows = batch_bucket(batch) * (2 if use_cfg else 1)
+    T, V = shape.tokens_per_image, shape.vocab_size
+    queries, extra, drafter = 1, 8, False
+    spec = opts.tree_spec() if hasattr(opts, "tree_spec") else None
+    if spec is not None:
+        depth = spec.depth + 1 if spec.kind != "static" else min(spec.max_nodes, T)
+        queries = spec.max_nodes + depth + 1
+        extra, drafter = 2 * queries + 8, True
+    elif getattr(opts, "jacobi_window", None) is not None:
+        queries = opts.jacobi_window
+        extra = 3 * queries
+    slots = shape.cls_token_num + T + extra
+    kv = 2 * shape.n_layer * rows * slots * shape.n_kv_head * shape.head_dim * elt
+    if drafter:
+        kv += 2 * rows * slots * shape.n_head * shape.head_dim * elt
+    logits = 4 * rows * queries * V * 4
+    scores = 2 * rows * shape.n_head * queries * slots * 4 + rows * queries * slots
+    hidden = 8 * rows * queries * shape.dim * 4
+    k = getattr(opts, "lantern_k", None) or (V // 16 if drafter else 0)
+    neighbours = (shape.codebook_size or V) * (k * 8 + (shape.codebook_size or V) * 4) if drafter else 0
+    return kv + logits + scores + hidden + neighbours
+
+
+def available_bytes(device) -> Optional[int]:
+    """Free memory of the device (CUDA: the driver's figure; CPU: MemAvailable), None when unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_batch_fits(shape: ModelShape, opts, n_images: int, batch_size: int, use_cfg: bool, device, dtype) -> None:
+    """Refuse, in one line and before any compute, a batch whose decode state cannot fit the device."""
+    batch = min(batch_size, n_images)
+    free = available_bytes(device)
+    if free is None:
+        return
+    need = decode_bytes(shape, opts, batch, use_cfg, dtype)
+    if need <= free:
+        return
+    fits = batch
+    while fits > 1 and decode_bytes(shape, opts, fits, use_cfg, dtype) > free:
+        fits //= 2
+    hint = (f"use batch-size <= {fits}" if decode_bytes(shape, opts, fits, use_cfg, dtype) <= free
+            else "even one image does not fit: use a smaller tree or window")
+    raise VVSError(f"a batch of {batch} images needs about {need / 2 ** 30:.1f} GiB for its decode state (KV cache, "
+                   f"logits) but the {torch.device(device).type.upper()} has {free / 2 ** 30:.1f} GiB free; {hint}")
 
 
 # --- batching -----------------------------------------------------------------------------------
@@ -386,22 +595,28 @@ def _merge_stats(per_batch: List[dict]) -> dict:
 
 
 class _progress_bar:
-    """Images finished (and tokens committed within the running batch) on one tqdm bar."""
+    """Images finished, and the tokens committed in the running batch, on one tqdm bar."""
 
-    def __new__(cls, n, show, method):
+    def __new__(cls, n, show, method, tokens_per_image):
         if not show:
             return None
         return super().__new__(cls)
 
-    def __init__(self, n, show, method):
+    def __init__(self, n, show, method, tokens_per_image):
         from tqdm import tqdm
 
         self.bar = tqdm(total=n, desc=f"{method} images", unit="img", dynamic_ncols=True, leave=False)
-        self.token_count = 0
+        self.tokens_per_image = tokens_per_image
+        self.token_count, self.batch_tokens = 0, 0
+
+    def new_batch(self, n_images: int) -> None:
+        self.token_count, self.batch_tokens = 0, n_images * self.tokens_per_image
 
     def tokens(self, k: int) -> None:
-        self.token_count += int(k)
-        self.bar.set_postfix(tokens=self.token_count, refresh=False)
+        # A method's count is read a round late and may run ahead at a retirement; the batch's total
+        # is the ceiling.
+        self.token_count = min(self.batch_tokens, self.token_count + int(k))
+        self.bar.set_postfix(batch_tokens=f"{self.token_count}/{self.batch_tokens}", refresh=False)
 
     def images(self, k: int) -> None:
         self.bar.update(k)

@@ -7,7 +7,8 @@ from typing import List
 # Totals: summed over calls. Everything else numeric is averaged, weighted by the call's image count.
 SUMMED = {"n_images", "tokens_generated", "target_forward_passes", "wall_time_s", "verified_steps", "skip_steps",
           "tokens_committed_unverified", "post_verify_rollbacks", "draft_forward_passes", "jacobi_rounds",
-          "accepted_drafts_fresh", "accepted_drafts_carried"}
+          "accepted_drafts_fresh", "accepted_drafts_carried",
+          "batch_iterations", "batch_rounds"}  # loop iterations of each call's batches: counts, never averaged
 SUMMED_DICTS = {"staleness_histogram", "time_split_s", "accepted_drafts_histogram"}
 
 

@@ -25,7 +25,6 @@ call -> images per second, TPF and the per-image TPF spread, side by side in one
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -436,24 +435,29 @@ def _plot(result, path):
     import matplotlib.pyplot as plt
 
     blocks = result["blocks"]
-    fig, axes = plt.subplots(len(blocks), 2, figsize=(12, 3.2 * len(blocks)), squeeze=False)
+    fig, axes = plt.subplots(len(blocks), 2, figsize=(15, 0.45 * max(len(b["rows"]) for b in blocks) * len(blocks)
+                                                     + 2.5 * len(blocks)), squeeze=False)
     for (ax_lat, ax_eff), b in zip(axes, blocks):
         names = [r["setting"] for r in b["rows"]]
-        ax_lat.barh(names, [r["latency_s"] * 1e3 for r in b["rows"]])
-        ax_lat.set_xlabel("latency per image (ms)")
-        ax_lat.set_title(b["model"], fontsize=9)
-        ax_lat.tick_params(axis="y", labelsize=7)
+        ax_lat.barh(range(len(names)), [r["latency_s"] * 1e3 for r in b["rows"]])
+        ax_lat.set_yticks(range(len(names)), names, fontsize=10)
+        ax_lat.invert_yaxis()  # the table's order, top to bottom
+        ax_lat.set_xlabel("latency per image (ms)", fontsize=11)
+        ax_lat.set_title(b["model"], fontsize=11)
         tpf = [r["tpf"] for r in b["rows"]]
         sp = [r["speedup_vs_ar"] for r in b["rows"]]
-        ax_eff.scatter(tpf, sp)
-        for n, x, y in zip(names, tpf, sp):
-            ax_eff.annotate(n.split("(")[0], (x, y), fontsize=7)
+        ax_eff.scatter(tpf, sp, s=50)
+        for i, (x, y) in enumerate(zip(tpf, sp), 1):  # numbers keyed to the bar chart's rows (names overlap)
+            ax_eff.annotate(str(i), (x, y), fontsize=10, xytext=(4, 3), textcoords="offset points")
+        ax_lat.set_yticks(range(len(names)), [f"{i}  {n}" for i, n in enumerate(names, 1)], fontsize=10)
         hi = max(tpf + sp + [1.0]) * 1.1
         ax_eff.plot([0, hi], [0, hi], "k--", lw=0.8, label="speed-up = TPF")
         ax_eff.plot([0, hi], [0, 0.8 * hi], "g:", lw=0.8, label="0.8 x TPF (target)")
-        ax_eff.set_xlabel("TPF")
-        ax_eff.set_ylabel("wall-clock speed-up vs AR")
-        ax_eff.legend(fontsize=7)
+        ax_eff.set_xlabel("TPF (tokens per target forward)", fontsize=11)
+        ax_eff.set_ylabel("wall-clock speed-up vs AR", fontsize=11)
+        ax_eff.tick_params(labelsize=10)
+        ax_lat.tick_params(axis="x", labelsize=10)
+        ax_eff.legend(fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -462,7 +466,9 @@ def _plot(result, path):
 
 # --- entry point ----------------------------------------------------------------------------------
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="vvs-engine bench", description=__doc__.split("\n\n")[0])
+    from ..errors import OneLineParser  # a bad flag is one line (exit 2), not argparse's whole usage
+
+    p = OneLineParser(prog="vvs-engine bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="zoo", help="zoo (default; the shipped Zoo model) or a random-weight "
                                                  f"shape: {', '.join(SHAPES)}")
     p.add_argument("--model-dir", default=None, metavar="DIR",

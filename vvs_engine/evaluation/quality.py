@@ -215,11 +215,17 @@ class InceptionFeatures:
         return f"{os.path.basename(self.path)}-{st.st_size}-{self.size}-{self.input_range}"
 
     @torch.no_grad()
-    def __call__(self, images) -> np.ndarray:
+    def __call__(self, images, desc: Optional[str] = None) -> np.ndarray:
+        """``desc``: show a progress bar with this label (Inception on a CPU takes minutes)."""
         x = as_float_images(images)
         lo, hi = self.input_range
         out = []
-        for i in range(0, len(x), self.batch):
+        starts = range(0, len(x), self.batch)
+        if desc is not None:
+            from tqdm import tqdm
+
+            starts = tqdm(starts, desc=desc, unit="batch", dynamic_ncols=True, leave=False)
+        for i in starts:
             b = (x[i:i + self.batch].to(self.device).clamp(-1, 1) + 1) / 2  # [0, 1]
             if b.shape[-1] != self.size or b.shape[-2] != self.size:
                 b = F.interpolate(b, size=(self.size, self.size), mode="bilinear", align_corners=False)
@@ -267,8 +273,9 @@ def _file_digest(path: str) -> str:
 
 
 def reference_features(kind: str, n_per_class: int = N_REF_PER_CLASS, seed: int = REF_SEED, classifier_path=None,
-                       inception_path=None, use_cache: bool = True) -> np.ndarray:
-    """Features of the held-out reference crops, ``kind`` "classifier" or "inception"; cached as .npy."""
+                       inception_path=None, use_cache: bool = True, show_progress: bool = False) -> np.ndarray:
+    """Features of the held-out reference crops, ``kind`` "classifier" or "inception"; cached as .npy.
+    ``show_progress``: a progress bar while Inception computes them (minutes on a CPU, once)."""
     if kind == "classifier":
         from ..zoo import model_path
 
@@ -282,7 +289,11 @@ def reference_features(kind: str, n_per_class: int = N_REF_PER_CLASS, seed: int 
     if use_cache and os.path.exists(path):
         return np.load(path)
     imgs, _ = reference_images(n_per_class, seed)
-    feats = classifier_features(imgs, load_classifier(src)) if kind == "classifier" else get_inception(src)(imgs)
+    if kind == "classifier":
+        feats = classifier_features(imgs, load_classifier(src))
+    else:
+        feats = get_inception(src)(imgs, desc=f"Inception: {len(imgs)} reference crops (once, then cached)"
+                                   if show_progress else None)
     if use_cache:
         np.save(path, feats)
     return feats
@@ -400,6 +411,7 @@ def evaluate_images(images, labels: Optional[Sequence[int]] = None, inception: b
     x = as_float_images(images)
     if len(x) == 0:
         raise VVSError("no images to evaluate")
+    size = (int(x.shape[-2]), int(x.shape[-1]))
     if x.shape[-1] != 64 or x.shape[-2] != 64:  # the classifier and reference crops are 64x64
         x = F.interpolate(x, size=(64, 64), mode="bilinear", align_corners=False, antialias=True)
     net = load_classifier(classifier_path)
@@ -431,8 +443,10 @@ def evaluate_images(images, labels: Optional[Sequence[int]] = None, inception: b
             path = inception_path or default_inception_path()
             if progress:
                 progress(f"eval: Inception features of {len(x)} images (+ the reference crops' once, then cached)")
-            ref_i = reference_features("inception", n_ref_per_class, inception_path=path)
-            f = get_inception(path)(x)
+            ref_i = reference_features("inception", n_ref_per_class, inception_path=path,
+                                       show_progress=progress is not None)
+            inc = get_inception(path)
+            f = inc(x, desc=f"Inception: {len(x)} images") if progress else inc(x)
             if fd_ok:
                 out["fid_inception"] = frechet_distance_features(f, ref_i)
             if pr_ok:
@@ -443,4 +457,32 @@ def evaluate_images(images, labels: Optional[Sequence[int]] = None, inception: b
     out["reference"] = f"held-out crops (right 25% of each photo), {n_ref_per_class}/class, seed {REF_SEED}"
     if notes:
         out["notes"] = notes
+    warnings = meaningless_metrics(out, size, labels, net.num_classes)
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+# Below this many images a Frechet distance is dominated by the small-sample bias: the classifier's
+# features are 128-d, so fewer images give a rank-deficient covariance (Inception's are 2048-d).
+FD_MIN_IMAGES = 128
+
+
+def meaningless_metrics(metrics: dict, image_size: tuple, labels, num_classes: int) -> list:
+    """Why some computed metrics mean little: too few images for a Frechet distance, or images that are
+    not the Zoo's (the classifier and the reference crops are the Zoo's 64 x 64 photos and 16 classes)."""
+    out = []
+    n = metrics["n_images"]
+    fds = [k for k in ("fd_classifier", "fid_inception") if k in metrics]
+    if fds and n < FD_MIN_IMAGES:
+        out.append(f"{' and '.join(fds)} from {n} images: a Frechet distance of fewer than {FD_MIN_IMAGES} images "
+                   f"is mostly small-sample bias; compare only at equal image counts, and use hundreds")
+    zoo_metrics = [k for k in ("class_accuracy", "fd_classifier") if k in metrics]
+    lab = [int(v) for v in np.asarray(labels).reshape(-1)] if labels is not None else []
+    foreign = tuple(image_size) != (64, 64) or any(v >= num_classes for v in lab)
+    if zoo_metrics and foreign:
+        out.append(f"{' and '.join(zoo_metrics)} use the Zoo classifier (64 x 64 crops of its {num_classes} photos, "
+                   f"labels 0-{num_classes - 1}); these images ({image_size[0]} x {image_size[1]} px"
+                   f"{', labels beyond its classes' if any(v >= num_classes for v in lab) else ''}) are not the "
+                   f"Zoo's, so the numbers say nothing about another model family")
     return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import zipfile
 from typing import Optional, Sequence
 
 import numpy as np
@@ -13,10 +15,14 @@ from ..errors import VVSError
 from .quality import N_REF_PER_CLASS, REF_SEED, evaluate_images
 
 
-def read_generate_dir(path: str) -> tuple:
+IMAGE_NAME = re.compile(r"^\d{6,}\.png$")  # generate's and generate-dataset's images (not grid.png)
+
+
+def read_generate_dir(path: str, notes: Optional[list] = None) -> tuple:
     """A ``vvs-engine generate`` (or ``generate-dataset``) output folder -> (uint8 images [n, H, W, 3],
     labels or None, tokens). PNGs sorted by name are the rows of tokens.npz; a folder without PNGs is
-    decoded from the tokens with the Zoo tokenizer."""
+    decoded from the tokens with the Zoo tokenizer. A dataset folder gives its complete shards; the
+    ones missing or unreadable are listed in ``notes`` (a list to append to)."""
     from PIL import Image
 
     from ..dataset import is_dataset_dir, read_dataset
@@ -25,16 +31,25 @@ def read_generate_dir(path: str) -> tuple:
         raise VVSError(f"not a folder: {path}")
     tokens = labels = None
     if is_dataset_dir(path):  # a generate-dataset folder: its complete shards, PNGs named by global index
-        ds = read_dataset(path)
+        ds = read_dataset(path, require_complete=False)
         tokens, labels = ds["tokens"], ds["labels"]
         pngs = [os.path.basename(p) for p in ds["pngs"]] if all(os.path.exists(p) for p in ds["pngs"]) else []
+        if ds["missing"] and notes is not None:
+            total = ds["manifest"]["n_shards"]
+            shown = ", ".join(ds["missing"][:3]) + (" ..." if len(ds["missing"]) > 3 else "")
+            notes.append(f"{len(ds['missing'])} of {total} shards missing or unreadable ({shown}): metrics over the "
+                         f"{len(tokens)} of {ds['manifest']['n_images']} images of the complete shards; re-run the "
+                         f"generate-dataset command to finish")
     else:
         npz = os.path.join(path, "tokens.npz")
         if os.path.exists(npz):
-            with np.load(npz, allow_pickle=False) as z:
-                tokens = z["tokens"] if "tokens" in z.files else None
-                labels = z["labels"] if "labels" in z.files else None
-        pngs = sorted(f for f in os.listdir(path) if f.lower().endswith(".png"))
+            try:
+                with np.load(npz, allow_pickle=False) as z:
+                    tokens = z["tokens"] if "tokens" in z.files else None
+                    labels = z["labels"] if "labels" in z.files else None
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+                raise VVSError(f"{npz} is unreadable ({type(e).__name__})") from None
+        pngs = sorted(f for f in os.listdir(path) if IMAGE_NAME.match(f))
     if pngs:
         imgs = np.stack([np.asarray(Image.open(os.path.join(path, f)).convert("RGB")) for f in pngs])
     elif tokens is not None:
@@ -58,9 +73,14 @@ def evaluate_dir(path: str, out_json: Optional[str] = None, inception: bool = Tr
     """``vvs-engine eval --images DIR --out metrics.json``: metrics of a generate output folder."""
     import sys
 
-    imgs, labels, _ = read_generate_dir(path)
+    notes = []
+    imgs, labels, _ = read_generate_dir(path, notes)
+    for note in notes:
+        print(f"eval: {note}", file=sys.stderr)
     m = evaluate_images(imgs, labels, inception=inception, inception_path=inception_path,
                         progress=lambda msg: print(msg, file=sys.stderr))
+    if notes:
+        m["notes"] = notes + m.get("notes", [])
     m["images_dir"] = os.path.abspath(path)
     if out_json:
         with open(out_json, "w") as f:

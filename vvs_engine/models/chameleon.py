@@ -1,12 +1,16 @@
 """Lumina-mGPT (``ChameleonForConditionalGeneration`` weights) as a target.
 
 Chameleon is a Llama with a per-head q/k LayerNorm (:mod:`.hf_decoder`); image codes are ordinary
-entries of its vocabulary (the ``IMGIMG…`` names of ``vocabulary_map``). Lumina-mGPT's image layout:
+entries of its vocabulary (the ``IMGIMG…`` names of ``vocabulary_map``). Lumina-mGPT's layout (its
+``FlexARItemProcessor`` and ``Conversation``):
 
-    prompt … <racm3:break> <h-grid> <w-grid> | row 0 codes, EOL | row 1 codes, EOL | … | EOI
+    BOS instruction <reserved08706> <racm3:break> <h> <w> | row 0 codes, EOL | row 1 codes, EOL | … | EOI
 
-The condition ends with the image-start token and the two resolution tokens (forced: they are part of
-the condition, never sampled). The decoding methods see the image part as ``h * (w + 1)`` tokens over a
+The instruction is the human turn, closed by the conversation separator ``<reserved08706>``; the
+assistant's answer is the image: ``<racm3:break>`` and two resolution tokens ``<reserved{8800 + n}>``
+(id 8804 + n) where n counts 32-px patches (2 x 2 codes) of the height, then of the width: a 768 px image
+is 24 patches, 48 x 48 codes. The condition ends with the separator, the image-start token and the two
+resolution tokens (forced: they are part of the condition, never sampled). The decoding methods see the image part as ``h * (w + 1)`` tokens over a
 vocabulary of the ``n`` codes (in VQ-index order) plus the end-of-line token at index ``n``; the
 layout forces EOL after each row and forbids it elsewhere (``layout_forbidden``, applied by
 :class:`~vvs_engine.runtime.target.TargetSession`). The unconditional CFG row is the image-start and
@@ -27,6 +31,10 @@ from .hf_decoder import Decoder, DecoderConfig, rope_table_1d
 
 LUMINA_PROMPT_TEMPLATE = "Generate an image of {width}x{height} according to the following prompt:\n{prompt}"
 LUMINA_BOI, LUMINA_EOI, LUMINA_EOL, LUMINA_RESOLUTION_BASE = 8197, 8196, 8803, 8804
+# <reserved08706>, the end of a conversation turn. Chameleon's <reservedNNNNN> has id NNNNN + 4 (EOL is
+# <reserved08799> = 8803, the resolution base <reserved08800> = 8804); a folder that names it wins.
+LUMINA_SEPARATOR, LUMINA_SEPARATOR_NAME = 8710, "<reserved08706>"
+LUMINA_RESOLUTION_PX = 32  # a resolution token counts 32-px patches (2 x 2 codes of 16 px)
 ROPE_MARGIN = 64
 
 
@@ -55,6 +63,8 @@ class ChameleonFamilyConfig:
     prompt_template: str = LUMINA_PROMPT_TEMPLATE
     image_wrapper_token_id: int = -1  # Emu3: "<|image token|>" after the size text
     negative_prompt: str = ""  # Emu3: the unconditional row's prompt
+    separator_token_id: int = LUMINA_SEPARATOR  # Lumina-mGPT: ends the human turn, before the image
+    resolution_px: int = LUMINA_RESOLUTION_PX  # Lumina-mGPT: pixels per unit of a resolution token
 
     @property
     def n_codes(self) -> int:
@@ -106,20 +116,29 @@ class ChameleonTarget(nn.Module):
         return F.linear(h, w).float()
 
     # --- prompts and layout -------------------------------------------------------------------
+    @staticmethod
+    def resolution_ids(c: ChameleonFamilyConfig) -> List[int]:
+        """Lumina-mGPT's resolution tokens: the height, then the width, in 32-px patches."""
+        height, width = c.grid_h * c.patch_px, c.grid_w * c.patch_px
+        return [c.resolution_base + height // c.resolution_px, c.resolution_base + width // c.resolution_px]
+
     def image_prefix(self) -> List[int]:
-        c = self.config
-        return [c.boi_token_id, c.resolution_base + c.grid_h, c.resolution_base + c.grid_w]
+        """Image start, then the two resolution tokens."""
+        return [self.config.boi_token_id] + self.resolution_ids(self.config)
 
     def prompt_ids(self, prompt: str) -> List[int]:
-        """BOS + Lumina-mGPT's instruction with the prompt + image start + resolution tokens."""
+        """BOS + Lumina-mGPT's instruction with the prompt + the turn separator + image start +
+        resolution tokens."""
         if self.tokenizer is None:
             raise VVSError("this Chameleon folder has no tokenizer.json: text prompts cannot be encoded")
         c = self.config
         text = c.prompt_template.format(width=c.grid_w * c.patch_px, height=c.grid_h * c.patch_px, prompt=prompt)
-        return [c.bos_token_id] + self.tokenizer.encode(text, add_special_tokens=False).ids + self.image_prefix()
+        return ([c.bos_token_id] + self.tokenizer.encode(text, add_special_tokens=False).ids + [c.separator_token_id]
+                + self.image_prefix())
 
     def uncond_ids(self) -> List[int]:
-        """Lumina-mGPT's unconditional row: the image-start and resolution tokens alone."""
+        """Lumina-mGPT's unconditional row: the image-start and resolution tokens alone (its guidance
+        processor starts the unconditional context at the image-start token)."""
         return self.image_prefix()
 
     def condition_rows(self, prompts: Sequence[str], use_cfg: bool, device):

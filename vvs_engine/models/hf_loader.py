@@ -17,7 +17,8 @@ from ..errors import VVSError
 from .hf_decoder import DecoderConfig
 
 SUPPORTED_FAMILIES = ("janus", "chameleon", "emu3")
-CHAMELEON_PATCH_PX = 16
+CHAMELEON_PATCH_PX = 16  # pixels per VQ code
+LUMINA_PATCH_PX = 32  # Lumina-mGPT's patch: 2x2 codes; its resolution tokens count these
 CHAMELEON_DEFAULT_IMAGE_PX = 768  # Lumina-mGPT-7B-768
 EMU3_PATCH_PX = 8
 EMU3_DEFAULT_IMAGE_PX = 720  # Emu3-Gen: 90 x 90 tokens
@@ -117,6 +118,7 @@ def load_hf_folder(model_dir: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_T
                        f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
     if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 2:
         raise VVSError(f"max_prompt_tokens must be an integer >= 2, got {max_prompt_tokens!r}")
+    check_image_size(family, cfg, image_size)  # before the (large) weights are read
     sd = read_weights(model_dir)
     if family == "janus":
         target, vq = build_janus(model_dir, cfg, sd, max_prompt_tokens)
@@ -125,6 +127,32 @@ def load_hf_folder(model_dir: str, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_T
     else:
         target, vq = build_chameleon(model_dir, cfg, sd, max_prompt_tokens, image_size or CHAMELEON_DEFAULT_IMAGE_PX)
     return target.eval(), vq.eval(), {"model": family, "model_dir": model_dir}
+
+
+def valid_sizes_text(size: int, step: int) -> str:
+    below = max(step, size // step * step)
+    return f"{below} or {below + step}" if below != size else str(size)
+
+
+def check_image_size(family: str, cfg: dict, image_size) -> None:
+    """The image sizes a family can make: Janus-Pro its one native size; Lumina-mGPT multiples of its
+    32-px patch (2x2 codes, the unit of its resolution tokens); Emu3 multiples of 8 px (one code)."""
+    if image_size is None:
+        return
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
+        raise VVSError(f"image size must be a positive integer (pixels), got {image_size!r}")
+    if family == "janus":
+        native = int((cfg.get("vision_config") or {}).get("image_size", 384))
+        if image_size != native:
+            raise VVSError(f"Janus-Pro makes {native} px images only; image size {image_size} is not possible "
+                           f"(leave it out)")
+    elif family == "chameleon" and image_size % LUMINA_PATCH_PX:
+        raise VVSError(f"Lumina-mGPT image sizes are multiples of {LUMINA_PATCH_PX} px (its resolution tokens count "
+                       f"{LUMINA_PATCH_PX}-px patches of 2x2 codes): {image_size} is not; e.g. "
+                       f"{valid_sizes_text(image_size, LUMINA_PATCH_PX)} (512, 768 and 1024 are the released models)")
+    elif family == "emu3" and image_size % EMU3_PATCH_PX:
+        raise VVSError(f"Emu3 image sizes are multiples of {EMU3_PATCH_PX} px (one code): {image_size} is not; e.g. "
+                       f"{valid_sizes_text(image_size, EMU3_PATCH_PX)}")
 
 
 def build_janus(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int):
@@ -166,6 +194,7 @@ def build_janus(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int):
         raise VVSError(f"{what}: bad vq/vision config ({e})") from None
     if grid * grid != n_img:
         raise VVSError(f"{what}: {n_img} image tokens is not the {grid}x{grid} grid of the VQ decoder")
+
     fcfg = FamilyConfig(family="janus", dim=dcfg.dim, n_layer=dcfg.n_layer, n_head=dcfg.n_head,
                         n_kv_head=dcfg.n_kv_head, head_dim=dcfg.head_dim, vocab_size=n_codes,
                         cls_token_num=max_prompt_tokens, block_size=n_img,
@@ -181,8 +210,8 @@ def build_janus(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int):
 
 def build_chameleon(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int, image_size: int):
     """Lumina-mGPT on Chameleon weights: qk-norm decoder, codes restricted from the text head."""
-    from .chameleon import (ChameleonCodebook, ChameleonFamilyConfig, ChameleonTarget, code_ids_from_vocabulary_map,
-                            state_dict_from_hf)
+    from .chameleon import (LUMINA_SEPARATOR, LUMINA_SEPARATOR_NAME, ChameleonCodebook, ChameleonFamilyConfig,
+                            ChameleonTarget, code_ids_from_vocabulary_map, state_dict_from_hf)
 
     what = f"Chameleon folder {model_dir}"
     if cfg.get("swin_norm"):
@@ -191,23 +220,30 @@ def build_chameleon(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int,
     if dcfg.head_dim * dcfg.n_head != dcfg.dim:
         raise VVSError(f"{what}: hidden_size must be num_attention_heads * head_dim")
     dcfg.qk_norm = True
-    if not isinstance(image_size, int) or image_size <= 0 or image_size % CHAMELEON_PATCH_PX:
-        raise VVSError(f"image size {image_size} is not a positive multiple of {CHAMELEON_PATCH_PX}")
-    code_ids = code_ids_from_vocabulary_map(cfg.get("vocabulary_map") or {}, what)
+    check_image_size("chameleon", cfg, image_size)
+    vocab_map = cfg.get("vocabulary_map") or {}
+    code_ids = code_ids_from_vocabulary_map(vocab_map, what)
     vocab = int(cfg.get("vocab_size", 0))
     grid = image_size // CHAMELEON_PATCH_PX
+    tokenizer = load_tokenizer(model_dir)
+    # The turn separator by name (Lumina-mGPT writes it as text), else Chameleon's fixed id for it.
+    separator = vocab_map.get(LUMINA_SEPARATOR_NAME)
+    if separator is None and tokenizer is not None:
+        separator = tokenizer.token_to_id(LUMINA_SEPARATOR_NAME)
     fcfg = ChameleonFamilyConfig(family="chameleon", dim=dcfg.dim, n_layer=dcfg.n_layer, n_head=dcfg.n_head,
                                  n_kv_head=dcfg.n_kv_head, head_dim=dcfg.head_dim, vocab_size=len(code_ids) + 1,
                                  cls_token_num=max_prompt_tokens, block_size=grid * (grid + 1),
                                  text_vocab_size=vocab, grid_h=grid, grid_w=grid, patch_px=CHAMELEON_PATCH_PX,
                                  bos_token_id=int(cfg.get("bos_token_id") or 0),
-                                 pad_token_id=int(cfg.get("pad_token_id") or 1))
-    top = max(fcfg.boi_token_id, fcfg.eol_token_id, fcfg.resolution_base + grid, int(code_ids.max()))
+                                 pad_token_id=int(cfg.get("pad_token_id") or 1),
+                                 separator_token_id=int(LUMINA_SEPARATOR if separator is None else separator))
+    top = max(fcfg.boi_token_id, fcfg.eol_token_id, fcfg.separator_token_id, int(code_ids.max()),
+              *ChameleonTarget.resolution_ids(fcfg))
     if top >= vocab:
         raise VVSError(f"{what}: vocabulary of {vocab} lacks Lumina-mGPT's layout tokens (id {top})")
     target = ChameleonTarget(fcfg, dcfg, code_ids)
     load_into(target, state_dict_from_hf(sd), what)
-    target.tokenizer = load_tokenizer(model_dir)
+    target.tokenizer = tokenizer
     emb = sd.get("model.vqmodel.quantize.embedding.weight")
     if emb is None or emb.shape[0] != len(code_ids):
         raise VVSError(f"{what}: missing or mis-shaped model.vqmodel.quantize.embedding.weight")
@@ -293,8 +329,7 @@ def build_emu3(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int, imag
     what = f"Emu3 folder {model_dir}"
     tc = cfg.get("text_config") or {}
     dcfg = llama_decoder_config(tc, what)
-    if not isinstance(image_size, int) or image_size <= 0 or image_size % EMU3_PATCH_PX:
-        raise VVSError(f"image size {image_size} is not a positive multiple of {EMU3_PATCH_PX}")
+    check_image_size("emu3", cfg, image_size)
     vmap = cfg.get("vocabulary_map") or {}
     code_ids = emu3_code_ids(vmap, what)
     special = {}
@@ -309,7 +344,8 @@ def build_emu3(model_dir: str, cfg: dict, sd: dict, max_prompt_tokens: int, imag
                                  text_vocab_size=int(tc.get("vocab_size", 0)), grid_h=grid, grid_w=grid,
                                  patch_px=EMU3_PATCH_PX, bos_token_id=int(tc.get("bos_token_id") or 0),
                                  pad_token_id=int(tc.get("pad_token_id") or 0), boi_token_id=special["boi"],
-                                 eol_token_id=special["eol"], image_wrapper_token_id=special["wrapper"])
+                                 eol_token_id=special["eol"], image_wrapper_token_id=special["wrapper"],
+                                 separator_token_id=-1)
     target = Emu3Target(fcfg, dcfg, code_ids)
     # transformers writes Emu3 in the original layout (text_model.model.*); accept its own names too.
     original = any(k.startswith("text_model.") for k in sd)

@@ -58,7 +58,14 @@ def train_drafter(target, tokens: torch.Tensor, labels, steps: int = 600, batch_
         from tqdm import tqdm
 
         it = tqdm(it, desc="train drafter", dynamic_ncols=True)
+    import time
+
+    t_start = time.perf_counter()
     for step in it:
+        if log and step == 5 and steps > 10:  # after a few steps: an estimate of the whole run
+            per_step = (time.perf_counter() - t_start) / step
+            log(f"train drafter: {per_step:.2f} s/step over the first {step} steps: about "
+                f"{per_step * steps / 60:.1f} min for {steps} steps")
         idx = torch.randint(0, n, (batch_size,), generator=g)
         tok = tokens[idx]
         drop = torch.rand(batch_size, generator=g) < cfg_dropout
@@ -112,23 +119,27 @@ def cli_train(argv) -> int:
     default, crops of the Zoo photos (or ``--data-root`` image folder) encoded with the tokenizer.
     ``--model-dir``: prompts plus the user's images (``--images``), token rows (``--tokens``) or images
     the target samples for them."""
-    import argparse
-
     from ..checkpoint import save_safetensors
-    from ..engine import Engine
+    from ..engine import Engine, check_load_args
+    from ..errors import OneLineParser
+    from ..paths import check_writable_file
 
-    ap = argparse.ArgumentParser(prog="vvs-engine train-drafter")
+    ap = OneLineParser(prog="vvs-engine train-drafter",
+                       description="Train an EAGLE-style drafter on a target's teacher-forced features.")
     ap.add_argument("--gpt-ckpt", default=None, help="target checkpoint (default: the Zoo target)")
-    ap.add_argument("--gpt-model", default=None)
-    ap.add_argument("--vq-ckpt", default=None)
-    ap.add_argument("--tokens", default=None, help=".npz/.pt with tokens [N, T] and labels [N]")
+    ap.add_argument("--gpt-model", default=None, help="preset of an official --gpt-ckpt without a config (GPT-B ...)")
+    ap.add_argument("--vq-ckpt", default=None, help="tokenizer (default: the Zoo's with the Zoo target)")
+    ap.add_argument("--tokens", default=None, help=".npz (or weights-only .pt) with tokens [N, T] and labels [N]")
     ap.add_argument("--data-root", default=None, help="image folder (one sub-folder per class)")
-    ap.add_argument("--per-class", type=int, default=300, help="crops per class when encoding images")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--per-class", type=int, default=300, help="crops per class when encoding images (default 300)")
+    ap.add_argument("--steps", type=int, default=600, help="training steps (default 600; the time per step is "
+                                                           "measured on the first steps and the total estimated)")
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    ap.add_argument("--layers", type=int, default=1, help="decoder layers of the draft head (default 1)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    ap.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="CPU threads for torch (default: $OMP_NUM_THREADS, else half the cores, at most 4)")
     ap.add_argument("--cascade-weighting", action="store_true",
                     help="CASCADE: 2x classification weight on tokens redundant with a later token")
     ap.add_argument("--model-dir", default=None, metavar="DIR",
@@ -145,18 +156,42 @@ def cli_train(argv) -> int:
                     help="with --model-dir: image side in pixels (Lumina-mGPT default 768, Emu3 default 720)")
     ap.add_argument("--out", required=True, help="output .safetensors path (a .json config is written beside)")
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.batch_size < 1 or not a.lr > 0:
-        raise VVSError("steps and batch-size must be >= 1 and lr > 0")
+    if a.steps < 1 or a.batch_size < 1 or not a.lr > 0 or a.layers < 1 or a.per_class < 1:
+        raise VVSError("--steps, --batch-size, --layers and --per-class must be >= 1 and --lr > 0")
     if not a.out.endswith(".safetensors"):
         raise VVSError("--out must end with .safetensors")
+    # Everything checkable is checked before minutes of training: the output and the inputs.
+    check_writable_file(a.out, "--out")
+    check_writable_file(a.out[: -len(".safetensors")] + ".json", "--out (its .json config)")
+    check_load_args(gpt_ckpt=a.gpt_ckpt, gpt_model=a.gpt_model, vq_ckpt=a.vq_ckpt, model_dir=a.model_dir,
+                    max_prompt_tokens=a.max_prompt_tokens, image_size=a.image_size if a.model_dir else None,
+                    cli=True)
+    for flag, path in (("--tokens", a.tokens), ("--prompts", a.prompts)):
+        if path is not None and not os.path.isfile(path):
+            raise VVSError(f"{flag} {path}: no such file")
+    for flag, path in (("--data-root", a.data_root), ("--images", a.images)):
+        if path is not None and not os.path.isdir(path):
+            raise VVSError(f"{flag} {path}: no such folder")
+    if a.model_dir is None and not a.tokens and not a.data_root:
+        import importlib.util
+
+        missing = [m for m in ("skimage", "sklearn", "matplotlib") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise VVSError(f"train-drafter's default data are crops of the Zoo photos from scikit-image, scikit-learn "
+                           f"and matplotlib ({', '.join(missing)} missing): pip install -e \".[zoo]\", or give "
+                           f"--tokens FILE or --data-root DIR")
+    from ..threads import apply_threads
+
+    apply_threads(a.threads, "--threads")
     if a.model_dir is not None:
-        eng = Engine.load(model_dir=a.model_dir, max_prompt_tokens=a.max_prompt_tokens, image_size=a.image_size)
+        eng = Engine.load(model_dir=a.model_dir, max_prompt_tokens=a.max_prompt_tokens, image_size=a.image_size,
+                          threads=a.threads)
         tokens, labels = family_training_data(eng, a)
     else:
         if a.images or a.prompts or a.image_size:
             raise VVSError("--images, --prompts and --image-size go with --model-dir (class-conditional data: "
                            "--tokens or --data-root)")
-        eng = Engine.load(gpt_ckpt=a.gpt_ckpt, gpt_model=a.gpt_model, vq_ckpt=a.vq_ckpt)
+        eng = Engine.load(gpt_ckpt=a.gpt_ckpt, gpt_model=a.gpt_model, vq_ckpt=a.vq_ckpt, threads=a.threads)
         if eng.config.model_type != "c2i":
             raise VVSError("train-drafter supports class-conditional targets, or --model-dir with --prompts")
         tokens, labels = c2i_training_data(eng, a)
@@ -178,8 +213,6 @@ def family_training_data(eng, a):
     """Prompt conditions and token rows for a Hugging Face family: the user's images (encoded by the
     family's VQ encoder) or tokens, or images the target samples itself for the prompts (temperature 1,
     CFG 4, seeded)."""
-    import numpy as np
-
     if not a.prompts:
         raise VVSError("--model-dir needs --prompts FILE (one prompt per line)")
     if a.samples_per_prompt < 1:
@@ -196,8 +229,10 @@ def family_training_data(eng, a):
                            f"(one caption per image, in file-name order)")
         tokens = encode_images(eng, a.model_dir, paths)
     elif a.tokens:
-        with np.load(a.tokens, allow_pickle=False) as z:
-            tokens = torch.as_tensor(z["tokens"]).long()
+        tokens, _ = read_token_file(a.tokens, need_labels=False)
+        if tokens.is_floating_point():
+            raise VVSError("--tokens must hold integer ids")
+        tokens = tokens.long()
         if tokens.shape[0] != len(prompts):
             raise VVSError(f"--tokens has {tokens.shape[0]} rows but --prompts has {len(prompts)} prompts")
     else:
@@ -215,15 +250,8 @@ def family_training_data(eng, a):
 
 def c2i_training_data(eng, a):
     """Class-conditional tokens and labels: ``--tokens`` or encoded crops of the Zoo photos."""
-    import numpy as np
-
     if a.tokens:
-        if a.tokens.endswith(".npz"):
-            with np.load(a.tokens, allow_pickle=False) as z:
-                tokens, labels = torch.as_tensor(z["tokens"]), torch.as_tensor(z["labels"])
-        else:
-            d = torch.load(a.tokens, map_location="cpu", weights_only=True)
-            tokens, labels = d["tokens"], d["labels"]
+        tokens, labels = read_token_file(a.tokens, need_labels=True)
     else:
         if eng.vq is None:
             raise VVSError("no tokenizer loaded: pass --vq-ckpt or --tokens")
@@ -234,10 +262,49 @@ def c2i_training_data(eng, a):
         crops, labels = make_crops(a.per_class, seed=a.seed, split="train", sources=sources)
         tokens = encode_crops(eng.vq, crops)
         labels = torch.as_tensor(labels)
+    if tokens.is_floating_point() or labels.is_floating_point():
+        raise VVSError("tokens and labels must be integers")
     tokens, labels = tokens.long(), labels.long()
-    if tokens.dim() != 2 or tokens.shape[1] != eng.tokens_per_image or len(labels) != len(tokens):
-        raise VVSError(f"tokens must be [N, {eng.tokens_per_image}] with one label per row")
+    if tokens.dim() != 2 or tokens.shape[1] != eng.tokens_per_image or labels.dim() != 1 or len(labels) != len(tokens):
+        raise VVSError(f"tokens must be [N, {eng.tokens_per_image}] with one label per row, got tokens "
+                       f"{tuple(tokens.shape)} and labels {tuple(labels.shape)}")
+    if len(tokens) == 0:
+        raise VVSError("no token rows to train on")
+    check_ids(tokens, eng.config.vocab_size, "token ids")
+    check_ids(labels, eng.config.num_classes, "class labels")
     return tokens, labels
+
+
+def check_ids(x: torch.Tensor, limit: int, what: str) -> None:
+    lo, hi = int(x.min()), int(x.max())
+    if lo < 0 or hi >= limit:
+        raise VVSError(f"{what} must lie in [0, {limit}), got {lo if lo < 0 else hi}")
+
+
+def read_token_file(path: str, need_labels: bool):
+    """``--tokens``: an .npz, or a torch file read with ``weights_only=True``, holding ``tokens`` [N, T]
+    (and ``labels`` [N]) -> (tokens, labels or None); anything else is a one-line error."""
+    import pickle
+    import zipfile
+
+    import numpy as np
+
+    try:
+        if path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as z:
+                data = {k: torch.as_tensor(z[k]) for k in z.files if k in ("tokens", "labels")}
+        else:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        kind = "an .npz" if path.endswith(".npz") else "a weights-only torch file (tensors only)"
+        raise VVSError(f"--tokens {path} is not {kind} ({type(e).__name__}); save tokens [N, T] and labels [N] with "
+                       f"numpy.savez") from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), torch.Tensor)
+                                             for k in (("tokens", "labels") if need_labels else ("tokens",))):
+        want = "'tokens' [N, T] and 'labels' [N]" if need_labels else "'tokens' [N, T]"
+        have = ", ".join(sorted(map(str, data))) if isinstance(data, dict) else type(data).__name__
+        raise VVSError(f"--tokens {path} must hold {want} arrays; it holds {have or 'nothing'}")
+    return data["tokens"], data.get("labels")
 
 
 def read_prompt_file(path: str):

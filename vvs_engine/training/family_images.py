@@ -21,10 +21,12 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 def list_images(folder: str) -> List[str]:
-    """Image files of ``folder`` sorted by name (the order that pairs them with the prompts file)."""
+    """Image files of ``folder`` sorted by name (the order that pairs them with the prompts file); in a
+    ``vvs-engine generate`` output folder (it holds tokens.npz) its contact sheet grid.png is no image."""
     if not os.path.isdir(folder):
         raise VVSError(f"--images: not a folder: {folder}")
-    names = sorted(n for n in os.listdir(folder) if n.lower().endswith(IMAGE_SUFFIXES))
+    sheet = "grid.png" if os.path.exists(os.path.join(folder, "tokens.npz")) else None
+    names = sorted(n for n in os.listdir(folder) if n.lower().endswith(IMAGE_SUFFIXES) and n != sheet)
     if not names:
         raise VVSError(f"--images: no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
     return [os.path.join(folder, n) for n in names]
