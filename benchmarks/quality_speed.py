@@ -576,6 +576,13 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
     return rows, fastest, missing
 
 
+def engine_threads(engine_cls, threads: int) -> dict:
+    """``threads=`` for ``Engine.load`` where it takes one (it applies its own default otherwise)."""
+    import inspect
+
+    return {"threads": threads} if "threads" in inspect.signature(engine_cls.load).parameters else {}
+
+
 def zoo_context(ckpt_dir=None) -> tuple:
     """The Zoo checkpoints' paths, their digest and the sampling every setting uses."""
     from vvs_engine import zoo
@@ -654,7 +661,7 @@ def main(argv=None) -> int:
             raise VVSError(f"cannot write to {out_dir}")
         paths, ckpt, sampling = zoo_context(a.ckpt_dir)
         eng = Engine.load(gpt_ckpt=paths["zoo-gpt"], vq_ckpt=paths["zoo-vq"], drafter=paths["zoo-drafter"],
-                          device=a.device)
+                          device=a.device, **engine_threads(Engine, a.threads))
         ncls = eng.config.num_classes
         labels = [c for c in range(ncls) for _ in range(a.images_per_class)]
         cache_dir = a.out + "_tokens"

@@ -164,9 +164,9 @@ def test_committed_cache_is_what_generate_produces(name):
     gen = qs.load_cache(path, qs.digest_of(key))
     assert gen is not None, f"{path}: its digest does not match the current checkpoints/options (rerun the setting)"
     threads = torch.get_num_threads()
-    torch.set_num_threads(int(gen["threads"]))
     try:
-        n, differ = qs.verify_cache(Engine.load(), gen, name, method, opts, labels, 0, sampling, 16, n_batches=1)
+        eng = Engine.load(threads=int(gen["threads"]))  # the threads the cache was made with
+        n, differ = qs.verify_cache(eng, gen, name, method, opts, labels, 0, sampling, 16, n_batches=1)
     finally:
         torch.set_num_threads(threads)
     assert n == 16 and differ == 0
