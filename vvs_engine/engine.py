@@ -464,13 +464,14 @@ def peek_shape(gpt_ckpt: Optional[str] = None, vq_ckpt: Optional[str] = None) ->
 
 
 def check_method_fits(shape: ModelShape, opts) -> None:
-    """Method options bounded by the model and the image: a tree no deeper than the image, a top-k no
-    wider than the vocabulary, a node count the tree can hold, a Jacobi window inside the image,
-    LANTERN neighbours inside the codebook. Messages use the option names (the CLI maps them to flags)."""
+    """Method options bounded by the model and the image: a tree no deeper than the image, a dynamic tree's
+    top-k no wider than the vocabulary (static and chain trees draw only the ranks their layout names), a node
+    count the tree can hold, LANTERN neighbours inside the codebook. A Jacobi window longer than the image is
+    not an error: the positions past the last token are clamped. Messages use the option names (the CLI maps them to flags)."""
     T, V = shape.tokens_per_image, shape.vocab_size
     spec = opts.tree_spec() if hasattr(opts, "tree_spec") else None
     if spec is not None:
-        if spec.topk > V:
+        if spec.kind == "dynamic" and spec.topk > V:
             raise VVSError(f"tree-topk {spec.topk} exceeds the model's vocabulary of {V} tokens")
         if spec.kind in ("dynamic", "chain") and spec.depth >= T:
             raise VVSError(f"tree-depth {spec.depth} is too deep: a round commits at most depth + 1 tokens and an "
@@ -484,9 +485,6 @@ def check_method_fits(shape: ModelShape, opts) -> None:
     if k is not None and shape.codebook_size is not None and k >= shape.codebook_size:
         raise VVSError(f"lantern-k {k} must be smaller than the codebook ({shape.codebook_size} codes: a code has "
                        f"at most {shape.codebook_size - 1} neighbours)")
-    window = getattr(opts, "jacobi_window", None)
-    if window is not None and window > T:
-        raise VVSError(f"jacobi-window {window} is longer than an image ({T} tokens; use <= {T})")
 
 
 def decode_bytes(shape: ModelShape, opts, batch: int, use_cfg: bool, dtype) -> int:
