@@ -611,8 +611,7 @@ class _progress_bar:
         self.token_count, self.batch_tokens = 0, n_images * self.tokens_per_image
 
     def tokens(self, k: int) -> None:
-        # A method's count is read a round late and may run ahead at a retirement; the batch's total
-        # is the ceiling.
+        # The batch's total is the ceiling (a guard: the methods' own counts add up to it exactly).
         self.token_count = min(self.batch_tokens, self.token_count + int(k))
         self.bar.set_postfix(batch_tokens=f"{self.token_count}/{self.batch_tokens}", refresh=False)
 
