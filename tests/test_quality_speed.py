@@ -145,11 +145,15 @@ COMMITTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
                          "quality_speed_tokens")
 
 
-@pytest.mark.parametrize("name", ["AR", "SJD"])
+@pytest.mark.parametrize("name", ["AR", "SJD", "ZipAR s=4"])
 def test_committed_cache_is_what_generate_produces(name):
     """The committed evaluation tokens are exactly what ``Engine.generate`` gives for those labels,
-    seeds, options and batch shape: the first batch (16 images) is regenerated and compared. (AR and
-    SJD: the cheapest; ``quality_speed.py --verify N`` checks every setting outside CI.)"""
+    seeds, options and batch shape: the first batch (16 images) is regenerated and compared (the cheapest
+    settings; ``quality_speed.py --verify N`` checks every setting outside CI). Exactly on the kind of
+    machine that made the cache (recorded in it). On another CPU fp32 rounds differently (another BLAS
+    path, another vector unit) and flips a few sampled near-ties, after which that image diverges: seen
+    for one batch, AR 14 of 16 images identical, SJD 7 of 16 (its acceptance tests compare many
+    probabilities). There AR must still match 12 of 16 images; the other settings are skipped."""
     import torch
 
     from vvs_engine import Engine
@@ -169,7 +173,14 @@ def test_committed_cache_is_what_generate_produces(name):
         n, differ = qs.verify_cache(eng, gen, name, method, opts, labels, 0, sampling, 16, n_batches=1)
     finally:
         torch.set_num_threads(threads)
-    assert n == 16 and differ == 0
+    made_on = str(gen["machine"]) if "machine" in gen else None
+    if made_on == qs.machine_id("cpu"):
+        assert n == 16 and differ == 0
+    elif name == "AR":
+        assert n == 16 and differ <= 4, (made_on, qs.machine_id("cpu"), differ)
+    else:
+        pytest.skip(f"{name}'s cache was made on {made_on or 'an unrecorded machine'}, this is "
+                    f"{qs.machine_id('cpu')}: fp32 tokens are compared exactly only on the same machine")
 
 
 def test_fast_reference_metrics_equal_the_library_ones():
