@@ -476,8 +476,9 @@ def _store_rows(full: JacobiState, st: JacobiState, origin: torch.Tensor) -> Non
     """Copy the results of the current rows back to their batch rows (no-op before any retirement)."""
     if st is full:
         return
-    for name in ("tokens", "passes", "accepted_hist", "accepted_carried"):
-        getattr(full, name).index_copy_(0, origin, getattr(st, name))
+    for name in ("tokens", "passes", "accepted_hist", "accepted_carried", "accepted_alternatives"):
+        if hasattr(full, name):
+            getattr(full, name).index_copy_(0, origin, getattr(st, name))
 
 
 def summary(hist, carried: int, batch_iterations: int, window: int) -> dict:
