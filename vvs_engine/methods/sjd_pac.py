@@ -28,8 +28,7 @@ One iteration (exact variant), per image, with p[n] the target after node n:
 ``--pac-variant released`` reproduces the released sampler instead (``docs/jacobi.md``): every
 sibling tested on its own, the longest passing root-to-leaf path committed (ties to the first row), a
 stale tree column tests only the chosen path's candidate and replaces it from the all-siblings residual,
-the alternatives are drawn from that residual while declared as draws from P, and a fully accepted
-chain gets a uniform bonus token. It is biased (the exactness tests show it); it is there to compare
+and the alternatives are drawn from that residual while declared as draws from P. It is biased (the exactness tests show it); it is there to compare
 with the published numbers.
 
 KV: the L nodes' K/V go to scratch slots; the accepted path (root + A nodes) is then copied to the
@@ -59,8 +58,10 @@ PAC_GUMBEL_STREAM = 18  # Gumbel noise of the alternative candidates (step = ite
 
 @dataclass
 class SJDPACOptions(SJDOptions):
-    jacobi_init: str = option("random", "SJD/GSD: new window positions: copy-left, random, argmax-left or "
-                                        "copy-above")
+    # L counts every tree node (the forward's query rows, as released); 32 leaves the chain 22 of them at
+    # W = D = 3 (16 would leave 6: benchmarks/results/scd_pac_zoo.md). copy-left as SJD: on the Zoo it
+    # beats the released uniform init (random), which is kept as the option with distinct initial candidates.
+    jacobi_window: int = option(32, "SJD/GSD: Jacobi window L (last committed token + L - 1 drafts per forward)")
     pac_width: int = option(3, "SJD-PAC: candidates per tree depth W (proactive drafting)")
     pac_depth: int = option(3, "SJD-PAC: tree depth D counting the root (depths 1..D-1 get W candidates; "
                                "the jacobi-window L counts every tree node)")
@@ -330,7 +331,7 @@ class PACDecoder(JacobiDecoder):
             parent = tr.zero_path[last]  # [B, M]: the node whose output predicts depth j + 1
         else:
             path, A, root, parent, first_pass, res_all = self.verify_released(node_tokens, children, p, node_q,
-                                                                              u_node, u_next, u_fresh)
+                                                                              u_node, u_next)
 
         # --- commit the path and the new root; its K/V move to the row's slots ----------------------
         lanes = self.depth_lanes
@@ -408,7 +409,7 @@ class PACDecoder(JacobiDecoder):
         out = verify_tree(forest, p, self.rule, u_node, u_next, self.params.greedy)
         return out.path, out.n_accepted, out.last, out.next_token
 
-    def verify_released(self, node_tokens, children, p, node_q, u_node, u_next, u_fresh):
+    def verify_released(self, node_tokens, children, p, node_q, u_node, u_next):
         """The released sampler's verification: every sibling tested against the residual chain of its
         parent as if the earlier siblings had failed; the longest passing row wins (ties: the first).
         -> (path [B, M], A [B], root [B], column parents [B, M], pass [B, N], all-siblings residual
@@ -445,9 +446,10 @@ class PACDecoder(JacobiDecoder):
         path = torch.where(self.depth_lanes <= A[:, None], parent, -1)
         last = parent.gather(1, A[:, None])[:, 0]
         dist = r.gather(1, last[:, None, None].expand(B, 1, V))[:, 0]
+        # A fully accepted chain takes its bonus token from p (the release draws it uniformly, since its
+        # last output is never gathered: rare at M = 54, frequent on small images, and it can break a
+        # family's layout, so that part is not reproduced)
         root = self.sample(dist, u_next)
-        uniform_bonus = (u_fresh[:, 0] * V).ceil().long().clamp(1, V) - 1
-        root = torch.where(A == M - 1, uniform_bonus, root)  # its last output is never gathered
         return path, A, root, parent, passed, r
 
     def extra_stats(self, full: PACState, n: int) -> dict:
