@@ -180,3 +180,27 @@ def test_every_family_greedy_equals_ar_and_samples_within_layout(kind, tmp_path)
             assert (rows[:, :, -1] == c.n_codes).all() and (rows[:, :, :-1] < c.n_codes).all()
         one = eng.generate(**dict(kw, prompts=PROMPTS[1:], image_indices=[1], batch_size=1))
         assert torch.equal(one.tokens[0], s.tokens[1])
+
+
+# --- bench and generate-dataset ----------------------------------------------------------------------
+def test_generate_dataset_and_bench_run_both_methods(tmp_path):
+    """generate-dataset writes the same tokens as Engine.generate for SCD and SJD-PAC (its shards merge
+    the method's stats), and the bench measures both (tiny checkpoints / the quick random model)."""
+    import numpy as np
+
+    from dataset_utils import read_all, write_tiny_checkpoints
+    from vvs_engine import Engine, dataset
+    from vvs_engine.evaluation import bench
+
+    (tmp_path / "tiny").mkdir()
+    tiny = write_tiny_checkpoints(str(tmp_path / "tiny"))
+    for method, opts in (("scd", {"coupling": "gumbel"}), ("sjd-pac", {"jacobi_window": 16})):
+        out = tmp_path / method
+        stats = dataset.generate(str(out), class_labels=[3, 1, 4], method=method, seed=7, shard_size=2, batch_size=2,
+                                 model=tiny, threads=1, progress=False, decode_images=False, **opts)
+        assert stats["method"] == method and stats["tpf"] >= 1.0
+        want = Engine.load(**tiny).generate(class_labels=[3, 1, 4], method=method, seed=7, batch_size=2,
+                                            decode_images=False, **opts).tokens
+        assert np.array_equal(read_all(out)["tokens"], want.numpy())
+    assert bench.main(["--quick", "--repeats", "1", "--settings", "scd;sjd-pac:jacobi_window=16", "--out",
+                       str(tmp_path / "bench"), "--no-plot", "--threads", "1"]) == 0
