@@ -15,6 +15,11 @@ buffers. One iteration, per image:
     next window = [that token, samples y[k+1..L-1] ~ p[k+1..L-1] with q = p (the Jacobi update),
                    fresh drafts (random / copy-left / argmax-left / copy-above) with one-hot q]
 
+``coupling`` (SCD, ``methods/scd.py``; also an option of GSD) changes only how y is drawn: ``maximal``
+keeps a draft that passed its test and replaces one that failed by a residual sample, ``gumbel`` takes
+argmax(log p + G) with Gumbel noise keyed by the absolute token index (:meth:`JacobiDecoder.redraw`).
+SJD-PAC (``methods/sjd_pac.py``) runs a product tree on the same session, KV layout and loop.
+
 KV layout: the window's K/V are written to L scratch slots shared by all rows (the model writes one
 slot list for the whole batch), then copied to each row's own slots ``[P_b, P_b + L)``. The accepted
 prefix is then already in place and the next window starts after it; slots past it are hidden by the
