@@ -74,8 +74,9 @@ class SJDOptions:
     # "random" (uniform, its Lumina-mGPT/Emu3 setting), "argmax-left" (top-1 of the left neighbour's
     # distribution, sample_horizon), "copy-above" (the token one image row up; the paper's vertical
     # variant, which its Fig. 9 found fastest).
-    jacobi_window: int = option(16, "SJD/GSD: Jacobi window L (last committed token + L - 1 drafts per forward)")
-    jacobi_init: str = option("copy-left", "SJD/GSD: new window positions: copy-left, random, argmax-left or "
+    jacobi_window: int = option(16, "Jacobi methods: window L = query rows per forward (the last committed token + "
+                                            "L - 1 drafts; sjd-pac: every tree node)")
+    jacobi_init: str = option("copy-left", "Jacobi methods: new window positions: copy-left, random, argmax-left or "
                                            "copy-above")
 
     def validate(self):

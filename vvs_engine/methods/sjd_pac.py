@@ -61,7 +61,8 @@ class SJDPACOptions(SJDOptions):
     # L counts every tree node (the forward's query rows, as released); 32 leaves the chain 22 of them at
     # W = D = 3 (16 would leave 6: benchmarks/results/scd_pac_zoo.md). copy-left as SJD: on the Zoo it
     # beats the released uniform init (random), which is kept as the option with distinct initial candidates.
-    jacobi_window: int = option(32, "SJD/GSD: Jacobi window L (last committed token + L - 1 drafts per forward)")
+    jacobi_window: int = option(32, "Jacobi methods: window L = query rows per forward (the last committed token + "
+                                            "L - 1 drafts; sjd-pac: every tree node)")
     pac_width: int = option(3, "SJD-PAC: candidates per tree depth W (proactive drafting)")
     pac_depth: int = option(3, "SJD-PAC: tree depth D counting the root (depths 1..D-1 get W candidates; "
                                "the jacobi-window L counts every tree node)")
