@@ -459,9 +459,10 @@ def to_markdown(meta: dict, rows: list, fastest, missing=()) -> str:
              f"Inception metrics); Δ = setting − AR on the same draws. Parity: no Δ interval (class accuracy, "
              f"classifier FD, FID) lies wholly on the worse side. FD intervals come from resamples that "
              f"repeat images and sit above the full-set value; the shift largely cancels in Δ. "
-             f"Ops/token: aten compute ops of one image (views excluded) per token. Images/s: this machine, "
-             f"the batch size and threads of the run that generated the setting (CPU wall clock; compare "
-             f"settings only as ratios).", "",
+             f"Ops/token: aten compute ops of one image (views excluded) per token. Images/s: CPU wall clock of "
+             f"the run that generated the setting, at its batch size and threads, under whatever else the "
+             f"machine was running then (settings are generated in different runs, so these are not "
+             f"comparable between settings: TPF and ops/token are the speed measures here).", "",
              f"**Fastest setting at parity: {fastest or 'none'}**", ""]
     if missing:
         lines += [f"Not yet in the table ({len(missing)}): {', '.join(missing)}.", ""]

@@ -177,6 +177,33 @@ def test_retiring_finished_sequences_changes_no_token(eng, monkeypatch, method, 
         assert retired.stats.get(key) == kept.stats.get(key), key
 
 
+@pytest.mark.parametrize("method,opts", [("eagle", {}), ("vvs", {"skip_interval": 2})], ids=str)
+def test_progress_counts_each_token_once_across_retirements(eng, monkeypatch, method, opts):
+    """The tokens a decode reports to the progress bar add up to exactly the batch's tokens, with rows
+    retired mid-batch (the one-round-late flags still count a retirement's rows, which were counted twice)."""
+    import vvs_engine.engine as engine_mod
+
+    reports, retirements = [], []
+    original_tokens, original_retire = engine_mod._progress_bar.tokens, speculative.SpeculativeRounds.retire
+
+    def record(self, k):
+        reports.append(int(k))
+        return original_tokens(self, k)
+
+    def logged(self, keep, n_real):
+        retirements.append(n_real)
+        return original_retire(self, keep, n_real)
+
+    monkeypatch.setattr(engine_mod._progress_bar, "tokens", record)
+    monkeypatch.setattr(speculative.SpeculativeRounds, "retire", logged)
+    monkeypatch.setenv("VVS_RETIRE_FINISHED", "1")
+    eng.generate(class_labels=[i % 5 for i in range(7)], temperature=1.0, top_k=20, cfg_scale=3.0, method=method,
+                 seed=4, batch_size=8, decode_images=False, progress=True, **opts)
+    assert retirements, "the batch never retired rows: the test would not exercise the late flags"
+    assert all(k >= 0 for k in reports)
+    assert sum(reports) == 7 * eng.tokens_per_image, (sum(reports), reports)
+
+
 # Ops that read device memory on the host, or copy host data to the device: either one breaks CUDA-graph
 # capture of a round (and a value baked in at capture would never change between replays). A lifted
 # tensor of one element or more (torch.tensor([...]) inside a round) is a host-to-device copy on CUDA;

@@ -341,6 +341,7 @@ ZOO_LABELS_100K = ",".join(["0"] * 100000)
     (["--method", "eagle", "--tree-topk", "2000"], "--tree-topk 2000 exceeds the model's vocabulary of 1024"),
     (["--method", "eagle", "--tree-depth", "300"], "--tree-depth 300 is too deep.*use <= 255"),
     (["--method", "lantern", "--lantern-k", "100000"], "--lantern-k 100000 must be smaller than the codebook"),
+    (["--method", "sjd", "--jacobi-window", "1024"], "--jacobi-window 1024 is longer than an image \\(256"),
     (["--method", "eagle", "--tree", "bushy"], "^error: --tree must be dynamic"),
     (["--batch-size", "100000", "--class-labels", ZOO_LABELS_100K], "a batch of 100000 images needs about .* GiB"),
     (["--max-prompt-tokens", "0"], "--max-prompt-tokens pads the prompts of a --model-dir"),

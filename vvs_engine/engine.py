@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -466,8 +467,9 @@ def peek_shape(gpt_ckpt: Optional[str] = None, vq_ckpt: Optional[str] = None) ->
 def check_method_fits(shape: ModelShape, opts) -> None:
     """Method options bounded by the model and the image: a tree no deeper than the image, a dynamic tree's
     top-k no wider than the vocabulary (static and chain trees draw only the ranks their layout names), a node
-    count the tree can hold, LANTERN neighbours inside the codebook. A Jacobi window longer than the image is
-    not an error: the positions past the last token are clamped. Messages use the option names (the CLI maps them to flags)."""
+    count the tree can hold, LANTERN neighbours inside the codebook, a Jacobi window no longer than the image
+    (the default window is exempt: on a tiny test model it may be longer, and the positions past the last
+    token are clamped). Messages use the option names (the CLI maps them to flags)."""
     T, V = shape.tokens_per_image, shape.vocab_size
     spec = opts.tree_spec() if hasattr(opts, "tree_spec") else None
     if spec is not None:
@@ -485,6 +487,11 @@ def check_method_fits(shape: ModelShape, opts) -> None:
     if k is not None and shape.codebook_size is not None and k >= shape.codebook_size:
         raise VVSError(f"lantern-k {k} must be smaller than the codebook ({shape.codebook_size} codes: a code has "
                        f"at most {shape.codebook_size - 1} neighbours)")
+    window = getattr(opts, "jacobi_window", None)
+    default_window = {f.name: f.default for f in dataclasses.fields(opts)}.get("jacobi_window") \
+        if dataclasses.is_dataclass(opts) else None
+    if window is not None and window > T and window != default_window:
+        raise VVSError(f"jacobi-window {window} is longer than an image ({T} tokens; use <= {T})")
 
 
 def decode_bytes(shape: ModelShape, opts, batch: int, use_cfg: bool, dtype) -> int:
@@ -611,8 +618,7 @@ class _progress_bar:
         self.token_count, self.batch_tokens = 0, n_images * self.tokens_per_image
 
     def tokens(self, k: int) -> None:
-        # A method's count is read a round late and may run ahead at a retirement; the batch's total
-        # is the ceiling.
+        # The batch's total is the ceiling (a guard: the methods' own counts add up to it exactly).
         self.token_count = min(self.batch_tokens, self.token_count + int(k))
         self.bar.set_postfix(batch_tokens=f"{self.token_count}/{self.batch_tokens}", refresh=False)
 

@@ -537,11 +537,16 @@ class LateRead:
             self.events[i].record()
         self.pushes += 1
 
+    @property
+    def read_index(self) -> int:
+        """The number (from 0) of the push whose flags :meth:`read` returns."""
+        return self.pushes - 2
+
     def read(self) -> Optional[list]:
         """The flags of the push before the latest one, or None while there is none."""
         if self.pushes < 2:
             return None
-        i = self.pushes % 2  # the older of the two slots
+        i = self.pushes % 2  # the older of the two slots: push number self.pushes - 2 (see read_index)
         if self.events[i] is not None:
             self.events[i].synchronize()
         return self.slots[i].tolist()
@@ -558,20 +563,28 @@ def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: 
     run_round = round_graphs()
     counters = LateRead(rounds.state.flags)
     counters.push()
-    last_kind, reported, retired_tokens, retire = None, 0, 0, retire_finished()
+    last_kind, reported, retire = None, 0, retire_finished()
+    # Retired rows leave the state, and with them their committed tokens from the flags' count. Flags
+    # are one round late: flags pushed before a retirement still count its rows, so they get the tokens
+    # retired before it, and only flags pushed after it get its own (adding them to both counted twice).
+    retired_tokens, retired_before, retired_from_push = 0, 0, 0
     for round_index in itertools.count():
         flags = counters.read()  # [all finished, wants to skip, tokens committed, unfinished], one round late
         if flags is not None and flags[0]:
             break
-        if flags is not None and retire and 0 < flags[3] <= rounds.batch // 2:
+        current = flags is not None and counters.read_index >= retired_from_push
+        if current and retire and 0 < flags[3] <= rounds.batch // 2:
             # at most log2(B) times per batch: one host read of which sequences are still decoding
             keep, n_real = rows_to_keep(rounds.unfinished(), rounds.n_real)
             if n_real:  # none left: the batch is about to stop anyway
+                retired_before = retired_tokens
                 retired_tokens += (rounds.n_real - n_real) * rounds.T
+                retired_from_push = counters.pushes  # the next push follows a round on the retired state
                 rounds.retire(keep, n_real)
                 run_round = round_graphs()
+                current = False
         if flags is not None:
-            flags[2] = max(flags[2] + retired_tokens, reported)
+            flags[2] = max(flags[2] + (retired_tokens if current else retired_before), reported)
         if round_index > 2 * rounds.T + 4:  # every round of an unfinished sequence commits >= 1 token
             raise VVSError("speculative decoding made no progress (internal error)")
         if schedule.skip(round_index, last_kind == "skip", flags is not None and bool(flags[1])):
