@@ -84,6 +84,10 @@ class SJDPACOptions(SJDOptions):
                            f"jacobi-window must be at least that (got {self.jacobi_window})")
         return self
 
+    def jacobi_positions(self) -> int:
+        """Image positions one forward covers: the main chain M (the side nodes repeat depths 1..D-1)."""
+        return self.jacobi_window - (tree_size(self.pac_width, self.pac_depth) - self.pac_depth)
+
     def check_engine(self, engine):
         super().check_engine(engine)
         if self.pac_width > engine.config.vocab_size:
