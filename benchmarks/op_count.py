@@ -41,6 +41,8 @@ ROWS = [
     ("CASCADE", "cascade", {}),
     ("SJD", "sjd", {}),
     ("GSD", "gsd", {}),
+    ("SCD", "scd", {}),
+    ("SJD-PAC", "sjd-pac", {}),
 ]
 QUICK_ROWS = [ROWS[0], ROWS[2]]
 COMMAND = "python benchmarks/op_count.py"

@@ -69,6 +69,8 @@ SETTINGS = [
     ("GSD G=3", "gsd", {"gsd_group": 3}),
     ("GSD G=8", "gsd", {"gsd_group": 8}),
     ("GSD G=14", "gsd", {"gsd_group": 14}),
+    ("SCD", "scd", {}),  # maximal coupling (lossless)
+    ("SJD-PAC", "sjd-pac", {}),  # the exact variant, W = 3, D = 3 (lossless)
     ("CASCADE", "cascade", {}),  # the engine preset (target-hidden breadth source)
     ("CASCADE drafter", "cascade", {"cascade_source": "drafter"}),
     ("CASCADE llamagen", "cascade", {"cascade_variant": "llamagen"}),

@@ -490,8 +490,11 @@ def check_method_fits(shape: ModelShape, opts) -> None:
     window = getattr(opts, "jacobi_window", None)
     default_window = {f.name: f.default for f in dataclasses.fields(opts)}.get("jacobi_window") \
         if dataclasses.is_dataclass(opts) else None
-    if window is not None and window > T and window != default_window:
-        raise VVSError(f"jacobi-window {window} is longer than an image ({T} tokens; use <= {T})")
+    # SJD-PAC's window counts tree nodes: what must fit the image is its main chain (positions per forward)
+    span = opts.jacobi_positions() if hasattr(opts, "jacobi_positions") else window
+    if window is not None and span > T and window != default_window:
+        longest = window + T - span
+        raise VVSError(f"jacobi-window {window} is longer than an image ({T} tokens; use <= {longest})")
 
 
 def decode_bytes(shape: ModelShape, opts, batch: int, use_cfg: bool, dtype) -> int:

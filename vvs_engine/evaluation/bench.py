@@ -159,10 +159,17 @@ def condition(engine, i: int) -> dict:
     return {"class_labels": [i]}
 
 
+def _takes_lantern_k(method: str) -> bool:
+    """Methods with a lantern_k option (the drafter-tree ones; not ar or the Jacobi methods)."""
+    from ..methods import resolve_options
+
+    return "lantern_k" in resolve_options(method, {})
+
+
 def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> dict:
     """Warm-up once, then ``args.repeats`` timed single-image generations -> medians and stats."""
     opts = dict(setting.opts)
-    if setting.method != "ar" and "lantern_k" not in opts and engine.vq is None:
+    if _takes_lantern_k(setting.method) and "lantern_k" not in opts and engine.vq is None:
         opts["lantern_k"] = lantern_k(engine)
     opts.update(extra_opts or {})
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale,
@@ -203,7 +210,7 @@ def throughput_setting(engine, setting: Setting, batch_size: int, n_images: int,
     from ..runtime.opcount import OpCounter
 
     opts = dict(setting.opts)
-    if setting.method != "ar" and "lantern_k" not in opts and engine.vq is None:
+    if _takes_lantern_k(setting.method) and "lantern_k" not in opts and engine.vq is None:
         opts["lantern_k"] = lantern_k(engine)
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale, decode_images=False,
               batch_size=batch_size, cuda_graphs=args.graphs, **opts)

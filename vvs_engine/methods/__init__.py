@@ -28,7 +28,7 @@ def method_names():
 
 def _load_all():
     """Import the method modules for their registrations."""
-    from . import ar_method, cascade, eagle, jacobi, vvs, zipar  # noqa: F401
+    from . import ar_method, cascade, eagle, jacobi, scd, sjd_pac, vvs, zipar  # noqa: F401
 
 
 def parse_options(options_cls, opts: dict, method: str):

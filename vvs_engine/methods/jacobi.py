@@ -15,6 +15,11 @@ buffers. One iteration, per image:
     next window = [that token, samples y[k+1..L-1] ~ p[k+1..L-1] with q = p (the Jacobi update),
                    fresh drafts (random / copy-left / argmax-left / copy-above) with one-hot q]
 
+``coupling`` (SCD, ``methods/scd.py``; also an option of GSD) changes only how y is drawn: ``maximal``
+keeps a draft that passed its test and replaces one that failed by a residual sample, ``gumbel`` takes
+argmax(log p + G) with Gumbel noise keyed by the absolute token index (:meth:`JacobiDecoder.redraw`).
+SJD-PAC (``methods/sjd_pac.py``) runs a product tree on the same session, KV layout and loop.
+
 KV layout: the window's K/V are written to L scratch slots shared by all rows (the model writes one
 slot list for the whole batch), then copied to each row's own slots ``[P_b, P_b + L)``. The accepted
 prefix is then already in place and the next window starts after it; slots past it are hidden by the
@@ -51,7 +56,16 @@ from .common import DecodeBatch, LateCounter, MethodResult, retire_finished, row
 from .options import option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
+COUPLINGS = ("none", "maximal", "gumbel")
 MAX_WINDOW = 1024
+# Counter-RNG streams of the coupled re-drafting (distinct from rng.Streams): Gumbel noise is keyed by
+# the absolute token index instead of the iteration, so a position keeps its noise until committed.
+GUMBEL_STREAM = 16
+
+
+def check_coupling(value) -> None:
+    if value not in COUPLINGS:
+        raise VVSError(f"coupling must be one of {', '.join(COUPLINGS)}, got {value!r}")
 
 
 @dataclass
@@ -60,8 +74,9 @@ class SJDOptions:
     # "random" (uniform, its Lumina-mGPT/Emu3 setting), "argmax-left" (top-1 of the left neighbour's
     # distribution, sample_horizon), "copy-above" (the token one image row up; the paper's vertical
     # variant, which its Fig. 9 found fastest).
-    jacobi_window: int = option(16, "SJD/GSD: Jacobi window L (last committed token + L - 1 drafts per forward)")
-    jacobi_init: str = option("copy-left", "SJD/GSD: new window positions: copy-left, random, argmax-left or "
+    jacobi_window: int = option(16, "Jacobi methods: window L = query rows per forward (the last committed token + "
+                                            "L - 1 drafts; sjd-pac: every tree node)")
+    jacobi_init: str = option("copy-left", "Jacobi methods: new window positions: copy-left, random, argmax-left or "
                                            "copy-above")
 
     def validate(self):
@@ -87,11 +102,18 @@ class GSDOptions(SJDOptions):
     gsd_static_clusters: bool = False  # the paper's ablation: x's nearest codes instead of its p-rank window
     gsd_window_edge: str = option("shorten", "GSD: shorten, or sjd (the released code's plain SJD ratio when "
                                              "the window falls off the lowest ranks)")
+    coupling: str = option("none", "SCD/GSD: how unverified drafts are re-drawn: none (SJD's independent "
+                                   "samples), maximal (keep-or-replace by rejection sampling) or gumbel "
+                                   "(Gumbel-max with noise fixed per absolute position)")
+    # The Lumina-mGPT/Janus-Pro SCD code's bug, kept as a negative control for the exactness tests only:
+    # a kept stale draft declares the distribution it was drawn from, not the target it was tested against.
+    coupling_declares_old_q: bool = False
 
     def validate(self):
         super().validate()
         check_gsd_values(self.gsd_group, self.gsd_prob_threshold, self.gsd_dist_threshold, self.gsd_static_clusters)
         check_window_edge(self.gsd_window_edge)
+        check_coupling(self.coupling)
         return self
 
     def check_engine(self, engine):
@@ -114,6 +136,24 @@ def _grid_width(T: int) -> int:
 @register("sjd", SJDOptions)
 def run_sjd(engine, batch: DecodeBatch, params, opts: SJDOptions) -> MethodResult:
     return decode(engine, batch, params, opts, ExactRule(), _graphs_for(engine, batch))
+
+
+@dataclass
+class SCDOptions(SJDOptions):
+    """SCD (So et al., ICML 2026, arXiv 2510.24211): SJD whose unverified drafts are re-drawn with a
+    coupling (``methods/scd.py`` registers it)."""
+
+    coupling: str = option("maximal", "SCD/GSD: how unverified drafts are re-drawn: none (SJD's independent "
+                                      "samples), maximal (keep-or-replace by rejection sampling) or gumbel "
+                                      "(Gumbel-max with noise fixed per absolute position)")
+    coupling_declares_old_q: bool = False  # negative control only (see GSDOptions)
+
+    def validate(self):
+        super().validate()
+        check_coupling(self.coupling)
+        if not isinstance(self.coupling_declares_old_q, bool):
+            raise VVSError("coupling_declares_old_q must be true or false")
+        return self
 
 
 @register("gsd", GSDOptions)
@@ -160,6 +200,8 @@ class JacobiDecoder:
     def __init__(self, engine, batch: DecodeBatch, params, opts: SJDOptions, rule):
         self.engine, self.params, self.rule, self.rng = engine, params, rule, batch.rng
         self.policy = opts.jacobi_init
+        self.coupling = getattr(opts, "coupling", "none")
+        self.declare_old_q = bool(getattr(opts, "coupling_declares_old_q", False))
         self.B, self.n_real = batch.size, batch.n_real
         self.L = L = opts.jacobi_window
         # slots [0, c + T + 2L): prefix and overshoot of every row; then the window's scratch slots
@@ -177,12 +219,16 @@ class JacobiDecoder:
         self.window_block = (rel >= 0) & (rel <= self.lanes[:, None])  # [L, S]
         self.n_uniforms = 3 * L if self.policy == "random" else 2 * L
         self.update_stream = self.rng.stream_offsets([Streams.JACOBI_UPDATE])
+        self.gumbel_stream = self.rng.stream_offsets([GUMBEL_STREAM])
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, x]) if self.params.use_cfg else x
 
     def processed(self, h: torch.Tensor) -> torch.Tensor:
         return process_logits(guided_logits(self.session.logits(h), self.params), self.params)
+
+    def batch_rows(self) -> torch.Tensor:
+        return torch.arange(self.B, device=self.device)
 
     # --- prefill (eager) ----------------------------------------------------------------------------
     def prefill(self) -> JacobiState:
@@ -195,19 +241,24 @@ class JacobiDecoder:
                          n_committed=torch.ones(B, dtype=torch.long, device=dev), iteration=torch.ones_like(first),
                          passes=zeros(B), accepted_hist=zeros(B, L), accepted_carried=zeros(B),
                          progress=torch.tensor([1, self.n_real], dtype=torch.long, device=dev))
-        st.tokens[:, 0] = first
+        st.tokens.index_put_((self.batch_rows(), torch.zeros_like(first)), first)
         window = torch.where(self.lanes == 0, first[:, None], 0)
         u_init = self.rng.uniform(0, Streams.JACOBI_INIT, L) if self.policy == "random" else None
         window, fresh = self.fill_fresh(window, torch.ones_like(first), p0, st.tokens, st.n_committed, u_init)
         st.window.copy_(window)
         st.fresh.copy_(fresh)
-        st.draft_q[:, : L - 1].scatter_(2, window[:, 1:, None], 1.0)  # fresh drafts: one-hot q
+        st.draft_q.copy_(self.draft_rows(one_hot(window[:, 1:], V)))  # fresh drafts: one-hot q
         return st
+
+    def draft_rows(self, q_drafts: torch.Tensor) -> torch.Tensor:
+        """[B, L - 1, V] distributions of drafts 1..L-1 -> the [B, L, V] ``draft_q`` layout (row L-1 zero)."""
+        return torch.cat([q_drafts, q_drafts.new_zeros(q_drafts.shape[0], 1, q_drafts.shape[2])], 1)
 
     # --- one Jacobi iteration: static shapes, no host read ------------------------------------------
     def jacobi_iteration(self, st: JacobiState) -> None:
         B, L, V, T = self.B, self.L, self.V, self.T
         s, lanes, params = self.session, self.lanes, self.params
+        rows_b = self.batch_rows()
         active = st.n_committed < T  # [B] finished images keep running but commit nothing
         prefix = self.rows(self.c + st.n_committed - 1)  # [rows] the window starts at the last committed token
         positions = (prefix[:, None] + lanes).clamp(max=self.last_position)  # [rows, L]
@@ -221,14 +272,15 @@ class JacobiDecoder:
         p = self.processed(h)  # [B, L, V]
         self.keep_window_kv(prefix[:, None] + lanes)
 
-        # One counter-RNG draw per iteration, split by lane: L - 1 acceptance tests, L Jacobi samples,
-        # the residual sample, and L fresh random drafts (random init only).
+        # One counter-RNG draw per iteration, split by lane: L - 1 acceptance tests, L Jacobi samples
+        # (with maximal coupling: the L - 1 replacement samples and the last one), the residual sample,
+        # and L fresh random drafts (random init only).
         u = kernels.counter_uniform(self.rng.key, st.iteration, self.update_stream, self.n_uniforms)[:, 0]
 
         # --- accept the longest passing prefix of drafts --------------------------------------------
+        drafts = st.window[:, 1:]  # [B, L-1]
+        q = st.draft_q[:, :-1]
         if L > 1:
-            drafts = st.window[:, 1:]  # [B, L-1]
-            q = st.draft_q[:, :-1]
             qx = q.gather(2, drafts[..., None])[..., 0]
             if params.greedy:  # greedy: exactly the argmax, whatever the rule
                 ok = p[:, :-1].argmax(-1) == drafts
@@ -238,9 +290,10 @@ class JacobiDecoder:
                 ok = ok.view(B, L - 1)
             k = ok.long().cumprod(1).sum(1)  # [B] accepted drafts, 0..L-1
         else:
+            ok = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
             k = torch.zeros(B, dtype=torch.long, device=self.device)
-        # Fresh samples at every position: the Jacobi update (next iteration's carried drafts).
-        y = sample_inverse_cdf(p, u[:, L - 1 : 2 * L - 1])  # [B, L]
+        # The next iteration's carried drafts, one per prediction p[j] (j = 0..L-1).
+        y = self.redraw(p, drafts, q, ok, u[:, L - 1: 2 * L - 1], st.n_committed)
         # The token after the accepted prefix: residual at the first rejection, p itself after the
         # last draft (q = 0 there). moved = None: GSD's reference resamples SJD's residual too.
         at_k = k[:, None, None].expand(B, 1, V)
@@ -251,9 +304,9 @@ class JacobiDecoder:
 
         # --- commit (drafts past k are overwritten later; finished images write past T) -------------
         values = torch.where(lanes == k[:, None], nxt[:, None], st.window.roll(-1, 1))
-        st.tokens.scatter_(1, st.n_committed[:, None] + lanes, values)
+        st.tokens.index_put_((rows_b[:, None], st.n_committed[:, None] + lanes), values)
         carried = ((~st.fresh[:, 1:]) & (lanes[1:] <= k[:, None])).sum(1)
-        st.accepted_hist.scatter_add_(1, k[:, None], active.long()[:, None])
+        st.accepted_hist.index_put_((rows_b, k), active.long(), accumulate=True)
         st.accepted_carried.add_(carried * active)
         st.passes.add_(active.long())
         n_new = st.n_committed + torch.where(active, k + 1, 0)
@@ -261,18 +314,46 @@ class JacobiDecoder:
         # --- next window: [nxt, y[k+1..L-1] (q = p), fresh drafts] ------------------------------------
         src = (k[:, None] + lanes).clamp(max=L - 1)  # new position i came from old prediction k + i
         window = torch.where(lanes == 0, nxt[:, None], y.gather(1, src))
-        window, fresh = self.fill_fresh(window, L - k, p[:, L - 1], st.tokens, n_new, u[:, 2 * L :])
+        window, fresh = self.fill_fresh(window, L - k, p[:, L - 1], st.tokens, n_new, u[:, 2 * L:])
         if L > 1:
-            carried_q = p.gather(1, src[:, 1:, None].expand(B, L - 1, V))
-            one_hot = torch.zeros_like(carried_q).scatter_(2, window[:, 1:, None], 1.0)
-            st.draft_q[:, :-1].copy_(torch.where(fresh[:, 1:, None], one_hot, carried_q))
+            src_q = src[:, 1:, None].expand(B, L - 1, V)
+            carried_q = p.gather(1, src_q)
+            if self.declare_old_q and self.coupling == "maximal":
+                # negative control: a kept draft (its test passed) declares the q it was drawn from
+                kept = torch.cat([ok, torch.zeros_like(ok[:, :1])], 1).gather(1, src[:, 1:])  # [B, L-1]
+                carried_q = torch.where(kept[..., None], st.draft_q.gather(1, src_q), carried_q)
+            st.draft_q.copy_(self.draft_rows(torch.where(fresh[:, 1:, None], one_hot(window[:, 1:], V), carried_q)))
         st.window.copy_(window)
         st.fresh.copy_(fresh)
         st.n_committed.copy_(n_new)
         st.iteration.add_(1)
         st.progress.copy_(torch.stack([n_new.min(), (n_new < T)[: self.n_real].sum()]))
 
-    def retire(self, st: JacobiState, keep: torch.Tensor, n_real: int) -> JacobiState:
+    def redraw(self, p, drafts, q, ok, u_y, n_committed):
+        """The carried drafts of the next iteration, y [B, L] with y[j] ~ p[j] (its declared q):
+        ``none``: independent samples (SJD); ``maximal``: draft j + 1 itself where its test passed, else
+        a sample of the residual norm(max(0, p[j] - q[j])) (the speculative-sampling lemma: a sample of
+        p[j], equal to the old draft with probability 1 - TV); the last prediction has no draft and is
+        sampled. ``gumbel``: argmax(log p[j] + G[t]) with G keyed by the absolute token index t."""
+        B, L, V = p.shape
+        y = sample_inverse_cdf(p, u_y)  # [B, L]
+        if self.coupling == "maximal" and L > 1:
+            res = self.rule.residual(p[:, :-1].reshape(-1, V), q.reshape(-1, V), drafts.reshape(-1), None)
+            replaced = sample_inverse_cdf(res.view(B, L - 1, V), u_y[:, : L - 1])
+            y = torch.cat([torch.where(ok, drafts, replaced), y[:, L - 1:]], 1)
+        elif self.coupling == "gumbel":
+            y = (p.clamp(min=0).log() + self.gumbel_noise(n_committed[:, None] + self.lanes, V)).argmax(-1)
+        return y
+
+    def gumbel_noise(self, token_index: torch.Tensor, V: int) -> torch.Tensor:
+        """Gumbel noise [B, n, V] for tokens ``token_index`` [B, n] of each image: a pure function of
+        (seed, image, token index), the same in every iteration until that token is committed."""
+        B, n = token_index.shape
+        key = self.rng.key[:, None].expand(B, n).reshape(-1)
+        u = kernels.counter_uniform(key, token_index.reshape(-1), self.gumbel_stream, V)[:, 0].view(B, n, V)
+        return gumbel(u)
+
+    def retire(self, st, keep: torch.Tensor, n_real: int):
         """Go on with rows ``keep`` [B'] only (their first ``n_real`` are real images): the per-row
         buffers, both CFG halves of the KV cache and the RNG keys are gathered. Every row decodes on
         its own, so the kept rows' tokens do not change; the rest stop costing compute."""
@@ -283,23 +364,21 @@ class JacobiDecoder:
         self.rng = self.rng.rows(keep)
         self.B, self.n_real = keep.numel(), n_real
         per_row = {f.name: getattr(st, f.name).index_select(0, keep) for f in fields(st) if f.name != "progress"}
-        new = JacobiState(**per_row, progress=st.progress.clone())
+        new = type(st)(**per_row, progress=st.progress.clone())
         new.progress[0] = new.n_committed.min()
         return new
 
     def keep_window_kv(self, dst: torch.Tensor) -> None:
         """Copy the window's K/V from the scratch slots to slots ``dst`` [rows, L] of each row."""
         kv = self.session.kv
-        for buf in (kv.k, kv.v):
-            n_layer, rows, heads, _, head_dim = buf.shape
-            index = dst[None, :, None, :, None].expand(n_layer, rows, heads, self.L, head_dim)
-            buf.scatter_(3, index, buf.narrow(3, self.scratch, self.L))
+        kernels.kv_compact(kv.k, kv.v, self.scratch_slots.expand(dst.shape[0], self.L), dst)
 
     def fill_fresh(self, window, n_kept, left_dist, tokens, n_committed, u_init):
         """Fill window positions ``i >= n_kept[b]`` with fresh drafts. ``left_dist`` [B, V] is the
-        distribution the last kept token was drawn from; ``u_init`` [B, L] uniforms for random drafts.
-        Returns (window [B, L], fresh [B, L] bool)."""
-        lanes, L, V = self.lanes, self.L, self.V
+        distribution the last kept token was drawn from; ``u_init`` [B, n] uniforms for random drafts.
+        Works on any window length n (SJD-PAC passes its main chain). Returns (window [B, n], fresh [B, n] bool)."""
+        V, n = self.V, window.shape[1]
+        lanes = torch.arange(n, device=window.device)
         fresh = lanes >= n_kept[:, None]
         if self.policy == "random":
             guess = (u_init * V).ceil().long().clamp(1, V) - 1  # (0, 1] -> 0..V-1
@@ -319,10 +398,21 @@ class JacobiDecoder:
             in_window = above >= n_committed[:, None] - 1
             from_tokens = tokens.gather(1, above.clamp(0, tokens.shape[1] - 1))  # used only below n
             left_in_window = (lanes - grid_w).clamp(min=0).expand_as(window)
-            for _ in range((L - 1) // max(grid_w, 1) + 1):
+            for _ in range((n - 1) // max(grid_w, 1) + 1):
                 from_window = window.gather(1, left_in_window)
                 window = torch.where(has_above, torch.where(in_window, from_window, from_tokens), window)
         return window, fresh
+
+
+def one_hot(tokens: torch.Tensor, V: int) -> torch.Tensor:
+    """float32 one-hot [..., V] by comparison (no scatter into a persistent buffer)."""
+    return (tokens[..., None] == torch.arange(V, device=tokens.device)).float()
+
+
+def gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise from uniforms in (0, 1]: -log(-log u). u = 1 (probability 2^-24) would give
+    +inf and beat even zero-probability tokens; -log u is floored at 2^-30 instead."""
+    return -torch.log((-torch.log(u)).clamp(min=2.0 ** -30))
 
 
 def capture(fn, state: JacobiState):
@@ -349,10 +439,13 @@ def capture(fn, state: JacobiState):
     return graph.replay
 
 
-def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graphs: bool) -> MethodResult:
+def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graphs: bool,
+           decoder_cls=None) -> MethodResult:
     """Decode the batch: eager prefill, then one :meth:`JacobiDecoder.jacobi_iteration` (or its graph
-    replay) per iteration until every image has its tokens."""
-    dec = JacobiDecoder(engine, batch, params, opts, rule)
+    replay) per iteration until every image has its tokens. ``decoder_cls`` (default
+    :class:`JacobiDecoder`) may be any decoder with the same prefill / jacobi_iteration / retire
+    interface (SJD-PAC's product-tree decoder)."""
+    dec = (decoder_cls or JacobiDecoder)(engine, batch, params, opts, rule)
     st = full = dec.prefill()
     origin = torch.arange(dec.B, device=dec.device)  # the batch row each current row decodes
 
@@ -381,6 +474,7 @@ def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graph
     n = batch.n_real
     stats = summary(full.accepted_hist[:n].sum(0).tolist(), int(full.accepted_carried[:n].sum()), n_iterations, dec.L)
     stats["cuda_graphs"] = use_graphs
+    stats.update(dec.extra_stats(full, n) if hasattr(dec, "extra_stats") else {})
     return MethodResult(tokens=full.tokens[:, : dec.T], stats=stats, image_passes=full.passes.clone())
 
 
@@ -388,8 +482,9 @@ def _store_rows(full: JacobiState, st: JacobiState, origin: torch.Tensor) -> Non
     """Copy the results of the current rows back to their batch rows (no-op before any retirement)."""
     if st is full:
         return
-    for name in ("tokens", "passes", "accepted_hist", "accepted_carried"):
-        getattr(full, name).index_copy_(0, origin, getattr(st, name))
+    for name in ("tokens", "passes", "accepted_hist", "accepted_carried", "accepted_alternatives"):
+        if hasattr(full, name):
+            getattr(full, name).index_copy_(0, origin, getattr(st, name))
 
 
 def summary(hist, carried: int, batch_iterations: int, window: int) -> dict:
@@ -418,7 +513,13 @@ def merge_stats(per_batch: list) -> dict:
     out = summary(hist, sum(b["accepted_drafts_carried"] for b in per_batch),
                   sum(b["batch_iterations"] for b in per_batch), window)
     out["cuda_graphs"] = per_batch[0]["cuda_graphs"]
+    for key in SUMMED_EXTRA:
+        if key in per_batch[0]:
+            out[key] = sum(b[key] for b in per_batch)
     return out
+
+
+SUMMED_EXTRA = ("accepted_alternatives",)  # SJD-PAC: accepted tree candidates other than candidate 0
 
 
 for _runner in (run_sjd, run_gsd):

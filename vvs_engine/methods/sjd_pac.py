@@ -1,0 +1,471 @@
+"""SJD-PAC: speculative Jacobi decoding with proactive drafting and adaptive continuation (Kang, Shu, Li,
+Zhai, Chen, CVPR 2026, arXiv 2603.18599), in an exact variant and in the released (biased) one.
+
+Each forward runs a fixed *product tree* of L nodes (:class:`ProductTree`): a main chain of M nodes
+(node j at depth j, node 0 the root = the last committed token) and, at depths 1..D-1, W candidates
+per depth forming a complete W-ary tree below the root; only candidate 0 continues past depth D-1. The
+tokens come from a candidate table C [W, M] (node of branch b at depth d shows C[b, d], whatever its
+parent), with one declared law Q[d] per depth: candidate 0 at depth d is a sample of Q[d] and
+candidates 1..W-1 are further draws *without replacement* from Q[d].
+
+One iteration (exact variant), per image, with p[n] the target after node n:
+
+1. verify the tree with the engine's tree verifier (``acceptance.verify.verify_tree``: every node's
+   children tested rank by rank against the running residual with q = Q[depth + 1] minus the rejected
+   siblings, the first accepted sibling continues, the next token from the last residual or, after a
+   leaf or the end of the chain, from p itself): A accepted tokens + one new root are committed;
+2. adaptive continuation (= SCD's maximal coupling) on the stale columns A + d (d >= 1): the node at
+   depth A + d on the accepted path continued by candidate 0 (the main chain where that runs out)
+   gives P_d = p[node]; the old candidate 0 one depth below is kept if u * Q[A + d + 1](x) < P_d(x),
+   else replaced by a sample of norm(max(0, P_d - Q)), a sample of P_d either way; past the old chain
+   it is a fresh sample of P_d;
+3. proactive drafting: at new depths 1..D-1 the alternatives are W - 1 draws without replacement from
+   P_d with candidate 0 removed (Gumbel top-k with counter-RNG noise), so the new table's law is
+   Q'[d] = P_d exactly as the verifier assumes. Depths past the old window are filled by the init
+   policy (``random``: W distinct uniform tokens declared uniform; the other policies: candidate 0 only,
+   one-hot).
+
+``--pac-variant released`` reproduces the released sampler instead (``docs/jacobi.md``): every
+sibling tested on its own, the longest passing root-to-leaf path committed (ties to the first row), a
+stale tree column tests only the chosen path's candidate and replaces it from the all-siblings residual,
+and the alternatives are drawn from that residual while declared as draws from P. It is biased (the exactness tests show it); it is there to compare
+with the published numbers.
+
+KV: the L nodes' K/V go to scratch slots; the accepted path (root + A nodes) is then copied to the
+row's slots [P_b, P_b + A + 1) (``kernels.kv_compact``). The iteration has static shapes and no host
+read (one round function, captured as one graph on CUDA), and every random number comes from the batch's
+counter RNG keyed by image and the image's own iteration, so tokens do not depend on the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .. import kernels
+from ..acceptance.verify import ExactRule, verify_tree
+from ..errors import VVSError
+from ..rng import sample_inverse_cdf
+from . import register
+from .common import DecodeBatch, MethodResult
+from .jacobi import JacobiDecoder, SJDOptions, _graphs_for, decode, gumbel, merge_stats, one_hot
+from .options import option
+
+PAC_VARIANTS = ("exact", "released")
+PAC_STREAM = 17  # acceptance / residual / fresh uniforms of an iteration (counter RNG, step = iteration)
+PAC_GUMBEL_STREAM = 18  # Gumbel noise of the alternative candidates (step = iteration)
+
+
+@dataclass
+class SJDPACOptions(SJDOptions):
+    # L counts every tree node (the forward's query rows, as released); 32 leaves the chain 22 of them at
+    # W = D = 3 (16 would leave 6: benchmarks/results/scd_pac_zoo.md). copy-left as SJD: on the Zoo it
+    # beats the released uniform init (random), which is kept as the option with distinct initial candidates.
+    jacobi_window: int = option(32, "Jacobi methods: window L = query rows per forward (the last committed token + "
+                                            "L - 1 drafts; sjd-pac: every tree node)")
+    pac_width: int = option(3, "SJD-PAC: candidates per tree depth W (proactive drafting)")
+    pac_depth: int = option(3, "SJD-PAC: tree depth D counting the root (depths 1..D-1 get W candidates; "
+                               "the jacobi-window L counts every tree node)")
+    pac_variant: str = option("exact", "SJD-PAC: exact, or released (the published sampler: longest path, "
+                                       "all-siblings residual on stale tree columns, alternatives from the "
+                                       "residual; biased)")
+
+    def validate(self):
+        super().validate()
+        for name in ("pac_width", "pac_depth"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
+                raise VVSError(f"{name.replace('_', '-')} must be an integer in [1, 64], got {v!r}")
+        if self.pac_variant not in PAC_VARIANTS:
+            raise VVSError(f"pac-variant must be exact or released, got {self.pac_variant!r}")
+        n = tree_size(self.pac_width, self.pac_depth)
+        if n > self.jacobi_window:
+            raise VVSError(f"pac-width {self.pac_width} and pac-depth {self.pac_depth} make a tree of {n} nodes; "
+                           f"jacobi-window must be at least that (got {self.jacobi_window})")
+        return self
+
+    def jacobi_positions(self) -> int:
+        """Image positions one forward covers: the main chain M (the side nodes repeat depths 1..D-1)."""
+        return self.jacobi_window - (tree_size(self.pac_width, self.pac_depth) - self.pac_depth)
+
+    def check_engine(self, engine):
+        super().check_engine(engine)
+        if self.pac_width > engine.config.vocab_size:
+            raise VVSError(f"pac-width {self.pac_width} exceeds the vocabulary of {engine.config.vocab_size} tokens")
+
+
+def tree_size(W: int, D: int) -> int:
+    """Nodes of the complete W-ary tree of D levels (root included)."""
+    return D if W == 1 else (W ** D - 1) // (W - 1)
+
+
+class ProductTree:
+    """The static layout of L nodes for width W, depth D (all index tables on ``device``):
+
+    * ``M`` main-chain nodes 0..M-1 (node j: branch 0, depth j), then the side nodes in breadth-first
+      order: every node at depth d - 1 < D - 1 of the W-ary part gets children of branches 0..W-1 at
+      depth d (the main chain's own branch-0 child is the next main node);
+    * ``depth``, ``branch`` [N]; ``cell`` [N] = branch * M + depth, the node's entry of the flattened
+      candidate table; ``children`` [N, W] in branch order (-1: none); ``ancestor`` [N, N] ancestor-or-self;
+    * ``zero_path`` [N, M]: from node n, the node at depth j reached by branch-0 children (the main
+      chain's node j once a side subtree ends; ancestors for j < depth(n));
+    * ``rows`` [R, D] (R = W^(D-1)): the nodes at depths 0..D-1 of every root-to-depth-(D-1) path, row
+      r = sum of branch(depth l) * W^(l-1) (row 0 = the main chain): the released sampler's paths."""
+
+    def __init__(self, L: int, W: int, D: int, device):
+        M = L - (tree_size(W, D) - D)
+        assert M >= D, (L, W, D)
+        self.L, self.W, self.D, self.M = L, W, D, M
+        branch, depth, parent = [0] * M, list(range(M)), [j - 1 for j in range(M)]
+        level = [0]  # nodes of the W-ary part at the current depth
+        for d in range(1, D):
+            nxt = []
+            for n in level:
+                for b in range(W):
+                    if b == 0 and n < M:  # a main node's branch-0 child is the next main node
+                        nxt.append(d)
+                        continue
+                    branch.append(b)
+                    depth.append(d)
+                    parent.append(n)
+                    nxt.append(len(branch) - 1)
+            level = nxt
+        N = len(branch)
+        assert N == L, (N, L)
+        children = [[-1] * W for _ in range(N)]
+        for n in range(1, N):
+            children[parent[n]][branch[n]] = n
+        zero_path = [[0] * M for _ in range(N)]
+        for n in range(N):
+            anc, a = {}, n
+            while a >= 0:
+                anc[depth[a]] = a
+                a = parent[a]
+            cur = n
+            for j in range(M):
+                if j <= depth[n]:
+                    zero_path[n][j] = anc[j]
+                    continue
+                cur = children[cur][0] if cur >= 0 and children[cur][0] >= 0 else -1
+                zero_path[n][j] = cur if cur >= 0 else j  # main node j once the side subtree ends
+        ancestor = torch.zeros(N, N, dtype=torch.bool)
+        for n in range(N):
+            a = n
+            while a >= 0:
+                ancestor[n, a] = True
+                a = parent[a]
+        R = W ** (D - 1)
+        rows = []
+        for r in range(R):
+            digits, x, node, path = [], r, 0, [0]
+            for _ in range(D - 1):
+                digits.append(x % W)
+                x //= W
+            for b in digits:
+                node = children[node][b]
+                path.append(node)
+            rows.append(path)
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+        self.branch, self.depth, self.parent = t(branch), t(depth), t(parent)
+        self.cell = self.branch * M + self.depth
+        self.children, self.zero_path, self.rows = t(children), t(zero_path), t(rows)
+        self.ancestor = ancestor.to(device)
+        self.main = torch.arange(M, device=device)
+
+
+@dataclass
+class PACState:
+    """Device state of a batched SJD-PAC decode (static shapes, updated in place)."""
+
+    cand: torch.Tensor  # [B, W, M] candidate table; cand[:, 0, 0] is the root (last committed token)
+    cand_valid: torch.Tensor  # [B, W, M] bool: candidate exists (alternatives past Q's support do not)
+    table_q: torch.Tensor  # [B, M, V] Q[d]: the law the depth-d candidates were drawn from (row 0 unused)
+    fresh: torch.Tensor  # [B, M] bool: depth d holds fresh initialisations, not carried candidates
+    tokens: torch.Tensor  # [B, T + 2L]
+    n_committed: torch.Tensor  # [B]
+    iteration: torch.Tensor  # [B]
+    passes: torch.Tensor  # [B]
+    accepted_hist: torch.Tensor  # [B, L]
+    accepted_carried: torch.Tensor  # [B]
+    accepted_alternatives: torch.Tensor  # [B] accepted tree nodes of branch >= 1
+    progress: torch.Tensor  # [2]
+
+    def tensors(self):
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+@dataclass
+class _Forest:
+    """The batched tree ``verify_tree`` reads: tokens [B, N], children [B, N, W], q [B, N, V]."""
+
+    tokens: torch.Tensor
+    children: torch.Tensor
+    q: torch.Tensor
+    max_depth: int
+    sampled: bool = True
+
+
+class PACDecoder(JacobiDecoder):
+    """SJD-PAC on the Jacobi decoder's session, KV layout and counters; :meth:`jacobi_iteration` is the
+    round function (static shapes, no host read)."""
+
+    def __init__(self, engine, batch: DecodeBatch, params, opts: SJDPACOptions, rule):
+        super().__init__(engine, batch, params, opts, rule)
+        self.variant = opts.pac_variant
+        self.tree = tr = ProductTree(self.L, opts.pac_width, opts.pac_depth, self.device)
+        self.W, self.D, self.M = tr.W, tr.D, tr.M
+        rel = self.session.slot_ids[None, :] - self.scratch  # [1, S]
+        in_scratch = (rel >= 0) & (rel < self.L)
+        self.tree_block = in_scratch & tr.ancestor[:, rel.clamp(0, self.L - 1)[0]]  # [N, S]
+        self.n_alt_depths = self.D - 1 if self.W > 1 else 0
+        self.pac_stream = self.rng.stream_offsets([PAC_STREAM])
+        self.alt_stream = self.rng.stream_offsets([PAC_GUMBEL_STREAM])
+        self.depth_lanes = torch.arange(self.M, device=self.device)
+
+    # --- random numbers -------------------------------------------------------------------------
+    def uniforms(self, step):
+        """(u_node [B, N], u_next [B], u_ac [B, M], u_res [B, M], u_fresh [B, M]) of one iteration."""
+        N, M = self.L, self.M
+        u = kernels.counter_uniform(self.rng.key, step, self.pac_stream, N + 1 + 3 * M)[:, 0]
+        return u[:, :N], u[:, N], u[:, N + 1: N + 1 + M], u[:, N + 1 + M: N + 1 + 2 * M], u[:, N + 1 + 2 * M:]
+
+    def alt_noise(self, step):
+        """Gumbel noise [B, D - 1, V] for the candidates of depths 1..D-1."""
+        B, n, V = self.B, self.n_alt_depths, self.V
+        u = kernels.counter_uniform(self.rng.key, step, self.alt_stream, max(n, 1) * V)[:, 0]
+        return gumbel(u[:, : n * V].view(B, n, V))
+
+    def sample(self, dist, u):
+        return dist.argmax(-1) if self.params.greedy else sample_inverse_cdf(dist, u)
+
+    # --- the candidate table ------------------------------------------------------------------------
+    def new_table(self, chain, n_kept, stale_p, alts, alts_valid, noise, u_fresh, tokens, n_new):
+        """The next table from candidate 0 of the kept depths (``chain`` [B, M], depths < n_kept[b]: the
+        root and the carried candidates, each a sample of ``stale_p`` [B, M, V]) and their alternatives
+        (``alts`` [B, W - 1, D - 1], ``alts_valid``); depths >= n_kept are fresh. Returns (cand, valid,
+        Q, fresh)."""
+        B, W, M, V, nd = self.B, self.W, self.M, self.V, self.n_alt_depths
+        lanes = self.depth_lanes
+        left = stale_p.gather(1, (n_kept - 1)[:, None, None].expand(B, 1, V))[:, 0]
+        chain, fresh = self.fill_fresh(chain, n_kept, left, tokens, n_new, u_fresh)
+        random_init = self.policy == "random"
+        if random_init:
+            fresh_q = torch.full((B, M, V), 1.0 / V, device=self.device)  # uniform tokens, declared uniform
+        else:
+            fresh_q = one_hot(chain, V)  # deterministic guesses, declared one-hot
+        table_q = torch.where(fresh[..., None], fresh_q, stale_p)
+        table_q = torch.where((lanes == 0)[None, :, None], 0.0, table_q)
+        cand = chain[:, None, :].expand(B, W, M)
+        valid = (torch.arange(W, device=self.device) == 0)[None, :, None].expand(B, W, M)
+        if nd:
+            fresh_alt = fresh[:, 1: 1 + nd]  # [B, nd]
+            if random_init:  # W distinct uniform tokens: the top W of pure noise
+                uni = noise.topk(W, dim=-1).indices.permute(0, 2, 1)  # [B, W, nd]
+                head = torch.where(fresh_alt, uni[:, 0], chain[:, 1: 1 + nd])
+                alts = torch.where(fresh_alt[:, None], uni[:, 1:], alts)
+                alts_valid = alts_valid | fresh_alt[:, None]
+                chain = torch.cat([chain[:, :1], head, chain[:, 1 + nd:]], 1)
+                cand = chain[:, None, :].expand(B, W, M)
+            else:
+                alts_valid = alts_valid & ~fresh_alt[:, None]
+            pad = lambda x, fill: torch.cat([x[..., :1].new_full(x.shape[:-1] + (1,), fill), x,
+                                             x[..., :1].new_full(x.shape[:-1] + (M - 1 - nd,), fill)], -1)
+            side = torch.where(pad(alts_valid, False), pad(alts, 0), chain[:, None, :])  # [B, W - 1, M]
+            cand = torch.cat([chain[:, None, :], side], 1)
+            valid = torch.cat([valid[:, :1], pad(alts_valid, False)], 1)
+        return cand.contiguous(), valid.contiguous(), table_q, fresh
+
+    def alternatives(self, P, c0, noise):
+        """Exact PD: W - 1 draws without replacement from P [B, nd, V] with c0 [B, nd] removed
+        (Gumbel top-k) -> (tokens [B, W - 1, nd], valid: drawn from positive mass)."""
+        logits = P.clamp(min=0).log() + noise
+        logits = logits.masked_fill(one_hot(c0, self.V) > 0, float("-inf"))
+        top = logits.topk(self.W - 1, dim=-1)
+        return top.indices.permute(0, 2, 1), (top.values > float("-inf")).permute(0, 2, 1)
+
+    # --- prefill (eager) ----------------------------------------------------------------------------
+    def prefill(self) -> PACState:
+        B, L, V, T, W, M, dev = self.B, self.L, self.V, self.T, self.W, self.M, self.device
+        p0 = self.processed(self.session.prefill()[:, -1])
+        first = self.rng.sample(p0, 0, 0)  # rng.Streams.SAMPLE at step 0, as SJD
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
+        tokens = zeros(B, T + 2 * L)
+        tokens.index_put_((self.batch_rows(), torch.zeros_like(first)), first)
+        n = torch.ones(B, dtype=torch.long, device=dev)
+        step = torch.zeros_like(first)
+        _, _, _, _, u_fresh = self.uniforms(step)
+        chain = torch.where(self.depth_lanes == 0, first[:, None], 0)
+        nd = self.n_alt_depths
+        cand, valid, table_q, fresh = self.new_table(
+            chain, n, p0[:, None, :].expand(B, M, V), zeros(B, W - 1, nd), torch.zeros(B, W - 1, nd, dtype=torch.bool,
+                                                                                       device=dev),
+            self.alt_noise(step), u_fresh, tokens, n)
+        return PACState(cand=cand, cand_valid=valid, table_q=table_q.contiguous(), fresh=fresh, tokens=tokens,
+                        n_committed=n, iteration=torch.ones_like(first), passes=zeros(B), accepted_hist=zeros(B, L),
+                        accepted_carried=zeros(B), accepted_alternatives=zeros(B),
+                        progress=torch.tensor([1, self.n_real], dtype=torch.long, device=dev))
+
+    # --- one iteration ------------------------------------------------------------------------------
+    def jacobi_iteration(self, st: PACState) -> None:
+        B, L, V, T, W, M = self.B, self.L, self.V, self.T, self.W, self.M
+        s, tr, params = self.session, self.tree, self.params
+        rows_b = self.batch_rows()
+        active = st.n_committed < T
+        prefix = self.rows(self.c + st.n_committed - 1)
+        positions = (prefix[:, None] + tr.depth).clamp(max=self.last_position)  # [rows, N]
+        visible = s.slot_ids < prefix[:, None]
+        if s.has_key_mask:
+            visible = visible & s.key_valid
+        mask = visible[:, None, :] | self.tree_block
+        node_tokens = st.cand.reshape(B, W * M)[:, tr.cell]  # [B, N]
+        node_valid = st.cand_valid.reshape(B, W * M)[:, tr.cell]
+        h = s.model.forward_hidden(s.model.embed_tokens(self.rows(node_tokens)), positions, s.kv,
+                                   self.scratch_slots, mask[:, None])
+        s.last_positions = positions
+        p = self.processed(h)  # [B, N, V]: p[n] = the target after node n
+
+        u_node, u_next, u_ac, u_res, u_fresh = self.uniforms(st.iteration)
+        noise = self.alt_noise(st.iteration) if self.n_alt_depths else None
+        child_depth = (tr.depth + 1).clamp(max=M - 1)
+        node_q = st.table_q.gather(1, child_depth[None, :, None].expand(B, L, V))  # [B, N, V] law of n's children
+        kids = tr.children[None].expand(B, L, W)
+        kid_ok = node_valid.gather(1, kids.clamp(min=0).reshape(B, -1)).view(B, L, W)
+        children = torch.where((kids >= 0) & kid_ok, kids, -1)
+        if self.variant == "exact":
+            path, A, last, root = self.verify_exact(node_tokens, children, p, node_q, u_node, u_next)
+            parent = tr.zero_path[last]  # [B, M]: the node whose output predicts depth j + 1
+        else:
+            path, A, root, parent, first_pass, res_all = self.verify_released(node_tokens, children, p, node_q,
+                                                                              u_node, u_next)
+
+        # --- commit the path and the new root; its K/V move to the row's slots ----------------------
+        lanes = self.depth_lanes
+        path_tokens = node_tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, M - 1]
+        values = torch.where(lanes == A[:, None], root[:, None], torch.cat([path_tokens, path_tokens[:, :1]], 1))
+        st.tokens.index_put_((rows_b[:, None], st.n_committed[:, None] + lanes), values)
+        src = self.scratch + path.clamp(min=0)  # [B, M]
+        kv = s.kv
+        kernels.kv_compact(kv.k, kv.v, self.rows(src), prefix[:, None] + lanes)
+        on_path = (lanes[1:] <= A[:, None])  # depths 1..A
+        carried = (on_path & ~st.fresh[:, 1:]).sum(1)
+        alternatives = (on_path & (tr.branch[path[:, 1:].clamp(min=0)] > 0)).sum(1)
+        st.accepted_hist.index_put_((rows_b, A), active.long(), accumulate=True)
+        st.accepted_carried.add_(carried * active)
+        st.accepted_alternatives.add_(alternatives * active)
+        st.passes.add_(active.long())
+        n_new = st.n_committed + torch.where(active, A + 1, 0)
+
+        # --- adaptive continuation on the stale columns col = A + d ---------------------------------
+        col = A[:, None] + lanes  # [B, M]
+        col_c = col.clamp(max=M - 1)
+        parent_d = parent.gather(1, col_c)  # [B, M]
+        P = p.gather(1, parent_d[..., None].expand(B, M, V))  # [B, M, V] stale targets
+        old_depth = (col + 1).clamp(max=M - 1)
+        x = st.cand[:, 0].gather(1, old_depth)  # old candidate 0 one depth below
+        q_old = st.table_q.gather(1, old_depth[..., None].expand(B, M, V))
+        if self.variant == "exact":
+            if params.greedy:
+                ok = P.argmax(-1) == x
+            else:
+                ok = u_ac * q_old.gather(2, x[..., None])[..., 0] < P.gather(2, x[..., None])[..., 0]
+            res = self.rule.residual(P.reshape(-1, V), q_old.reshape(-1, V), x.reshape(-1), None).view(B, M, V)
+            has_old = col < M - 1
+            c0 = torch.where(has_old, torch.where(ok, x, self.sample(res, u_res)), self.sample(P, u_res))
+            n_kept = M - A  # depths 0..M-1-A carry a stale target (column M - 1: a fresh sample of it)
+        else:
+            has_child = tr.children[parent_d, 0] >= 0
+            ok = has_child & first_pass.gather(1, tr.children[parent_d, 0].clamp(min=0))
+            res = res_all.gather(1, parent_d[..., None].expand(B, M, V))
+            c0 = torch.where(ok, x, self.sample(res, u_res))
+            n_kept = (M - 1 - A).clamp(min=1)  # the last column's output is not gathered (uniform refill)
+        chain = torch.where(lanes == 0, root[:, None], c0)
+
+        # --- proactive drafting: alternatives at new depths 1..D-1 -----------------------------------
+        nd = self.n_alt_depths
+        if nd:
+            d_alt = slice(1, 1 + nd)
+            if self.variant == "exact":
+                alts, alts_valid = self.alternatives(P[:, d_alt], c0[:, d_alt], noise)
+            else:  # W draws from the residual; a kept candidate 0 shifts them to ranks 1..W-1
+                top = (res[:, d_alt].clamp(min=0).log() + noise).topk(W, dim=-1)
+                draws, drawn = top.indices.permute(0, 2, 1), (top.values > float("-inf")).permute(0, 2, 1)
+                kept = ok[:, d_alt][:, None]  # [B, 1, nd]
+                head = torch.where(kept[:, 0], x[:, d_alt], draws[:, 0])
+                chain = torch.cat([chain[:, :1], head, chain[:, 1 + nd:]], 1)
+                alts = torch.where(kept, draws[:, : W - 1], draws[:, 1:])
+                alts_valid = torch.where(kept, drawn[:, : W - 1], drawn[:, 1:])
+        else:
+            alts = torch.zeros(B, 0, 0, dtype=torch.long, device=self.device)
+            alts_valid = torch.zeros(B, 0, 0, dtype=torch.bool, device=self.device)
+        cand, valid, table_q, fresh = self.new_table(chain, n_kept, P, alts, alts_valid, noise, u_fresh,
+                                                     st.tokens, n_new)
+        st.cand.copy_(cand)
+        st.cand_valid.copy_(valid)
+        st.table_q.copy_(table_q)
+        st.fresh.copy_(fresh)
+        st.n_committed.copy_(n_new)
+        st.iteration.add_(1)
+        st.progress.copy_(torch.stack([n_new.min(), (n_new < T)[: self.n_real].sum()]))
+
+    def verify_exact(self, node_tokens, children, p, node_q, u_node, u_next):
+        """First-accepted-sibling verification (the engine's tree verifier) -> (path [B, M], A [B],
+        last [B], root [B])."""
+        forest = _Forest(node_tokens, children, node_q, self.M - 1)
+        out = verify_tree(forest, p, self.rule, u_node, u_next, self.params.greedy)
+        return out.path, out.n_accepted, out.last, out.next_token
+
+    def verify_released(self, node_tokens, children, p, node_q, u_node, u_next):
+        """The released sampler's verification: every sibling tested against the residual chain of its
+        parent as if the earlier siblings had failed; the longest passing row wins (ties: the first).
+        -> (path [B, M], A [B], root [B], column parents [B, M], pass [B, N], all-siblings residual
+        [B, N, V])."""
+        B, N, V = p.shape
+        tr, W, M, D = self.tree, self.W, self.M, self.D
+        r = p.clone()
+        q = node_q.clone()
+        passed = torch.zeros(B, N, dtype=torch.bool, device=self.device)
+        for rank in range(W):
+            child = children[:, :, rank]  # [B, N]
+            has = child >= 0
+            cid = child.clamp(min=0)
+            x = node_tokens.gather(1, cid)
+            qn = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+            if self.params.greedy:
+                ok = r.argmax(-1) == x
+            else:
+                ok = u_node.gather(1, cid) * qn.gather(2, x[..., None])[..., 0] < r.gather(2, x[..., None])[..., 0]
+            # node n is its parent's child of rank branch(n): its test is this rank's test at its parent
+            at_node = (has & ok).gather(1, tr.parent.clamp(min=0)[None].expand(B, N))
+            passed = torch.where((tr.branch == rank) & (tr.parent >= 0), at_node, passed)
+            res = self.rule.residual(r.reshape(-1, V), qn.reshape(-1, V), x.reshape(-1), None).view(B, N, V)
+            r = torch.where(has[..., None], res, r)  # residual after this sibling, whatever its test said
+            q = torch.where(has[..., None], q.masked_fill(one_hot(x, V) > 0, 0.0), q)
+        # row lengths: the main chain over depths 1..M-1, side rows over depths 1..D-1 (no depth D)
+        main_pass = passed[:, tr.main[1:]].long().cumprod(1).sum(1)  # [B]
+        side_pass = passed[:, tr.rows[:, 1:]].long().cumprod(2).sum(2)  # [B, R]
+        lengths = torch.cat([main_pass[:, None], side_pass[:, 1:]], 1)
+        best = lengths.argmax(1)  # first maximal row
+        A = lengths.gather(1, best[:, None])[:, 0]
+        row_nodes = tr.rows[best]  # [B, D]
+        parent = torch.cat([row_nodes, tr.main[D:].expand(B, M - D)], 1)  # released: chosen row, then main chain
+        path = torch.where(self.depth_lanes <= A[:, None], parent, -1)
+        last = parent.gather(1, A[:, None])[:, 0]
+        dist = r.gather(1, last[:, None, None].expand(B, 1, V))[:, 0]
+        # A fully accepted chain takes its bonus token from p (the release draws it uniformly, since its
+        # last output is never gathered: rare at M = 54, frequent on small images, and it can break a
+        # family's layout, so that part is not reproduced)
+        root = self.sample(dist, u_next)
+        return path, A, root, parent, passed, r
+
+    def extra_stats(self, full: PACState, n: int) -> dict:
+        return {"accepted_alternatives": int(full.accepted_alternatives[:n].sum()), "pac_width": self.W,
+                "pac_depth": self.D, "pac_main_chain": self.M, "pac_variant": self.variant}
+
+
+@register("sjd-pac", SJDPACOptions)
+def run_sjd_pac(engine, batch: DecodeBatch, params, opts: SJDPACOptions) -> MethodResult:
+    return decode(engine, batch, params, opts, ExactRule(), _graphs_for(engine, batch), decoder_cls=PACDecoder)
+
+
+run_sjd_pac.batched = True
+run_sjd_pac.merge_stats = merge_stats
