@@ -23,7 +23,8 @@ kernels inside one CUDA graph. Any method gets this by naming its round function
   same rounds reloads the compiled code instead of compiling (Dynamo still traces: seconds, not
   minutes). ``TORCHINDUCTOR_CACHE_DIR`` moves it.
 * Off the GPU: ``compile=None`` means on for CUDA, off for the CPU (Inductor's C++ kernels are not
-  faster than eager there); ``--compile`` on the CPU works and gives the same tokens (the tests).
+  faster than eager there); ``--compile`` on the CPU works: the same tokens on the tests' fp64 models;
+  in fp32 a late sampled token can flip where Inductor rounds a reduction differently (docs/compile.md).
 """
 from __future__ import annotations
 
