@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..checkpoint import load_into, read_config, read_state_dict
 from ..errors import VVSError
 from ..runtime.kv_cache import StaticKVCache
-from ..models.gpt import RMSNorm, apply_rope, write_slots
+from ..models.gpt import RMSNorm, apply_rope, write_kv
 
 
 @dataclass
@@ -62,8 +62,7 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_proj(x).view(B, T, self.n_head, self.hd), rope).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2)
         if kv is not None:
-            write_slots(kv[0], slots, k)
-            write_slots(kv[1], slots, v)
+            write_kv(kv, slots, k, v)
             k, v = kv
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -130,7 +129,7 @@ class Drafter(nn.Module):
         x = self.fc(torch.cat([emb, feats], dim=-1))
         rope = self.rope_rows(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, None if kv is None else (kv.k[i], kv.v[i]), slots, mask)
+            x = layer(x, rope, None if kv is None else kv.layer(i), slots, mask)
         return x
 
     def logits(self, h, position=None):
