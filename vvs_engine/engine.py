@@ -242,15 +242,18 @@ class Engine:
                  method: str = "ar", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
                  batch_size: int = 16, image_indices: Optional[Sequence[int]] = None,
-                 cuda_graphs: Optional[bool] = None, clean_captions: bool = True,
+                 cuda_graphs: Optional[bool] = None, clean_captions: bool = True, compile: Optional[bool] = None,
                  **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt), ``batch_size`` images per decode. Returns tokens,
         PIL images (when a tokenizer is loaded) and stats. Image i draws its random numbers from
         (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size or on
         the other images of its batch. ``clean_captions``: clean prompts as LlamaGen does before T5
         (``models.t5.clean_caption``). ``method_opts`` are the method's options (see
-        ``vvs_engine.methods``)."""
+        ``vvs_engine.methods``). ``compile``: the decode rounds compiled by torch.compile (Inductor; None
+        = on for CUDA, off on the CPU; see docs/compile.md); ``stats["compiled"]`` says, per round kind,
+        whether it ran compiled (a round that fails to compile warns and runs eagerly)."""
         from .methods import get_method
+        from .runtime.compiled import resolve as resolve_compile
         from .methods.common import DecodeBatch
         from .rng import CounterRNG
 
@@ -292,7 +295,8 @@ class Engine:
                                                      params.use_cfg, clean_captions)
                 index = torch.tensor([image_indices[i] for i in pick], dtype=torch.long, device=self.device)
                 batch = DecodeBatch(cond, key_mask, CounterRNG(seed, index), hi - lo,
-                                    on_tokens=bar.tokens if bar is not None else None, use_graphs=cuda_graphs)
+                                    on_tokens=bar.tokens if bar is not None else None, use_graphs=cuda_graphs,
+                                    compile=resolve_compile(compile, self.device))
                 if bar is not None:
                     bar.new_batch(hi - lo)
                 batch_t0 = time.perf_counter()
@@ -314,6 +318,11 @@ class Engine:
                  "batch_size": batch_size}
         merge = getattr(run, "merge_stats", None)  # a runner may say how its counters combine
         stats.update(merge(method_stats) if merge is not None else _merge_stats(method_stats))
+        compiled = {}  # per round kind: compiled in every batch that ran it
+        for st in method_stats:
+            for kind, ok in st.get("compiled", {}).items():
+                compiled[kind] = compiled.get(kind, True) and bool(ok)
+        stats["compiled"] = compiled
         stats["tokens_generated"] = n * self.tokens_per_image
         f = stats["target_forward_passes"]
         stats["tpf"] = stats["tokens_generated"] / f if f else float("inf")

@@ -25,7 +25,7 @@ from ..checkpoint import load_into, read_config, read_state_dict
 from ..errors import VVSError
 from ..runtime.kv_cache import StaticKVCache
 from ..models.fused import fuse_linears
-from ..models.gpt import RMSNorm, apply_rope, write_slots
+from ..models.gpt import RMSNorm, apply_rope, write_kv
 
 
 @dataclass
@@ -63,8 +63,7 @@ class DraftAttention(nn.Module):
         k = apply_rope(k.view(B, T, self.n_head, self.hd), rope).transpose(1, 2)
         v = v.view(B, T, self.n_head, self.hd).transpose(1, 2)
         if kv is not None:
-            write_slots(kv[0], slots, k)
-            write_slots(kv[1], slots, v)
+            write_kv(kv, slots, k, v)
             k, v = kv
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -131,7 +130,7 @@ class Drafter(nn.Module):
         x = self.fc(torch.cat([emb, feats], dim=-1))
         rope = self.rope_rows(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, None if kv is None else (kv.k[i], kv.v[i]), slots, mask)
+            x = layer(x, rope, None if kv is None else kv.layer(i), slots, mask)
         return x
 
     def logits(self, h, position=None):

@@ -28,8 +28,9 @@ __all__ = [
 
 def _reference_fast_path(t: torch.Tensor) -> bool:
     # CPU tensors and no forced backend: call the reference directly, skipping the custom-op layer
-    # (the engine calls tree_attention in every layer of every step).
-    return t.device.type == "cpu" and not os.environ.get(ENV)
+    # (the engine calls tree_attention in every layer of every step). Not under torch.compile: there
+    # the op stays one opaque node (Inductor makes many small loops of an inlined reference).
+    return t.device.type == "cpu" and not os.environ.get(ENV) and not torch.compiler.is_compiling()
 
 
 def tree_attention(q, k, v, prefix_len, local, key_valid=None):

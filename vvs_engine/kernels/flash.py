@@ -42,12 +42,26 @@ def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_keys: torch.Tensor,
            causal: bool) -> torch.Tensor:
     """q [B, H, Q, D] over cache slots ``[0, n_keys)`` of k/v [B, H, S, D] (``n_keys`` [1] int64 on the
-    device); ``causal``: query i sees keys up to ``n_keys - Q + i``. -> [B, H, Q, D]."""
+    device); ``causal``: query i sees keys up to ``n_keys - Q + i``. -> [B, H, Q, D] (a transposed view
+    of flash-attn's contiguous [B, Q, H, D]). Through the ``vvs::flash_attend`` custom op: flash-attn's
+    own function is not one, and torch.compile would break the graph at it."""
+    return flash_attend(q, k_cache, v_cache, n_keys, causal)
+
+
+@torch.library.custom_op("vvs::flash_attend", mutates_args=())
+def flash_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_keys: torch.Tensor,
+                 causal: bool) -> torch.Tensor:
     B = q.shape[0]
     seqlens = n_keys.to(torch.int32).expand(B).contiguous()
     out = kvcache_fn()(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                        cache_seqlens=seqlens, causal=causal)
-    return out.transpose(1, 2)
+    return out.transpose(1, 2)  # no copy: the fake below promises these strides
+
+
+@flash_attend.register_fake
+def _(q, k_cache, v_cache, n_keys, causal):
+    B, H, Q, D = q.shape
+    return q.new_empty((B, Q, H, D)).transpose(1, 2)  # flash-attn's [B, Q, H, D], seen as [B, H, Q, D]
 
 
 def describe(device, dtype, head_dim: int, padded_condition: bool) -> dict:

@@ -43,12 +43,15 @@ def _impl(op: str, device: torch.device):
 @torch.library.custom_op("vvs::tree_attention", mutates_args=())
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, local: Tensor,
                    key_valid: Optional[Tensor]) -> Tensor:
-    return _impl("tree_attention", q.device)(q, k, v, prefix_len, local, key_valid)
+    # Contiguous whatever the backend: the reference (SDPA) returns q's layout, and the engine's q is a
+    # transposed slice of the fused q/k/v projection. The fake says contiguous, and Inductor asserts
+    # that the real strides match it.
+    return _impl("tree_attention", q.device)(q, k, v, prefix_len, local, key_valid).contiguous()
 
 
 @tree_attention.register_fake
 def _(q, k, v, prefix_len, local, key_valid):
-    return q.new_empty(q.shape)
+    return q.new_empty(q.shape)  # contiguous [B, H, Q, D]
 
 
 # ----------------------------------------------------------------------------------------------- sampling

@@ -20,10 +20,12 @@ from ..runtime.target import TargetSession
 from .common import MethodResult
 
 
-def generate(session: TargetSession, params, rng: CounterRNG, use_graphs: bool = False) -> MethodResult:
-    """Decode ``session.n`` images; ``rng`` holds one key per image (``session.n`` of them)."""
-    if use_graphs:
-        return generate_graphed(session, params, rng)
+def generate(session: TargetSession, params, rng: CounterRNG, use_graphs: bool = False,
+             compile: bool = False) -> MethodResult:
+    """Decode ``session.n`` images; ``rng`` holds one key per image (``session.n`` of them). With
+    ``use_graphs`` or ``compile`` the step is the runner's round function (captured / compiled)."""
+    if use_graphs or compile:
+        return generate_graphed(session, params, rng, use_graphs, compile)
     s = session
     with nvtx_range("prefill"):
         h = s.prefill()[:, -1]
@@ -42,14 +44,16 @@ def generate(session: TargetSession, params, rng: CounterRNG, use_graphs: bool =
     return _result(torch.stack(out, 1), s)
 
 
-def generate_graphed(session: TargetSession, params, rng: CounterRNG) -> MethodResult:
+def generate_graphed(session: TargetSession, params, rng: CounterRNG, use_graphs: bool = True,
+                     compile: bool = False) -> MethodResult:
     """The same loop on a cached runner's persistent session. ``session`` only supplies the setting
     (model, conditions, CFG); its own cache is not used."""
     from ..runtime.runner import get_runner
 
     s0 = session
     key_mask = s0.key_valid[:, : s0.c] if s0.has_key_mask else None
-    runner = get_runner(s0.model, s0.cond_rows, s0.n, s0.use_cfg, key_mask, params, use_graphs=True)
+    runner = get_runner(s0.model, s0.cond_rows, s0.n, s0.use_cfg, key_mask, params, use_graphs=use_graphs,
+                        compile=compile)
     s = runner.session
     with nvtx_range("prefill"):
         h = s.prefill()[:, -1]
@@ -58,6 +62,8 @@ def generate_graphed(session: TargetSession, params, rng: CounterRNG) -> MethodR
         tokens = runner.ar_decode(first, rng)
     res = _result(tokens, s)
     res.stats["cuda_graphs"] = runner.use_graphs
+    if compile:
+        res.stats["compiled"] = {"ar_step": runner.compiled().get("ar_step", False)}
     return res
 
 

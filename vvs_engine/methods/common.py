@@ -26,6 +26,7 @@ class DecodeBatch:
     n_real: int
     on_tokens: Optional[Callable[[int], None]] = None  # progress: called with newly committed tokens (host-side counts only)
     use_graphs: Optional[bool] = None  # CUDA graphs for the decode rounds; None = on for CUDA, off elsewhere
+    compile: bool = False  # the decode rounds compiled by torch.compile (runtime.compiled)
 
     @property
     def size(self) -> int:

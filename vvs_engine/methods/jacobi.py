@@ -44,6 +44,7 @@ from ..acceptance.gsd import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PRO
 from ..acceptance.verify import ExactRule
 from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
+from ..runtime.compiled import maybe_compiled, status as compiled_status
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from . import register
@@ -289,11 +290,7 @@ class JacobiDecoder:
 
     def keep_window_kv(self, dst: torch.Tensor) -> None:
         """Copy the window's K/V from the scratch slots to slots ``dst`` [rows, L] of each row."""
-        kv = self.session.kv
-        for buf in (kv.k, kv.v):
-            n_layer, rows, heads, _, head_dim = buf.shape
-            index = dst[None, :, None, :, None].expand(n_layer, rows, heads, self.L, head_dim)
-            buf.scatter_(3, index, buf.narrow(3, self.scratch, self.L))
+        self.session.kv.move(self.scratch_slots.expand_as(dst), dst)  # index_put_: in place when compiled
 
     def fill_fresh(self, window, n_kept, left_dist, tokens, n_committed, u_init):
         """Fill window positions ``i >= n_kept[b]`` with fresh drafts. ``left_dist`` [B, V] is the
@@ -356,8 +353,11 @@ def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graph
     st = full = dec.prefill()
     origin = torch.arange(dec.B, device=dec.device)  # the batch row each current row decodes
 
+    compiled_rounds = []
+
     def round_fn(state):
-        iteration = lambda: dec.jacobi_iteration(state)
+        iteration = maybe_compiled("jacobi", lambda: dec.jacobi_iteration(state), batch.compile, state.tensors())
+        compiled_rounds.append(iteration)
         return capture(iteration, state) if use_graphs else iteration
 
     iteration = round_fn(st)
@@ -381,6 +381,8 @@ def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graph
     n = batch.n_real
     stats = summary(full.accepted_hist[:n].sum(0).tolist(), int(full.accepted_carried[:n].sum()), n_iterations, dec.L)
     stats["cuda_graphs"] = use_graphs
+    if batch.compile:
+        stats["compiled"] = {"jacobi": all(compiled_status({"jacobi": r})["jacobi"] for r in compiled_rounds)}
     return MethodResult(tokens=full.tokens[:, : dec.T], stats=stats, image_passes=full.passes.clone())
 
 

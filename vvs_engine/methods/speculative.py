@@ -223,6 +223,8 @@ class SpeculativeRounds:
         self.skip_codebook = None
         if opts.skip_policy == "dynamic":
             self.skip_codebook = torch.nn.functional.normalize(engine.codebook_vectors().float(), dim=-1)
+        self.seq_ids = torch.arange(B, device=self.dev)  # index vectors of the buffer writes
+        self.row_ids = torch.arange(s.rows, device=self.dev)
         self.state = self._prefill()
         # after a retirement: the batch row of each current sequence, and the results of every row
         self.origin, self.final, self.batch_n_real = torch.arange(B, device=self.dev), None, batch.n_real
@@ -236,13 +238,20 @@ class SpeculativeRounds:
         r = self.rows_of(idx)
         return x.gather(1, r[:, :, None].expand(r.shape[0], r.shape[1], x.shape[2]))
 
+    # Writes into persistent buffers are index_put_ on the buffer itself: torch.compile re-inplaces
+    # those (a scatter_ would become a copy of the whole buffer).
     def _scatter_positions_(self, x: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+        """x[r, idx[r, j]] = src[r, j] for x [rows, S, D], idx [B, n] (both CFG halves)."""
         r = self.rows_of(idx.clamp(max=x.shape[1] - 1))
-        x.scatter_(1, r[:, :, None].expand(r.shape[0], r.shape[1], x.shape[2]), src.to(x.dtype))
+        x.index_put_((self.row_ids[: r.shape[0], None], r), src.to(x.dtype))
 
     def _write_out_(self, idx: torch.Tensor, tokens: torch.Tensor) -> None:
         out = self.state.out
-        out.scatter_(1, idx.clamp(max=out.shape[1] - 1), tokens)
+        out.index_put_((self.seq_ids[: idx.shape[0], None], idx.clamp(max=out.shape[1] - 1)), tokens)
+
+    def _count_(self, hist: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor) -> None:
+        """hist[b, bins[b]] += counts[b] (the per-sequence histograms)."""
+        hist.index_put_((self.seq_ids[: bins.shape[0]], bins), counts, accumulate=True)
 
     # --- prefill (eager) -------------------------------------------------------------------------------
     def _prefill(self) -> DecodeState:
@@ -359,7 +368,7 @@ class SpeculativeRounds:
         h_root = self._gather_positions(h_draft, root_index[:, None])[:, 0]
         counted = active.long()
         st.target_passes.add_(counted)
-        st.accepted_hist.scatter_add_(1, n_acc[:, None], counted[:, None])
+        self._count_(st.accepted_hist, n_acc, counted)
         st.n_out.copy_(n_out)
         st.target_len.copy_(target_len)
         st.draft_len.copy_(draft_len)
@@ -416,7 +425,7 @@ class SpeculativeRounds:
         h_root = self._gather_positions(h_draft, (a - 1)[:, None])[:, 0]
         root = tree.tokens.gather(1, path.gather(1, a[:, None]))[:, 0]
         st.skipped.add_(active.long())
-        st.skip_hist.scatter_add_(1, a[:, None], active.long()[:, None])
+        self._count_(st.skip_hist, a, active.long())
         st.n_out.add_(committed)
         st.draft_len.add_(committed)
         st.round.add_(1)
@@ -550,15 +559,17 @@ class LateRead:
 def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: Optional[bool] = None) -> MethodResult:
     """The thin host loop: choose the next round kind, run it (a graph replay on CUDA), read the
     one-round-late counters. Nothing else happens between rounds."""
+    from ..runtime.compiled import merge_compiled
     from ..runtime.runner import RoundGraphs
 
     graphs = rounds.dev.type == "cuda" if use_graphs is None else use_graphs
     round_graphs = lambda: RoundGraphs({"verify": rounds.verify_round, "verify_after_skip": rounds.verify_after_skip,
-                                        "skip": rounds.skip_round}, rounds.state.buffers(), use_graphs=graphs)
+                                        "skip": rounds.skip_round}, rounds.state.buffers(), use_graphs=graphs,
+                                       compile=batch.compile)
     run_round = round_graphs()
     counters = LateRead(rounds.state.flags)
     counters.push()
-    last_kind, reported, retired_tokens, retire = None, 0, 0, retire_finished()
+    last_kind, reported, retired_tokens, retire, compiled = None, 0, 0, retire_finished(), {}
     for round_index in itertools.count():
         flags = counters.read()  # [all finished, wants to skip, tokens committed, unfinished], one round late
         if flags is not None and flags[0]:
@@ -569,6 +580,7 @@ def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: 
             if n_real:  # none left: the batch is about to stop anyway
                 retired_tokens += (rounds.n_real - n_real) * rounds.T
                 rounds.retire(keep, n_real)
+                compiled = merge_compiled(compiled, run_round.compiled())
                 run_round = round_graphs()
         if flags is not None:
             flags[2] = max(flags[2] + retired_tokens, reported)
@@ -588,5 +600,7 @@ def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: 
         batch.on_tokens(max(0, rounds.batch_n_real * rounds.T - reported))
     result = rounds.result()
     result.stats["cuda_graphs"] = run_round.use_graphs
+    if batch.compile:
+        result.stats["compiled"] = merge_compiled(compiled, run_round.compiled())
     result.stats["batch_rounds"] = round_index
     return result

@@ -108,25 +108,48 @@ def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int
     return torch.cat([torch.zeros(cls_token_num, half, 2, dtype=torch.float64), table]).float()
 
 
-def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """Write ``values`` [B, H, T, D] into one layer's static cache [B, H, S, D] at ``slots``: [T] (the
-    same slots for every row) or [B, T] (per row: each sequence of a batch at its own length)."""
-    values = values.to(cache.dtype)
-    if slots.dim() == 1:
-        cache.index_copy_(2, slots, values)
-    else:
-        B, H, T, D = values.shape
-        cache.scatter_(2, slots[:, None, :, None].expand(B, H, T, D), values)
+# --- KV writes --------------------------------------------------------------------------------------
+# torch.compile functionalises a write through a view of a persistent buffer (one layer ``k[i]`` of the
+# [L, ...] cache) or a ``scatter_`` into it as an out-of-place copy of the whole buffer plus a copy back;
+# Inductor turns ``index_put_`` on the base tensor back into an in-place write. So the model writes the
+# static cache (runtime.kv_cache.StaticKVCache) only through write_kv, the layer as a tensor index.
+
+
+class LayerKV:
+    """Layer ``index`` of a static cache (``StaticKVCache``: k, v [L, B, H, S, D] and the index vectors
+    layer_ids, row_ids, head_ids): unpacks to its (K, V) views for reading
+    (``k, v = layer``); :func:`write_kv` writes it through the base buffers."""
+
+    def __init__(self, cache, index: int):  # cache: runtime.kv_cache.StaticKVCache
+        self.cache, self.index = cache, index
+
+    def __iter__(self):
+        return iter((self.cache.k[self.index], self.cache.v[self.index]))
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return (self.cache.k, self.cache.v)[i][self.index]
+
+
+def write_kv(layer: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write ``k``/``v`` [B, H, T, D] into ``layer`` at ``slots``: [T] (the same slots for every row) or
+    [B, T] (per row: each sequence of a batch at its own length). One ``index_put_`` per buffer."""
+    cache = layer.cache
+    B, H, T, _ = k.shape
+    s = slots.view(1, 1, T) if slots.dim() == 1 else slots.view(B, 1, T)
+    index = (cache.layer_ids[layer.index], cache.row_ids[:B].view(B, 1, 1), cache.head_ids.view(1, H, 1), s)
+    cache.k.index_put_(index, k.to(cache.k.dtype))
+    cache.v.index_put_(index, v.to(cache.v.dtype))
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, hd]; rope: [T, hd/2, 2] or [B, T, hd/2, 2] (cos, sin). Rotates adjacent pairs, in
-    fp32, as one complex multiply (one op instead of seven; the same bits as the real-valued formula)."""
-    xs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    rot = torch.view_as_complex(rope.float().contiguous())
-    if rot.dim() == 2:
-        rot = rot.unsqueeze(0)
-    return torch.view_as_real(xs * rot.unsqueeze(2)).flatten(3).type_as(x)
+    """x: [B, T, H, hd]; rope: [T, hd/2, 2] or [B, T, hd/2, 2] (cos, sin). Rotates adjacent pairs in
+    fp32 with the real-valued formula (the bits of a complex multiply; Inductor generates code for it,
+    not for complex dtypes). q and k go through one call (heads concatenated): one rotation op."""
+    xf = x.float().reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    r = rope.float() if rope.dim() == 4 else rope.float().unsqueeze(0)
+    cos, sin = r[..., 0].unsqueeze(2), r[..., 1].unsqueeze(2)  # [B|1, T, 1, hd/2]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(3).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -167,17 +190,16 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, kv=None, slots=None, mask=None):
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.dim, dim=-1)
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
-        k = apply_rope(k.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
-        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        H = self.n_head
+        qkv = self.wqkv(x).view(B, T, 3 * H, self.head_dim)
+        qk = apply_rope(qkv[:, :, : 2 * H], rope)  # q and k rotated in one op
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+        v = qkv[:, :, 2 * H :].transpose(1, 2)
         if kv is not None:
-            k_cache, v_cache = kv
             # Static cache: write the new K/V at their slots, attend over the whole buffer; the mask
             # hides slots that are not (yet) part of this query's context.
-            write_slots(k_cache, slots, k)
-            write_slots(v_cache, slots, v)
-            k, v = k_cache, v_cache
+            write_kv(kv, slots, k, v)
+            k, v = kv
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif isinstance(mask, torch.Tensor):

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .fused import fuse_linears
-from .gpt import RMSNorm, write_slots
+from .gpt import RMSNorm, write_kv
 
 
 @dataclass
@@ -90,10 +90,8 @@ class DecoderAttention(nn.Module):
         q = apply_rope_half(q, rope).transpose(1, 2)
         k = apply_rope_half(k, rope).transpose(1, 2)
         if kv is not None:
-            k_cache, v_cache = kv
-            write_slots(k_cache, slots, k)  # slots [T], or [B, T]: each sequence at its own length
-            write_slots(v_cache, slots, v)
-            k, v = k_cache, v_cache
+            write_kv(kv, slots, k, v)  # slots [T], or [B, T]: each sequence at its own length
+            k, v = kv
         rep = c.n_head // c.n_kv_head
         if rep > 1:  # the cache holds K/V heads only; attention sees them shared by their query groups
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

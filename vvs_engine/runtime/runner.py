@@ -39,6 +39,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .compiled import maybe_compiled, status as compiled_status
 from .masks import causal_local
 from ..sampling import SamplingParams, guided_logits, process_logits
 from .target import TargetSession
@@ -96,8 +97,9 @@ class StaticCall:
     runner's generator when ``fn`` draws random numbers (it must use that one, never another)."""
 
     def __init__(self, name: str, fn: Callable, inputs: Sequence[torch.Tensor], use_graph: bool,
-                 pool=None, gen: Optional[torch.Generator] = None):
-        self.name, self.fn, self.inputs = name, fn, list(inputs)
+                 pool=None, gen: Optional[torch.Generator] = None, compile: bool = False):
+        self.inputs = list(inputs)
+        self.name, self.fn = name, maybe_compiled(name, fn, compile, self.inputs)
         self.use_graph, self.pool, self.gen = use_graph, pool, gen
         self.graph = None
         self.outputs = None
@@ -165,10 +167,11 @@ class GraphRunner:
     """Persistent sessions and their captured calls for one setting (see the module docstring)."""
 
     def __init__(self, model, cond, n_images: int, use_cfg: bool, key_mask, extra_slots: int,
-                 params: SamplingParams, use_graphs: bool):
+                 params: SamplingParams, use_graphs: bool, compile: bool = False):
         self.session = TargetSession(model, cond, n_images, use_cfg, key_mask, extra_slots)
         self.device, self.params = self.session.device, params
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.compile = bool(compile)
         self.pool = shared_pool() if self.use_graphs else None
         self.gen = torch.Generator(device=self.device)
         self.calls = {}
@@ -186,7 +189,7 @@ class GraphRunner:
     def _call(self, name, fn, inputs, gen=None, clone_inputs=True) -> StaticCall:
         if name not in self.calls:
             bufs = [x.clone() for x in inputs] if clone_inputs else list(inputs)
-            self.calls[name] = StaticCall(name, fn, bufs, self.use_graphs, self.pool, gen)
+            self.calls[name] = StaticCall(name, fn, bufs, self.use_graphs, self.pool, gen, self.compile)
         return self.calls[name]
 
     # --- (1) plain AR: one call per token, the state advances inside the graph ----------------------
@@ -204,12 +207,14 @@ class GraphRunner:
                      torch.zeros(1, dtype=torch.long, device=self.device),  # its position
                      torch.zeros(n, s.T, dtype=torch.long, device=self.device))  # tokens so far
             one = causal_local(1, self.device)
+            images = torch.arange(n, device=self.device)
 
             def ar_step(tok, pos, out):
                 h = s.forward(tok[:, None], pos, pos, one)[:, -1]
                 p = process_logits(guided_logits(s.logits(h), params), params)
-                nxt = kernels.counter_sample(self.ar_rng, p, pos - (s.c - 1), Streams.SAMPLE)  # step = image token index
-                out.index_copy_(1, pos - (s.c - 1), nxt[:, None])
+                step = pos - (s.c - 1)  # the image token index: the random-number step and the out column
+                nxt = kernels.counter_sample(self.ar_rng, p, step, Streams.SAMPLE)
+                out.index_put_((images, step.expand(n)), nxt)  # index_put_: in place under torch.compile
                 tok.copy_(nxt)
                 pos.add_(1)
                 return tok
@@ -229,20 +234,25 @@ class GraphRunner:
         return {name: {"graph": c.graph is not None, "replays": c.replays, "capture_error": c.capture_error}
                 for name, c in self.calls.items()}
 
+    def compiled(self) -> dict:
+        """{call name: runs compiled} (``stats["compiled"]``); empty when compiling is off."""
+        return compiled_status({n: c.fn for n, c in self.calls.items()}) if self.compile else {}
+
 
 # --- the runner cache -----------------------------------------------------------------------------
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {setting: GraphRunner}
 
 
 def get_runner(model, cond, n_images: int, use_cfg: bool, key_mask, params: SamplingParams,
-               use_graphs: bool, extra_slots: int = 0) -> GraphRunner:
+               use_graphs: bool, extra_slots: int = 0, compile: bool = False) -> GraphRunner:
     """The cached runner for this setting, reset to ``cond``/``key_mask`` (whose shapes fix the setting)."""
     p = next(model.parameters())
     key = (n_images, use_cfg, tuple(cond.shape), cond.dtype, key_mask is not None, extra_slots,
-           dataclasses.astuple(params), use_graphs, p.device, p.dtype)
+           dataclasses.astuple(params), use_graphs, compile, p.device, p.dtype)
     per_model = _RUNNERS.setdefault(model, {})
     if key not in per_model:
-        per_model[key] = GraphRunner(model, cond, n_images, use_cfg, key_mask, extra_slots, params, use_graphs)
+        per_model[key] = GraphRunner(model, cond, n_images, use_cfg, key_mask, extra_slots, params, use_graphs,
+                                     compile)
     r = per_model[key]
     r.reset(cond, key_mask)
     return r
@@ -270,16 +280,19 @@ def pad_conditions(cond, key_mask, n: int, n_bucket: int, use_cfg: bool):
 
 
 class RoundGraphs:
-    """Round functions that update device state in place, each captured whole as one CUDA graph
-    (``use_graphs``) or run eagerly on the same buffers. The choice is made here, once, explicitly.
+    """Round functions that update device state in place, each compiled by Inductor (``compile``,
+    see ``runtime.compiled``) and/or captured whole as one CUDA graph (``use_graphs``), or run eagerly
+    on the same buffers. The choice is made here, once, explicitly; a method only names its rounds.
 
     ``rounds``: name -> a function of no arguments (it reads and writes only device buffers and never
     the host). ``buffers``: every tensor the rounds write; capture runs one warm-up round on a side
-    stream (autotuning, allocator caching) and then restores them, so capturing changes nothing."""
+    stream (compiling, autotuning, allocator caching) and then restores them, so capturing changes
+    nothing."""
 
-    def __init__(self, rounds: dict, buffers: Sequence[torch.Tensor], use_graphs: bool):
-        self.rounds, self.buffers = rounds, list(buffers)
-        self.use_graphs = bool(use_graphs)
+    def __init__(self, rounds: dict, buffers: Sequence[torch.Tensor], use_graphs: bool, compile: bool = False):
+        self.buffers = list(buffers)
+        self.rounds = {name: maybe_compiled(name, fn, compile, self.buffers) for name, fn in rounds.items()}
+        self.use_graphs, self.compile = bool(use_graphs), bool(compile)
         self.graphs = {}
         self.replays = {name: 0 for name in rounds}
 
@@ -292,15 +305,20 @@ class RoundGraphs:
             self.graphs[name].replay()
         self.replays[name] += 1
 
+    def compiled(self) -> dict:
+        """{round kind: runs compiled} for the kinds that ran (``stats["compiled"]``)."""
+        return compiled_status({n: f for n, f in self.rounds.items() if self.replays[n]}) if self.compile else {}
+
     def _capture(self, fn) -> "torch.cuda.CUDAGraph":
         saved = [b.clone() for b in self.buffers]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn()  # warm-up: autotuning, workspaces and allocator caching happen outside the capture
+            for _ in range(WARMUP_RUNS):  # compiling, autotuning, workspaces, allocator caching: not in the capture
+                fn()
+                for b, s in zip(self.buffers, saved):
+                    b.copy_(s)
         torch.cuda.current_stream().wait_stream(side)
-        for b, s in zip(self.buffers, saved):
-            b.copy_(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=shared_pool()):
             fn()

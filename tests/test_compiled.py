@@ -1,0 +1,178 @@
+"""Compiled decode rounds (torch.compile, Inductor's C++ backend on the CPU): the same tokens as eager
+for every method, the eager fallback, no cache-sized temporaries, and the custom ops' fakes.
+
+Compiling is slow on a loaded CPU, so every compile here is of a tiny model (1 layer, a 4-token image)
+and each compiled round is shared: one module fixture decodes every method once eager and once
+compiled (greedy and sampled), recording Inductor's code, and the tests read from it."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from spec_models import tiny_engine
+from vvs_engine.kernels import flash
+from vvs_engine.models import gpt as gpt_module
+from vvs_engine.runtime import launches
+from vvs_engine.runtime.compiled import FORCE_FAIL_ENV
+
+METHODS = {  # method -> options: small trees, a skip schedule that skips on a 4-token image
+    "ar": {},
+    "eagle": dict(tree_total=6, tree_depth=2, tree_topk=2),
+    "lantern": dict(tree_total=6, tree_depth=2, tree_topk=2),
+    "vvs": dict(tree_total=6, tree_depth=2, tree_topk=2, skip_policy="uniform", skip_interval=2),
+    "cascade": dict(tree_total=6, tree_depth=2, tree_topk=2),
+    "sjd": dict(jacobi_window=3),
+    "gsd": dict(jacobi_window=3),
+}
+# the round kinds each method must have run compiled
+KINDS = {"ar": {"ar_step"}, "vvs": {"verify", "skip", "verify_after_skip"}, "sjd": {"jacobi"}, "gsd": {"jacobi"}}
+
+
+def _engine():
+    return tiny_engine(vocab=32, block=16, dtype=torch.float32, dim=32, n_layer=1, peak=3.0)
+
+
+def _generate(e, method, greedy, compile):
+    kw = dict(class_labels=[0, 3], method=method, seed=3, batch_size=2, decode_images=False,
+              temperature=0.0 if greedy else 1.0, compile=compile, **METHODS[method])
+    return e.generate(**kw)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{(method, greedy): (eager output, compiled output)} and the recorded code per round kind."""
+    torch.manual_seed(0)
+    e = _engine()
+    out = {}
+    prev = os.environ.get("VVS_RETIRE_FINISHED")
+    os.environ["VVS_RETIRE_FINISHED"] = "0"  # no retire sizes: one compile per round kind and setting
+    try:
+        with launches.recording() as codes:
+            for method in METHODS:
+                for greedy in (True, False):
+                    out[method, greedy] = (_generate(e, method, greedy, False), _generate(e, method, greedy, True))
+    finally:
+        if prev is None:
+            os.environ.pop("VVS_RETIRE_FINISHED")
+        else:
+            os.environ["VVS_RETIRE_FINISHED"] = prev
+    return e, out, codes
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_compiled_tokens_equal_eager(runs, method):
+    _, out, _ = runs
+    for greedy in (True, False):
+        eager, comp = out[method, greedy]
+        assert torch.equal(eager.tokens, comp.tokens), (method, greedy)
+        assert "compiled" not in eager.stats or eager.stats["compiled"] == {}
+        compiled = comp.stats["compiled"]
+        assert compiled and all(compiled.values()), compiled
+        assert KINDS.get(method, {"verify"}) <= set(compiled), compiled
+
+
+def test_sampled_differs_from_greedy(runs):
+    """Negative control: the sampled runs really sample (else greedy == sampled would test nothing)."""
+    _, out, _ = runs
+    assert any(not torch.equal(out[m, True][1].tokens, out[m, False][1].tokens) for m in METHODS)
+
+
+def test_compiled_ar_step_has_no_cache_sized_temporaries(runs, monkeypatch):
+    """KV writes as index_put_ on the base cache: Inductor updates the cache in place. The old write
+    through a layer view (negative control) makes it allocate cache-sized copies."""
+    e, _, codes = runs
+    cfg = e.gpt.config
+    rows, slots = 2 * 2, (cfg.cls_token_num + cfg.block_size + 7) // 8 * 8  # batch 2 with CFG
+    layer_numel = rows * cfg.n_head * slots * cfg.head_dim
+
+    def big(code):
+        return [s for s in launches.allocations(code) if torch.Size(s).numel() >= layer_numel]
+
+    ar_codes = codes["ar_step"]
+    assert ar_codes and all(big(c) == [] for c in ar_codes)
+
+    def write_through_view(layer, slots, k, v):  # the write before this change: through the layer view
+        cache = layer.cache
+        cache.k[layer.index].index_copy_(2, slots, k)
+        cache.v[layer.index].index_copy_(2, slots, v)
+
+    monkeypatch.setattr(gpt_module, "write_kv", write_through_view)
+    with launches.recording() as old:
+        _generate(e, "ar", True, True)
+    assert old["ar_step"] and big(old["ar_step"][0]), "the negative control should allocate cache copies"
+
+
+def test_launch_count_reads_kernels_gemms_and_ops(runs):
+    e, _, codes = runs
+    n = launches.count(codes["ar_step"][0])
+    # one layer: qkv, wo, w1, w3, w2 and the head are GEMMs; one tree_attention; counter_uniform
+    assert n.gemms == 6 and n.names.count("vvs.tree_attention") == e.gpt.config.n_layer
+    assert n.kernels > 0 and n.total == n.kernels + n.gemms + n.custom + n.other
+
+
+def test_compile_failure_falls_back_to_eager(runs, monkeypatch):
+    e, out, _ = runs
+    monkeypatch.setenv(FORCE_FAIL_ENV, "verify")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = _generate(e, "eagle", False, True)
+    assert torch.equal(res.tokens, out["eagle", False][0].tokens)
+    assert res.stats["compiled"]["verify"] is False
+    msgs = [str(w.message) for w in caught if "torch.compile of round 'verify' failed" in str(w.message)]
+    assert len(msgs) == 1 and "\n" not in msgs[0]
+
+
+# --- custom ops: fakes against the real layouts ------------------------------------------------------
+
+def _engine_q_layout(B=2, T=3, H=4, hd=8):
+    """q as the engine makes it: a transposed slice of the fused q/k/v projection (not contiguous)."""
+    qkv = torch.randn(B, T, 3 * H, hd)
+    q = qkv[:, :, :H].transpose(1, 2)
+    assert not q.is_contiguous()
+    return q
+
+
+def test_tree_attention_opcheck_on_engine_layout():
+    q = _engine_q_layout()
+    B, H, T, hd = q.shape
+    S = 16
+    k, v = torch.randn(B, H, S, hd), torch.randn(B, H, S, hd)
+    prefix = torch.tensor([5, 7])
+    local = torch.ones(B, T, T, dtype=torch.bool).tril()
+    out = torch.ops.vvs.tree_attention(q, k, v, prefix, local, None)
+    assert out.is_contiguous()
+    torch.library.opcheck(torch.ops.vvs.tree_attention, (q, k, v, prefix, local, None))
+
+
+def _flash_emulation(q, k_cache, v_cache, cache_seqlens, causal):
+    """flash_attn_with_kvcache's contract on [B, S, H, D] tensors, computed with SDPA (flash-attn is
+    not installed here): returns a fresh contiguous [B, Q, H, D]."""
+    B, Q, H, D = q.shape
+    S = k_cache.shape[1]
+    keys = torch.arange(S)
+    n = cache_seqlens.long()[:, None, None]
+    vis = keys[None, None, :] < n if not causal else keys[None, None, :] <= n - Q + torch.arange(Q)[None, :, None]
+    y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2),
+                                                         v_cache.transpose(1, 2), attn_mask=vis[:, None])
+    return y.transpose(1, 2).contiguous()
+
+
+def test_flash_op_fake_matches_real_layout(monkeypatch):
+    monkeypatch.setattr(flash, "kvcache_fn", lambda: _flash_emulation)
+    q = _engine_q_layout(T=1)
+    B, H, _, hd = q.shape
+    k, v = torch.randn(B, H, 16, hd), torch.randn(B, H, 16, hd)
+    n_keys = torch.tensor([9])
+    real = flash.attend(q, k, v, n_keys, causal=False)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.ops.vvs.flash_attend(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v),
+                                          mode.from_tensor(n_keys), False)
+    assert fake.shape == real.shape and fake.stride() == real.stride()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :9], v[:, :, :9])
+    assert torch.allclose(real, ref, atol=1e-6)
+    torch.library.opcheck(torch.ops.vvs.flash_attend, (q, k, v, n_keys, False))

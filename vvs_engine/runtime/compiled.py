@@ -1,0 +1,147 @@
+"""torch.compile for the decode rounds: every round function compiled whole by Inductor.
+
+Why: on a GPU a round is launch-bound (hundreds of small kernels); Inductor fuses the elementwise and
+indexing work between the GEMMs and halves the launches, and the CUDA graph of the round
+(``runner.py``) then replays the compiled kernels with one call.
+
+How (gpt-fast / nano-vllm style): a round function takes no arguments or only static buffers, reads
+and writes only device buffers and never the host. :class:`CompiledRound` wraps it with
+``torch.compile(fn, fullgraph=True, dynamic=False)``: one graph per round kind and shape (batch
+bucket, retire size), no graph breaks allowed. The graph runner calls the compiled function in its
+warm-up runs (that is where Inductor compiles) and captures it afterwards, so a replay is compiled
+kernels inside one CUDA graph. Any method gets this by naming its round functions in a
+``RoundGraphs`` (``runtime.runner``); nothing here knows a method.
+
+* Fallback: if compiling fails (a graph break under ``fullgraph=True`` is an error, an Inductor
+  error, a stride assertion on the first run), the round warns once, restores the buffers it may have
+  touched and runs eagerly from then on. Never a crash; :attr:`CompiledRound.ok` says which happened
+  and lands in ``stats["compiled"]``.
+* Recompiles: ``dynamic=False`` means one compile per round kind x batch bucket x retire size (and
+  per sampling setting: its constants are baked in). Dynamo's default recompile limit (8 per code
+  object) is far below that; :func:`configure` raises it.
+* Cache: Inductor's on-disk FX graph cache stays on (torch's default), so a second process with the
+  same rounds reloads the compiled code instead of compiling (Dynamo still traces: seconds, not
+  minutes). ``TORCHINDUCTOR_CACHE_DIR`` moves it.
+* Off the GPU: ``compile=None`` means on for CUDA, off for the CPU (Inductor's C++ kernels are not
+  faster than eager there); ``--compile`` on the CPU works and gives the same tokens (the tests).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+
+# Dynamo's cache is per code object; size it for round kinds (AR step, verify, verify after a skip,
+# skip, Jacobi iteration) x batch buckets x retire sizes (powers of two up to the largest bucket).
+ROUND_KINDS = 5
+
+FORCE_FAIL_ENV = "VVS_COMPILE_FAIL"  # tests: make compiling the named round kinds ("all") fail
+
+
+def compile_default(device) -> bool:
+    """Compiled rounds on by default on CUDA, off elsewhere."""
+    return torch.device(device).type == "cuda"
+
+
+def resolve(compile: Optional[bool], device) -> bool:
+    return compile_default(device) if compile is None else bool(compile)
+
+
+def recompile_limit() -> int:
+    from .runner import BATCH_BUCKETS
+
+    return ROUND_KINDS * len(BATCH_BUCKETS) * max(BATCH_BUCKETS).bit_length()
+
+
+_CONFIGURED = False
+
+
+def configure() -> None:
+    """Once per process: room in Dynamo's cache for every round kind x batch bucket x retire size."""
+    global _CONFIGURED
+    if _CONFIGURED:
+        return
+    import torch._dynamo.config as dynamo_config
+
+    limit = recompile_limit()
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, limit)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4 * limit)
+    _CONFIGURED = True
+
+
+class CompileFailure(RuntimeError):
+    pass
+
+
+_CURRENT = None  # the round kind whose first (compiling) call is running: launches.recording() files code under it
+
+
+def current_round():
+    return _CURRENT
+
+
+def _forced_failure(name: str) -> bool:
+    import os
+
+    value = os.environ.get(FORCE_FAIL_ENV, "")
+    return value == "all" or name in value.split(",")
+
+
+class CompiledRound:
+    """``fn`` compiled with ``torch.compile(fullgraph=True, dynamic=False)``, eager if that fails.
+
+    ``buffers``: the tensors ``fn`` writes besides caches it rewrites identically on a rerun; they
+    are saved before the first (compiling) call and restored if it fails, so the eager rerun starts
+    from the same state."""
+
+    def __init__(self, name: str, fn: Callable, buffers: Sequence[torch.Tensor] = ()):
+        configure()
+        self.name, self.eager, self.buffers = name, fn, list(buffers)
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        self.ok: Optional[bool] = None  # None until the first call; then whether it runs compiled
+        self.error: Optional[str] = None
+        self.first_call_s = 0.0  # the first call: tracing + compiling (or a cache load) + one run
+
+    def __call__(self, *args):
+        if self.ok:
+            return self.compiled(*args)
+        if self.ok is False:
+            return self.eager(*args)
+        global _CURRENT
+        saved = [b.clone() for b in self.buffers]
+        t0 = time.perf_counter()
+        _CURRENT = self.name
+        try:
+            if _forced_failure(self.name):
+                raise CompileFailure(f"{FORCE_FAIL_ENV} names '{self.name}'")
+            out = self.compiled(*args)
+        except Exception as e:  # a graph break, an Inductor error, a stride check: run eagerly, say so once
+            for b, s in zip(self.buffers, saved):
+                b.copy_(s)
+            self.ok, self.error = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(f"torch.compile of round '{self.name}' failed; it runs eagerly ({self.error})",
+                          stacklevel=2)
+            return self.eager(*args)
+        finally:
+            _CURRENT = None
+        self.first_call_s = time.perf_counter() - t0
+        self.ok = True
+        return out
+
+
+def maybe_compiled(name: str, fn: Callable, enabled: bool, buffers: Sequence[torch.Tensor] = ()) -> Callable:
+    """``fn`` as a :class:`CompiledRound` when ``enabled``, else ``fn`` itself."""
+    return CompiledRound(name, fn, buffers) if enabled else fn
+
+
+def status(rounds: dict) -> dict:
+    """{round kind: compiled or not} of a dict of round callables (``stats["compiled"]``); a kind that
+    never ran counts as not compiled."""
+    return {name: bool(getattr(fn, "ok", False)) for name, fn in rounds.items()}
+
+
+def merge_compiled(a: dict, b: dict) -> dict:
+    """Two ``stats["compiled"]`` dicts (say before and after a retirement): compiled in both."""
+    return {k: a.get(k, True) and b.get(k, True) for k in {**a, **b}}
