@@ -94,7 +94,10 @@ def tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots:
     """One dynamic-tree expansion step in one op -> (cum [B, K*C], best [B, K], tokens [R, K],
     score_next [B, K], feats_next [R, K, D], anc_next [R, K, W + K], vis_next [R, K, S]). See
     ``reference.tree_level``."""
-    if _reference_fast_path(score):
+    if _reference_fast_path(score) or torch.compiler.is_compiling():
+        # Compiled, the torch version is better: Inductor fuses its gathers into the kernels around
+        # them (the compiled EAGLE-2 verify round of a 2-layer Zoo: 104 launches inlined, 109 with the
+        # op as one opaque node). The op is the eager GPU path's (one launch instead of ~13).
         return reference.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots)
     return ops.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, int(n_slots))
 
