@@ -7,8 +7,12 @@ allocations excluded), over one whole generation (prefill included) of one image
 sampling, so the counts are deterministic. A round is an AR step, a verify or skip round, or a Jacobi
 iteration; the AR step is the unit. Each method is counted twice: as the CPU runs it (every kernel's
 torch reference inlined), and with ``VVS_KERNELS=reference``, which routes each kernel through its
-``vvs::`` custom op (one op, as one launch on a GPU) while still computing with the reference. The second table counts one call of ``verify_tree`` on a Zoo-sized
-tree: the vectorised torch walk against the fused ``vvs::tree_verify`` op.
+``vvs::`` custom op (one op, as one launch on a GPU) while still computing with the reference. The
+compiled columns run the same generation with ``compile=True`` and count, per round kind, the launches
+of the code Inductor generated for it (``vvs_engine.runtime.launches``: generated kernels + extern GEMMs
++ custom ops + other fallbacks); a method's launches per round average its round kinds by how often
+each ran (prefill, which stays eager, is not in them). The second table counts one call of
+``verify_tree`` on a Zoo-sized tree: the vectorised torch walk against the fused ``vvs::tree_verify`` op.
 
     python benchmarks/op_count.py                       # writes benchmarks/results/op_count.{md,json}
     python benchmarks/op_count.py --batch-sizes 1,4,16  # per-B columns once Engine.generate batches
@@ -51,7 +55,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch-sizes", default="1", help="comma-separated B (B > 1 needs Engine.generate(batch_size=))")
     ap.add_argument("--label", type=int, default=0, help="class label of the image (default 0)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="AR and LANTERN only (the test's configuration)")
+    ap.add_argument("--quick", action="store_true", help="AR and LANTERN only, eager columns (the test's configuration)")
+    ap.add_argument("--no-compiled", dest="compiled", action="store_false",
+                    help="eager columns only (the compiled ones compile every round kind: minutes on a CPU)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="output folder")
     return ap.parse_args(argv)
 
@@ -67,7 +73,32 @@ def rounds_of(stats: dict) -> int:
     return int(stats.get("jacobi_rounds", stats["target_forward_passes"]))
 
 
-def count_method(engine, method, opts, label, seed, batch_size):
+def rounds_by_kind(stats: dict) -> dict:
+    """{round kind: how many ran} (the kind names of the compiled rounds)."""
+    if "rounds_by_kind" in stats:
+        return dict(stats["rounds_by_kind"])
+    if "jacobi_rounds" in stats:
+        return {"jacobi": int(stats["jacobi_rounds"])}
+    return {"ar_step": int(stats["target_forward_passes"])}
+
+
+def count_compiled(engine, kw, eager_tokens):
+    """Compiled launches of each round kind of this generation (Inductor's code, read on the CPU)."""
+    from vvs_engine.runtime import launches
+
+    with launches.recording() as codes:
+        out = engine.generate(compile=True, **kw)
+    assert torch.equal(out.tokens, eager_tokens), "compiling changed the tokens"
+    assert all(out.stats["compiled"].values()), out.stats["compiled"]
+    per_kind = {kind: launches.count(c[0]) for kind, c in codes.items()}  # one compile per kind at one batch size
+    ran = rounds_by_kind(out.stats)
+    total = sum(n * per_kind[kind].total for kind, n in ran.items())
+    return dict(compiled_launches_by_kind={k: v.to_dict() for k, v in per_kind.items()}, rounds_by_kind=ran,
+                compiled_launches_per_round=total / sum(ran.values()),
+                compiled_launches_per_token=total / out.stats["tokens_generated"])
+
+
+def count_method(engine, method, opts, label, seed, batch_size, compiled=True):
     kw = dict(class_labels=[label] * batch_size, method=method, seed=seed, decode_images=False, **opts)
     if batch_size > 1:
         kw["batch_size"] = batch_size
@@ -87,10 +118,14 @@ def count_method(engine, method, opts, label, seed, batch_size):
     assert torch.equal(out.tokens, again.tokens), "routing through the custom ops changed the tokens"
     tokens = st["tokens_generated"]
     rounds = rounds_of(st)
-    return dict(compute_ops=ops.compute, host_reads=ops.syncs, rounds=rounds, tokens=tokens,
-                ops_per_round=ops.compute / rounds, ops_per_token=ops.compute / tokens, tpf=st["tpf"],
-                kernel_ops_per_round=kernel_ops.compute / rounds, kernel_ops_per_token=kernel_ops.compute / tokens,
-                top_ops=ops.by_name.most_common(8))
+    row = dict(method=method, compute_ops=ops.compute, host_reads=ops.syncs, rounds=rounds, tokens=tokens,
+               ops_per_round=ops.compute / rounds, ops_per_token=ops.compute / tokens, tpf=st["tpf"],
+               kernel_ops_per_round=kernel_ops.compute / rounds, kernel_ops_per_token=kernel_ops.compute / tokens,
+               eager_kernels_per_round=kernel_ops.compute / rounds, eager_kernels_per_token=kernel_ops.compute / tokens,
+               top_ops=ops.by_name.most_common(8))
+    if compiled:
+        row.update(count_compiled(engine, kw, out.tokens))
+    return row
 
 
 def verify_call_ops(engine):
@@ -145,6 +180,8 @@ def render(results, verify_rows, batch_sizes, note) -> str:
                      f"{r['ops_per_token'] / tok:.2f} | {r['kernel_ops_per_round']:.0f} | "
                      f"{r['kernel_ops_per_round'] / unit_k:.2f} | {r['kernel_ops_per_token']:.0f} | "
                      f"{r['kernel_ops_per_token'] / tok_k:.2f} | {r['tpf']:.2f} | {r['host_reads']} |")
+    if ar and "compiled_launches_per_round" in ar:
+        lines += compiled_table(rows)
     extra = [b for b in batch_sizes if b != 1 and b in results]
     if extra:
         lines += ["", "## Per batch size: compute ops per committed token (TPF)", "",
@@ -160,6 +197,36 @@ def render(results, verify_rows, batch_sizes, note) -> str:
         for v in verify_rows:
             lines.append(f"| {v['rule']} | {v['vocab']} | {v['torch_walk_ops']} | {v['fused_ops']} |")
     return "\n".join(lines) + "\n"
+
+
+KIND_ORDER = ("ar_step", "verify", "verify_after_skip", "skip", "jacobi")
+
+
+def compiled_table(rows) -> list:
+    """Compiled launches: per round kind, per method round and per committed token, AR's step the unit."""
+    ar = rows["AR"]
+    unit = ar["compiled_launches_by_kind"]["ar_step"]["total"]
+    tok = ar["compiled_launches_per_token"]
+    lines = ["", "## Compiled rounds: launches (Inductor, `compile=True`, read from the generated code)", "",
+             f"Unit: the compiled AR step = {unit} launches (generated kernels + extern GEMMs + custom ops + other "
+             "fallbacks). Per round kind: launches (kernels + GEMMs + custom ops + other) and x the compiled AR step. "
+             "Per round / per token: the method's rounds weighted by how often each kind ran (eager prefill "
+             "excluded); eager = the kernels-as-ops count above.", "",
+             "| method | round kinds: launches (k + g + c + o), x AR step | compiled launches per round | x AR step "
+             "| per committed token | x AR | eager kernels per round | compiled / eager |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if "compiled_launches_by_kind" not in r:
+            continue
+        kinds = sorted(r["compiled_launches_by_kind"].items(), key=lambda kv: KIND_ORDER.index(kv[0])
+                       if kv[0] in KIND_ORDER else 99)
+        cell = "; ".join(f"{k} {v['total']} ({v['kernels']} + {v['gemms']} + {v['custom_ops']} + {v['other']}), "
+                         f"{v['total'] / unit:.2f}x" for k, v in kinds)
+        per_round = r["compiled_launches_per_round"]
+        lines.append(f"| {name} | {cell} | {per_round:.0f} | {per_round / unit:.2f} | "
+                     f"{r['compiled_launches_per_token']:.0f} | {r['compiled_launches_per_token'] / tok:.2f} | "
+                     f"{r['eager_kernels_per_round']:.0f} | {per_round / r['eager_kernels_per_round']:.2f} |")
+    return lines
 
 
 def write(out_dir, results, verify_rows, batch_sizes, note, meta) -> str:
@@ -195,11 +262,14 @@ def main(argv=None, engine=None):
     for b in batch_sizes:
         results[b] = {}
         for name, method, opts in rows:
-            r = count_method(engine, method, opts, args.label, args.seed, b)
+            r = count_method(engine, method, opts, args.label, args.seed, b, compiled=args.compiled and not args.quick and b == 1)
             results[b][name] = r
             print(f"B={b} {name:16s} ops/round {r['ops_per_round']:8.1f}  ops/token {r['ops_per_token']:8.1f}  "
                   f"kernels as ops: {r['kernel_ops_per_round']:8.1f} / {r['kernel_ops_per_token']:8.1f}  "
-                  f"tpf {r['tpf']:.2f}  host reads {r['host_reads']}", flush=True)
+                  f"tpf {r['tpf']:.2f}  host reads {r['host_reads']}"
+                  + (f"  compiled launches/round {r['compiled_launches_per_round']:.1f} "
+                     f"{ {k: v['total'] for k, v in r['compiled_launches_by_kind'].items()} }"
+                     if "compiled_launches_per_round" in r else ""), flush=True)
             write(args.out, results, verify_rows, batch_sizes, note, meta)  # partial tables survive a stop
     print(write(args.out, results, verify_rows, batch_sizes, note, meta))
     return results

@@ -1,9 +1,11 @@
 """Compiled decode rounds (torch.compile, Inductor's C++ backend on the CPU): the same tokens as eager
 for every method, the eager fallback, no cache-sized temporaries, and the custom ops' fakes.
 
-Compiling is slow on a loaded CPU, so every compile here is of a tiny model (1 layer, a 4-token image)
-and each compiled round is shared: one module fixture decodes every method once eager and once
-compiled (greedy and sampled), recording Inductor's code, and the tests read from it."""
+Compiling is slow on a loaded CPU, so every compile here is of a tiny model (1 layer, a 16-token
+image, fp64 so that no greedy tie can flip), Inductor's C++ kernels are not vectorised (a fraction of
+the code generation time; what is tested is the graph, not the vector ISA), and each compiled round
+is shared: one module fixture decodes every method once eager and once compiled (greedy and sampled),
+recording Inductor's code, and the tests read from it."""
 from __future__ import annotations
 
 import os
@@ -17,6 +19,7 @@ from vvs_engine.kernels import flash
 from vvs_engine.models import gpt as gpt_module
 from vvs_engine.runtime import launches
 from vvs_engine.runtime.compiled import FORCE_FAIL_ENV
+from vvs_engine.runtime.runner import clear_runners
 
 METHODS = {  # method -> options: small trees, a skip schedule that skips on a 4-token image
     "ar": {},
@@ -32,7 +35,13 @@ KINDS = {"ar": {"ar_step"}, "vvs": {"verify", "skip", "verify_after_skip"}, "sjd
 
 
 def _engine():
-    return tiny_engine(vocab=32, block=16, dtype=torch.float32, dim=32, n_layer=1, peak=3.0)
+    return tiny_engine(vocab=32, block=16, dtype=torch.float64, dim=32, n_layer=1, peak=3.0)
+
+
+def _fast_inductor():
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch({"cpp.vec_isa_ok": False})
 
 
 def _generate(e, method, greedy, compile):
@@ -50,7 +59,7 @@ def runs():
     prev = os.environ.get("VVS_RETIRE_FINISHED")
     os.environ["VVS_RETIRE_FINISHED"] = "0"  # no retire sizes: one compile per round kind and setting
     try:
-        with launches.recording() as codes:
+        with _fast_inductor(), launches.recording() as codes:
             for method in METHODS:
                 for greedy in (True, False):
                     out[method, greedy] = (_generate(e, method, greedy, False), _generate(e, method, greedy, True))
@@ -100,7 +109,8 @@ def test_compiled_ar_step_has_no_cache_sized_temporaries(runs, monkeypatch):
         cache.v[layer.index].index_copy_(2, slots, v)
 
     monkeypatch.setattr(gpt_module, "write_kv", write_through_view)
-    with launches.recording() as old:
+    clear_runners(e.gpt)  # the AR step's runner (and its compiled step) is cached per model
+    with _fast_inductor(), launches.recording() as old:
         _generate(e, "ar", True, True)
     assert old["ar_step"] and big(old["ar_step"][0]), "the negative control should allocate cache copies"
 
@@ -116,7 +126,7 @@ def test_launch_count_reads_kernels_gemms_and_ops(runs):
 def test_compile_failure_falls_back_to_eager(runs, monkeypatch):
     e, out, _ = runs
     monkeypatch.setenv(FORCE_FAIL_ENV, "verify")
-    with warnings.catch_warnings(record=True) as caught:
+    with _fast_inductor(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = _generate(e, "eagle", False, True)
     assert torch.equal(res.tokens, out["eagle", False][0].tokens)
@@ -176,3 +186,14 @@ def test_flash_op_fake_matches_real_layout(monkeypatch):
     ref = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :9], v[:, :, :9])
     assert torch.allclose(real, ref, atol=1e-6)
     torch.library.opcheck(torch.ops.vvs.flash_attend, (q, k, v, n_keys, False))
+
+
+def test_cli_compile_flags():
+    from vvs_engine.cli import build_parser
+
+    p = build_parser()
+    for cmd in ("generate", "generate-dataset"):
+        extra = ["--out", "x"] if cmd == "generate-dataset" else []
+        assert p.parse_args([cmd, *extra]).compile is None
+        assert p.parse_args([cmd, "--compile", *extra]).compile is True
+        assert p.parse_args([cmd, "--no-compile", *extra]).compile is False

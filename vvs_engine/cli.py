@@ -16,6 +16,8 @@ cannot be read or written, a bad value) prints one ``error: ...`` line and exits
 """
 from __future__ import annotations
 
+import argparse
+
 import importlib
 import json
 import math
@@ -95,6 +97,9 @@ def build_parser() -> Parser:
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     s.add_argument("--batch-size", type=int, default=16, metavar="N",
                    help="images decoded together, every method (default 16); tokens do not depend on it")
+    s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode rounds with torch.compile (default: on for CUDA, off on the CPU; "
+                        "the same tokens either way)")
 
     # Generated from the method option dataclasses. All default to None ("not given"): the method
     # registry drops None so the method's own default applies.
@@ -283,7 +288,7 @@ def cmd_generate(args) -> int:
                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                    cfg_scale=args.cfg_scale, seed=args.seed, decode_images=not args.no_images,
                                    progress=not args.quiet, clean_captions=not args.no_clean_captions,
-                                   batch_size=args.batch_size, **method_options(args))
+                                   batch_size=args.batch_size, compile=args.compile, **method_options(args))
         except VVSError as e:
             raise VVSError(flag_names(str(e))) from None
 

@@ -151,7 +151,7 @@ class ShardWorker:
                                        prompts=None if prompts is None else list(prompts[b:b + bs]),
                                        method=job["method"], seed=job["seed"], image_indices=list(indices[b:b + bs]),
                                        decode_images=job["decode_images"], progress=False, batch_size=bs,
-                                       **job["sampling"], **job["options"])
+                                       compile=job.get("compile"), **job["sampling"], **job["options"])
             tokens.append(out.tokens.numpy().astype(np.int64))
             for img in out.images:
                 buf = io.BytesIO()
@@ -363,11 +363,13 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
              model: Optional[dict] = None, ray: Optional[str] = None, workers: Optional[int] = None,
              threads: Optional[int] = None, gpus_per_worker: Optional[float] = None,
              max_retries: int = DEFAULT_MAX_RETRIES, progress: bool = True, command: Optional[List[str]] = None,
-             engine_factory: Optional[Callable] = None, **method_opts) -> dict:
+             engine_factory: Optional[Callable] = None, compile: Optional[bool] = None, **method_opts) -> dict:
     """Generate ``per_condition`` images for each label (or prompt) into ``out_dir`` as shards; returns
     the job's merged stats. ``model``: ``Engine.load`` arguments (default: the Zoo). ``ray``: None (this
     process), ``"local"`` (start a local Ray cluster of ``workers`` workers), ``"auto"`` or an address
-    (connect; one worker per GPU, else per ``threads`` CPUs). Finished shards in ``out_dir`` are kept."""
+    (connect; one worker per GPU, else per ``threads`` CPUs). Finished shards in ``out_dir`` are kept.
+    ``compile``: ``Engine.generate``'s (compiled decode rounds; the same tokens, so not part of the
+    dataset's identity)."""
     from . import __version__
     from .methods import resolve_options
     from .sampling import SamplingParams
@@ -456,7 +458,7 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
         os.remove(os.path.join(out_dir, name))
     todo = [k for k in range(n_shards) if k not in done]
     job = {"method": method, "seed": seed, "sampling": params.to_dict(), "options": {k: v for k, v in method_opts.items()
-           if v is not None}, "batch_size": batch_size, "decode_images": bool(decode_images)}
+           if v is not None}, "batch_size": batch_size, "decode_images": bool(decode_images), "compile": compile}
 
     from tqdm import tqdm
 

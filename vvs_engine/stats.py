@@ -9,7 +9,7 @@ SUMMED = {"n_images", "tokens_generated", "target_forward_passes", "wall_time_s"
           "tokens_committed_unverified", "post_verify_rollbacks", "draft_forward_passes", "jacobi_rounds",
           "accepted_drafts_fresh", "accepted_drafts_carried",
           "batch_iterations", "batch_rounds"}  # loop iterations of each call's batches: counts, never averaged
-SUMMED_DICTS = {"staleness_histogram", "time_split_s", "accepted_drafts_histogram"}
+SUMMED_DICTS = {"staleness_histogram", "time_split_s", "accepted_drafts_histogram", "rounds_by_kind"}
 
 
 def merge_stats(stats: List[dict]) -> dict:

@@ -25,6 +25,7 @@ call -> images per second, TPF and the per-image TPF spread, side by side in one
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -166,7 +167,8 @@ def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> d
         opts["lantern_k"] = lantern_k(engine)
     opts.update(extra_opts or {})
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale,
-              decode_images=args.decode_images and engine.vq is not None, cuda_graphs=args.graphs, **opts)
+              decode_images=args.decode_images and engine.vq is not None, cuda_graphs=args.graphs,
+              compile=getattr(args, "compile", None), **opts)
     engine.generate(**condition(engine, label_of(0)), seed=10_000, **kw)  # warm-up: graph capture, autotuning
     if args.torch_trace:  # one extra, untimed generation under torch.profiler (Chrome trace)
         from ..runtime.profiling import torch_trace
@@ -206,8 +208,8 @@ def throughput_setting(engine, setting: Setting, batch_size: int, n_images: int,
     if setting.method != "ar" and "lantern_k" not in opts and engine.vq is None:
         opts["lantern_k"] = lantern_k(engine)
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale, decode_images=False,
-              batch_size=batch_size, cuda_graphs=args.graphs, **opts)
-    eager = {**kw, "cuda_graphs": False}
+              batch_size=batch_size, cuda_graphs=args.graphs, compile=getattr(args, "compile", None), **opts)
+    eager = {**kw, "cuda_graphs": False, "compile": False}
     engine.generate(class_labels=[label_of(0)], seed=10_000, **{**eager, "batch_size": 1})  # one-off setup
     with OpCounter() as ops:  # the warm-up batch, eager: compute ops per committed token at this batch size
         counted = engine.generate(class_labels=[label_of(i) for i in range(batch_size)], seed=10_000, **eager)
@@ -486,6 +488,8 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--no-graphs", dest="graphs", action="store_false", default=None,
                    help="eager loops (default: the engine's default, CUDA graphs on CUDA)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compiled decode rounds (default: the engine's default, on for CUDA)")
     p.add_argument("--decode-images", action="store_true", help="include VQ decoding in the latency")
     p.add_argument("--record", default=None, metavar="TRACE", help="write acceptance traces for --replay here")
     p.add_argument("--replay", default=None, metavar="TRACE", help="replay a recorded trace on random models ('synthetic': a built-in "

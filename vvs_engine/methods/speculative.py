@@ -569,7 +569,7 @@ def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: 
     run_round = round_graphs()
     counters = LateRead(rounds.state.flags)
     counters.push()
-    last_kind, reported, retired_tokens, retire, compiled = None, 0, 0, retire_finished(), {}
+    last_kind, reported, retired_tokens, retire, compiled, kinds_run = None, 0, 0, retire_finished(), {}, {}
     for round_index in itertools.count():
         flags = counters.read()  # [all finished, wants to skip, tokens committed, unfinished], one round late
         if flags is not None and flags[0]:
@@ -593,6 +593,7 @@ def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: 
         run_round(kind)
         counters.push()
         last_kind = kind
+        kinds_run[kind] = kinds_run.get(kind, 0) + 1
         if batch.on_tokens is not None and flags is not None and flags[2] > reported:
             batch.on_tokens(flags[2] - reported)
             reported = flags[2]
@@ -603,4 +604,5 @@ def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: 
     if batch.compile:
         result.stats["compiled"] = merge_compiled(compiled, run_round.compiled())
     result.stats["batch_rounds"] = round_index
+    result.stats["rounds_by_kind"] = kinds_run  # batch rounds of each kind (launch budgets per kind)
     return result

@@ -130,15 +130,22 @@ class LayerKV:
         return (self.cache.k, self.cache.v)[i][self.index]
 
 
-def write_kv(layer: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv(layer, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Write ``k``/``v`` [B, H, T, D] into ``layer`` at ``slots``: [T] (the same slots for every row) or
-    [B, T] (per row: each sequence of a batch at its own length). One ``index_put_`` per buffer."""
-    cache = layer.cache
+    [B, T] (per row: each sequence of a batch at its own length). One ``index_put_`` per buffer.
+    ``layer``: a :class:`LayerKV` (written through the whole [L, ...] cache), or a (K, V) pair of
+    [B, H, S, D] tensors of its own (a one-layer cache outside the engine's sessions)."""
     B, H, T, _ = k.shape
     s = slots.view(1, 1, T) if slots.dim() == 1 else slots.view(B, 1, T)
-    index = (cache.layer_ids[layer.index], cache.row_ids[:B].view(B, 1, 1), cache.head_ids.view(1, H, 1), s)
-    cache.k.index_put_(index, k.to(cache.k.dtype))
-    cache.v.index_put_(index, v.to(cache.v.dtype))
+    if isinstance(layer, LayerKV):
+        cache = layer.cache
+        k_buf, v_buf = cache.k, cache.v
+        index = (cache.layer_ids[layer.index], cache.row_ids[:B].view(B, 1, 1), cache.head_ids.view(1, H, 1), s)
+    else:
+        k_buf, v_buf = layer
+        index = (torch.arange(B, device=k.device).view(B, 1, 1), torch.arange(H, device=k.device).view(1, H, 1), s)
+    k_buf.index_put_(index, k.to(k_buf.dtype))
+    v_buf.index_put_(index, v.to(v_buf.dtype))
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

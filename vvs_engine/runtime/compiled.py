@@ -75,6 +75,14 @@ class CompileFailure(RuntimeError):
     pass
 
 
+_LOG: list = []  # (round kind, seconds, compiled) of every first call in this process (benchmarks read it)
+
+
+def compile_log() -> list:
+    """[(round kind, first-call seconds, compiled)] of every compiled round's first call so far."""
+    return list(_LOG)
+
+
 _CURRENT = None  # the round kind whose first (compiling) call is running: launches.recording() files code under it
 
 
@@ -123,11 +131,13 @@ class CompiledRound:
             self.ok, self.error = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             warnings.warn(f"torch.compile of round '{self.name}' failed; it runs eagerly ({self.error})",
                           stacklevel=2)
+            _LOG.append((self.name, time.perf_counter() - t0, False))
             return self.eager(*args)
         finally:
             _CURRENT = None
         self.first_call_s = time.perf_counter() - t0
         self.ok = True
+        _LOG.append((self.name, self.first_call_s, True))
         return out
 
 
