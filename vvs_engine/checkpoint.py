@@ -106,13 +106,21 @@ def save_safetensors(model: torch.nn.Module, path: str, config: dict, kind: str,
     """Write ``path`` (.safetensors) and ``path`` with .json (the config, ``kind`` and ``extra``)."""
     from safetensors.torch import save_file
 
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    sd = {k: _owning(v.detach().contiguous().cpu()) for k, v in model.state_dict().items()}
     save_file(sd, path)
     meta = {"kind": kind, "config": config}
     if extra:
         meta.update(extra)
     with open(config_path(path), "w") as f:
         json.dump(meta, f, indent=2)
+
+
+def _owning(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a storage of its own: a fused layer's state dict names its parts as views of one
+    tensor, and safetensors refuses tensors that share storage."""
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone()
+    return t
 
 
 def config_path(weights_path: str) -> str:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..checkpoint import load_into, read_config, read_state_dict
 from ..errors import VVSError
 from ..runtime.kv_cache import StaticKVCache
+from ..models.fused import fuse_linears
 from ..models.gpt import RMSNorm, apply_rope, write_kv
 
 
@@ -51,16 +52,16 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.n_head, self.hd = cfg.n_head, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        # One GEMM for q/k/v; the state dict keeps LANTERN's q_proj/k_proj/v_proj names.
+        fuse_linears(self, "qkv_proj", cfg.dim, [("q_proj", cfg.dim), ("k_proj", cfg.dim), ("v_proj", cfg.dim)])
         self.o_proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x, rope, kv=None, slots=None, mask=None):
         B, T, D = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, self.n_head, self.hd), rope).transpose(1, 2)
-        k = apply_rope(self.k_proj(x).view(B, T, self.n_head, self.hd), rope).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = apply_rope(q.view(B, T, self.n_head, self.hd), rope).transpose(1, 2)
+        k = apply_rope(k.view(B, T, self.n_head, self.hd), rope).transpose(1, 2)
+        v = v.view(B, T, self.n_head, self.hd).transpose(1, 2)
         if kv is not None:
             write_kv(kv, slots, k, v)
             k, v = kv
@@ -74,12 +75,12 @@ class DraftAttention(nn.Module):
 class DraftMLP(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        fuse_linears(self, "gate_up_proj", dim, [("gate_proj", hidden), ("up_proj", hidden)])  # one GEMM
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DraftLayer(nn.Module):

@@ -143,6 +143,8 @@ class DraftSession:
         return tables
 
     def _dynamic(self, root, h_root, P_d) -> DraftTree:
+        from .. import kernels
+
         K, depth, total = self.spec.topk, self.spec.depth, self.spec.total
         B, rows, D = self.batch, self.rows, h_root.shape[-1]
         t = self._tables
@@ -154,32 +156,27 @@ class DraftSession:
         lp, tok = self._topk_rows(h_root[:, None], K, P_rows - 1)
         lp, tok = lp[:, 0], tok[:, 0]  # [B, K]
         cand_tok, cand_score, cand_lp, frontiers = [root[:, None], tok], [lp], [t["zero_logp"], lp], [t["frontier0"]]
-        f_tok, f_score = tok, lp
+        f_tok_rows, f_score = self.rows_of(tok), lp
         f_feat = h_root[:, None].expand(rows, K, D)
         anc = t["eye"]  # [rows, K, width]: frontier f sees its ancestors' scratch slots and its own
+        vis = prefix_vis[:, None, :].expand(rows, K, self.S).clone()
+        vis.scatter_(2, scratch[:, None, :K].expand(rows, K, K), anc)
         for d in range(depth):
             width = (d + 1) * K
-            if d:
-                anc = torch.cat([anc, t["eye"]], 2)
-            vis = prefix_vis[:, None, :].expand(rows, K, self.S).clone()
-            vis.scatter_(2, scratch[:, None, :width].expand(rows, K, width), anc)
             pos = (P_rows + d)[:, None]
-            out = self.drafter(f_feat, self.rows_of(f_tok), pos.expand(rows, K), self.kv,
-                               scratch[:, d * K:width], vis[:, None])
+            out = self.drafter(f_feat, f_tok_rows, pos.expand(rows, K), self.kv, scratch[:, d * K:width], vis[:, None])
             clp, ctok = self._topk_rows(out, K, pos[:, 0])  # [B, K, K]
-            cum = (f_score[:, :, None] + clp).flatten(1)
-            ctok = ctok.flatten(1)
-            cand_tok.append(ctok)
-            cand_score.append(cum)
+            cand_tok.append(ctok.flatten(1))
             cand_lp.append(clp.flatten(1))
-            if d == depth - 1:
-                break  # the last level's candidates are never expanded
-            best = cum.topk(K, dim=1).indices  # [B, K]
+            if d == depth - 1:  # the last level's candidates are never expanded
+                cand_score.append((f_score[:, :, None] + clp).flatten(1))
+                break
+            # Scores, the next frontier (top K), its tokens, parent features, ancestor columns and
+            # attention mask: one op per level instead of a dozen small ones.
+            cum, best, f_tok_rows, f_score, f_feat, anc, vis = kernels.tree_level(f_score, clp, ctok, out, anc,
+                                                                                  P_rows, self.S)
+            cand_score.append(cum)
             frontiers.append(best)
-            par_rows = self.rows_of(best // K)
-            f_tok, f_score = ctok.gather(1, best), cum.gather(1, best)
-            f_feat = out.gather(1, par_rows[:, :, None].expand(rows, K, D))
-            anc = anc.gather(1, par_rows[:, :, None].expand(rows, K, width))
         score = torch.nan_to_num(torch.cat(cand_score, 1) - t["penalty"], neginf=-1e30)
         sel = score.topk(min(total - 1, score.shape[1]), dim=1).indices.sort(dim=1).values
         # Parent of each selected candidate (a global candidate id, -1 for the root's children), then

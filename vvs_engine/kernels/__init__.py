@@ -22,7 +22,7 @@ from .reference import local_visibility, sibling_links  # noqa: F401
 
 __all__ = [
     "tree_attention", "local_visibility", "sibling_links", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
-    "accept_walk", "tree_verify", "counter_uniform", "counter_sample", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
+    "accept_walk", "tree_verify", "tree_level", "counter_uniform", "counter_sample", "kv_compact", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
 ]
 
 
@@ -88,6 +88,18 @@ def tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, delta: fl
                                      reference_residual, greedy, max_depth)
     return ops.tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, float(delta), bool(ratio),
                            bool(reference_residual), bool(greedy), int(max_depth))
+
+
+def tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots: int):
+    """One dynamic-tree expansion step in one op -> (cum [B, K*C], best [B, K], tokens [R, K],
+    score_next [B, K], feats_next [R, K, D], anc_next [R, K, W + K], vis_next [R, K, S]). See
+    ``reference.tree_level``."""
+    if _reference_fast_path(score) or torch.compiler.is_compiling():
+        # Compiled, the torch version is better: Inductor fuses its gathers into the kernels around
+        # them (the compiled EAGLE-2 verify round of a 2-layer Zoo: 104 launches inlined, 109 with the
+        # op as one opaque node). The op is the eager GPU path's (one launch instead of ~13).
+        return reference.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots)
+    return ops.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, int(n_slots))
 
 
 def counter_uniform(key, step, stream_offsets, n_lanes: int):

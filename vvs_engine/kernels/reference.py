@@ -125,6 +125,41 @@ def stable_topk(score: torch.Tensor, k: int) -> torch.Tensor:
     return chosen.gather(1, order)
 
 
+def tree_level(score: torch.Tensor, child_logp: torch.Tensor, child_tokens: torch.Tensor, feats: torch.Tensor,
+               anc: torch.Tensor, prefix_len: torch.Tensor, n_slots: int):
+    """One expansion step of the dynamic (EAGLE-2) draft tree: from a frontier's children to the next
+    frontier and everything the drafter needs to run it.
+
+    score [B, K] cumulative log-probs of the K frontier nodes; child_logp, child_tokens [B, K, C] each
+    node's C best children; feats [R, K, D] the drafter outputs at the frontier (R = B, or 2B under CFG:
+    row r belongs to sequence r % B); anc [R, K, W] the scratch columns each frontier node sees;
+    prefix_len [R] the committed drafter length of each row; ``n_slots`` S the drafter cache size.
+
+    -> cum [B, K*C] (every child's cumulative log-prob), best [B, K] (the K best children, best first,
+    as ``cum.topk``), tokens [R, K] (their tokens, per row), score_next [B, K], feats_next [R, K, D] (the
+    parent's drafter output for each new node), anc_next [R, K, W + K] (the parent's columns + its own),
+    vis_next [R, K, S] bool (the drafter's attention mask of the new frontier: the committed prefix and
+    its scratch ancestors at slots prefix_len + column)."""
+    B, K, C = child_logp.shape
+    R, _, D = feats.shape
+    W = anc.shape[2]
+    rep = R // B
+    cum = (score[:, :, None] + child_logp).flatten(1)
+    best = cum.topk(K, dim=1).indices
+    parent = (best // C).repeat(rep, 1)  # [R, K]
+    tokens = child_tokens.flatten(1).gather(1, best).repeat(rep, 1)
+    score_next = cum.gather(1, best)
+    feats_next = feats.gather(1, parent[:, :, None].expand(R, K, D))
+    eye = torch.eye(K, dtype=torch.bool, device=anc.device).expand(R, K, K)
+    anc_next = torch.cat([anc.gather(1, parent[:, :, None].expand(R, K, W)), eye], 2)
+    slots = torch.arange(n_slots, device=anc.device)
+    col = slots[None, :] - prefix_len[:, None]  # [R, S]: scratch column of each slot
+    in_tree = (col >= 0) & (col < W + K)
+    seen = anc_next.gather(2, col.clamp(0, W + K - 1)[:, None, :].expand(R, K, n_slots))
+    vis_next = (col < 0)[:, None, :] | (in_tree[:, None, :] & seen)
+    return cum, best, tokens, score_next, feats_next, anc_next, vis_next
+
+
 # ----------------------------------------------------------------------------------------------------
 # Relaxed acceptance (LANTERN) and grouped acceptance (GSD)
 

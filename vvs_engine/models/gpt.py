@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import VVSError
+from .fused import FusedLinear, fuse_linears
 
 
 def find_multiple(n: int, k: int) -> int:
@@ -171,16 +172,19 @@ class RMSNorm(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """SwiGLU MLP. The gate (w1) and up (w3) projections are one GEMM (``w13``); the state dict keeps
+    the checkpoints' ``w1.weight`` / ``w3.weight`` (see :mod:`.fused`)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         h = cfg.ffn_hidden
-        self.w1 = nn.Linear(cfg.dim, h, bias=False)
-        self.w3 = nn.Linear(cfg.dim, h, bias=False)
+        fuse_linears(self, "w13", cfg.dim, [("w1", h), ("w3", h)])
         self.w2 = nn.Linear(h, cfg.dim, bias=False)
         self.drop = nn.Dropout(cfg.ffn_dropout_p)
 
     def forward(self, x):
-        return self.drop(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        gate, up = self.w13.split(self.w13(x))
+        return self.drop(self.w2(F.silu(gate) * up))
 
 
 class Attention(nn.Module):
@@ -290,7 +294,9 @@ class GPT(nn.Module):
 
     @staticmethod
     def _init_weights(m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
+        if isinstance(m, FusedLinear):  # part by part: the weights an unfused model gets under a seed
+            m.init_normal_(std=0.02)
+        elif isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)

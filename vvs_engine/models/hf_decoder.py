@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .fused import fuse_linears
 from .gpt import RMSNorm, write_kv
 
 
@@ -70,9 +71,9 @@ class DecoderAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, kv, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, h * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.dim, kv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.dim, kv * hd, bias=cfg.attention_bias)
+        # One GEMM for q/k/v (grouped-query: k and v narrower); the state dict keeps transformers' names.
+        fuse_linears(self, "qkv_proj", cfg.dim, [("q_proj", h * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)],
+                     bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * hd, cfg.dim, bias=cfg.attention_bias)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = HeadLayerNorm(h, hd), HeadLayerNorm(kv, hd)
@@ -80,9 +81,10 @@ class DecoderAttention(nn.Module):
     def forward(self, x, rope, kv=None, slots=None, mask=None):
         c = self.cfg
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, c.n_head, c.head_dim)
-        k = self.k_proj(x).view(B, T, c.n_kv_head, c.head_dim)
-        v = self.v_proj(x).view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(B, T, c.n_head, c.head_dim)
+        k = k.view(B, T, c.n_kv_head, c.head_dim)
+        v = v.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope_half(q, rope).transpose(1, 2)
@@ -107,12 +109,13 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=cfg.mlp_bias)
+        fuse_linears(self, "gate_up_proj", cfg.dim, [("gate_proj", cfg.ffn_hidden), ("up_proj", cfg.ffn_hidden)],
+                     bias=cfg.mlp_bias)  # one GEMM
         self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,73 @@
+"""The round-cost model's arithmetic (benchmarks/round_cost.py) on cases computed by hand."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import round_cost as rc  # noqa: E402
+
+# 1000 bytes/s and 1000 FLOP/s: a group's milliseconds are max(bytes, FLOPs) / 1000 * 1000.
+SLOW = rc.Hardware(gap_us=2.0, hbm_tb_s=1e-9, peak_tflop_s=1e-9, rows=2)
+TOY = rc.Shape("toy", layers=2, dim=4, heads=1, kv_heads=1, ffn=8, head_rows=10, tokens=4, cond=2, source="test",
+               draft_dim=4, draft_ffn=8)
+
+
+def test_ar_step_by_hand():
+    # layer params: q/k/v 4x12 + o 4x4 + gate/up/down 3x4x8 = 160; prefix P = 2 + 4/2 = 4; rows R = 2
+    assert TOY.layer_params() == 160
+    g = rc.round_groups(TOY, rc.round_work("ar_step"), SLOW)
+    # GEMMs: weights (2 x 160 + 10 x 4) x 2 B = 720, activations 2 x 1 x 2 x (24 + 8 + 24 + 8) x 2 = 512;
+    # FLOPs 2 x 2 x 1 x (320 + 40) = 1440
+    assert g["target GEMMs"] == (1232, 1440)
+    # attention: KV read 2 x 2 x 2 x 4 x 4 x 2 = 256 + write 2 x 2 x 2 x 1 x 4 x 2 = 64; FLOPs 4 x 2 x 1 x 4 x 4 x 2 = 256
+    assert g["target attention"] == (320, 256)
+    assert g["target logits"] == (160, 0)  # 2 rows x 10 logits x 4 B, written and read
+    r = rc.round_ms(TOY, rc.round_work("ar_step"), launches=10, hw=SLOW)
+    assert r["launch_ms"] == pytest.approx(0.02)  # 10 launches x 2 us
+    assert r["work_ms"] == pytest.approx(1440 + 320 + 160)  # max(bytes, FLOPs) per group
+    assert r["ms"] == pytest.approx(1920.02)
+
+
+def test_skip_round_has_no_target_work():
+    g = rc.round_groups(TOY, rc.round_work("skip"), SLOW)
+    assert set(g) == {"drafter GEMMs", "drafter attention", "drafter head"}
+    w = rc.round_work("skip")
+    assert w.draft_forwards == (5, 10, 10, 10, 10) and w.draft_head_rows == 41  # extend + 4 levels of 10
+    # drafter params: fc 2x4x4 + 4 bias, q/k/v/o 4x4x4, MLP 3x4x8 = 32 + 4 + 64 + 96 = 196
+    assert TOY.draft_params() == 196
+    assert g["drafter GEMMs"] == (5 * 196 * 2 + 2 * 45 * 12 * 4 * 2, 2 * 2 * 45 * 196)
+
+
+def test_speedup_from_rounds():
+    # 8 tokens at TPF 2: 4 forwards; half of them follow a skip: 2 skip + 2 verify-after-skip + 2 verify
+    n = rc.rounds_per_image(8, 2.0, 0.5, ("verify", "skip", "verify_after_skip"))
+    assert n == {"skip": 2.0, "verify_after_skip": 2.0, "verify": 2.0}
+    assert rc.rounds_per_image(8, 2.0, 0.0, ("jacobi_iteration",)) == {"jacobi_iteration": 4.0}
+
+
+def test_fit_recovers_slope_and_fixed_part():
+    slope, fixed, resid = rc.fit([2, 4, 6], [79, 129, 179])
+    assert (slope, fixed, resid) == pytest.approx((25.0, 29.0, 0.0))
+
+
+def test_committed_table_is_labelled_a_model_and_consistent():
+    path = os.path.join(ROOT, "benchmarks", "results", "round_cost.json")
+    with open(path) as f:
+        res = json.load(f)
+    assert res["label"].startswith("MODEL")
+    md = open(path[:-4] + "md").read()
+    assert md.startswith("<!-- written by: python benchmarks/round_cost.py") and "a MODEL" in md
+    hw = rc.Hardware(**res["hardware"])
+    xl = res["model"]["LlamaGen-XL"]
+    ar = xl["rows"]["AR"]["kinds"]["ar_step"]
+    assert ar["launches"] == pytest.approx(ar["slope"] * 36 + ar["fixed"])
+    for row, r in xl["rows"].items():
+        # speed-up = tokens x AR step / time per image = TPF x AR step / time per forward
+        assert r["speedup"] == pytest.approx(r["tpf"] * xl["ar_step_ms"] / r["ms_per_forward"])
+    assert ar["launch_ms"] == pytest.approx(ar["launches"] * hw.gap_us * 1e-3)
