@@ -86,7 +86,7 @@ SETTINGS = [
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 # The core settings, in the order a run generates them (cheapest first, so a short run finishes some).
 CORE = ["AR", "SJD", "GSD G=8", "VVS-U i=2 fill", "CASCADE", "VVS-U i=2 + GSD", "VVS-U i=2 + CASCADE",
-        "VVS-D s=0.65 fill", "LANTERN++", "LANTERN d=0.2", "EAGLE-2", "ZipAR s=4"]
+        "VVS-D s=0.65 fill", "LANTERN++", "LANTERN d=0.2", "EAGLE-2", "ZipAR s=4", "SCD", "SJD-PAC"]
 CORE_IMAGES_PER_CLASS = 32
 
 
