@@ -326,9 +326,14 @@ class JacobiDecoder:
             st.draft_q.copy_(self.draft_rows(torch.where(fresh[:, 1:, None], one_hot(window[:, 1:], V), carried_q)))
         st.window.copy_(window)
         st.fresh.copy_(fresh)
+        self.advance(st, n_new)
+
+    def advance(self, st, n_new: torch.Tensor) -> None:
+        """End of an iteration: the committed counts, the iteration counter and the host-read progress
+        flags [slowest row's count, unfinished real rows]."""
         st.n_committed.copy_(n_new)
         st.iteration.add_(1)
-        st.progress.copy_(torch.stack([n_new.min(), (n_new < T)[: self.n_real].sum()]))
+        st.progress.copy_(torch.stack([n_new.min(), (n_new < self.T)[: self.n_real].sum()]))
 
     def redraw(self, p, drafts, q, ok, u_y, n_committed):
         """The carried drafts of the next iteration, y [B, L] with y[j] ~ p[j] (its declared q):

@@ -403,9 +403,7 @@ class PACDecoder(JacobiDecoder):
         st.cand_valid.copy_(valid)
         st.table_q.copy_(table_q)
         st.fresh.copy_(fresh)
-        st.n_committed.copy_(n_new)
-        st.iteration.add_(1)
-        st.progress.copy_(torch.stack([n_new.min(), (n_new < T)[: self.n_real].sum()]))
+        self.advance(st, n_new)
 
     def verify_exact(self, node_tokens, children, p, node_q, u_node, u_next):
         """First-accepted-sibling verification (the engine's tree verifier) -> (path [B, M], A [B],
