@@ -8,22 +8,12 @@ import pytest
 import torch
 
 from spec_models import tiny_engine
-from test_scd import chi2_joint, exact_joint, toy_engine, toy_sample, two_sample_chi2
+from test_scd import (LABELS, chi2_joint, eng, exact_joint, greedy_ar, toy_engine, toy_sample,  # noqa: F401 (fixtures)
+                      two_sample_chi2)
 from test_speculative import _chi2_crit
 from vvs_engine.errors import VVSError
 from vvs_engine.methods.sjd_pac import ProductTree, tree_size
 
-LABELS = [0, 3, 4]
-
-
-@pytest.fixture(scope="module")
-def eng():
-    return tiny_engine(vocab=64, block=36, peak=8.0)
-
-
-@pytest.fixture(scope="module")
-def greedy_ar(eng):
-    return eng.generate(class_labels=LABELS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
 
 
 # --- layout ---------------------------------------------------------------------------------------------
