@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from spec_models import tiny_engine
-from vvs_engine.kernels import flash
+from vvs_engine.kernels import flash, reference
 from vvs_engine.models import gpt as gpt_module
 from vvs_engine.runtime import launches
 from vvs_engine.runtime.compiled import FORCE_FAIL_ENV
@@ -131,6 +131,38 @@ def test_launch_count_reads_kernels_gemms_and_ops(runs):
     assert n.kernels > 0 and n.total == n.kernels + n.gemms + n.custom + n.other
 
 
+def _norm_mm_softmax(x, w):
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return torch.softmax(h @ w, -1), torch.cat([x[:, :3], x[:, 5:9]], 1) * 2
+
+
+def test_gpu_style_count_reads_triton_kernels():
+    """recording("gpu"): Inductor lowers to Triton as for CUDA (no GPU needed), the function runs
+    eagerly (same results), no warning; the norm and the softmax are one Triton kernel each around the
+    GEMM, the cat is fused into its consumer (force_pointwise_cat). The C++ style runs compiled."""
+    from vvs_engine.runtime.compiled import CompiledRound
+
+    x, w = torch.randn(4, 16, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with launches.recording("gpu") as codes:
+            r = CompiledRound("probe", _norm_mm_softmax)
+            out = r(x, w)
+    assert not [w for w in caught if "torch.compile of round" in str(w.message)]
+    assert r.ok is False  # code generated only: the round ran eagerly
+    for got, want in zip(out, _norm_mm_softmax(x, w)):
+        assert torch.equal(got, want)
+    code = codes["probe"][0]
+    assert "@triton.jit" in code and "cpp_fused" not in code
+    n = launches.count(code)
+    assert (n.gemms, n.custom, n.other) == (1, 0, 0) and 2 <= n.kernels <= 3, n
+    with _fast_inductor(), launches.recording("cpu") as cpu_codes:
+        r = CompiledRound("probe", _norm_mm_softmax)
+        out = r(x, w)
+    assert r.ok and "cpp_fused" in cpu_codes["probe"][0]
+    assert torch.allclose(out[0], _norm_mm_softmax(x, w)[0])
+
+
 def test_compile_failure_falls_back_to_eager(runs, monkeypatch):
     e, out, _ = runs
     monkeypatch.setenv(FORCE_FAIL_ENV, "verify")
@@ -161,8 +193,15 @@ def test_tree_attention_opcheck_on_engine_layout():
     prefix = torch.tensor([5, 7])
     local = torch.ones(B, T, T, dtype=torch.bool).tril()
     out = torch.ops.vvs.tree_attention(q, k, v, prefix, local, None)
-    assert out.is_contiguous()
+    # [B, Q, H, D] memory: the output projection's reshape is a view (no transpose-copy kernel)
+    assert out.transpose(1, 2).is_contiguous()
+    assert torch.equal(out, reference.tree_attention(q, k, v, prefix, local))
     torch.library.opcheck(torch.ops.vvs.tree_attention, (q, k, v, prefix, local, None))
+    # any input layout (the op is flexible_layout: Inductor passes expanded and strided views as they are)
+    P2, local2 = torch.tensor([6]).expand(B), torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+    out2 = torch.ops.vvs.tree_attention(q.contiguous(), k, v, P2, local2, None)
+    assert torch.equal(out2, reference.tree_attention(q, k, v, torch.tensor([6, 6]), local2.contiguous()))
+    torch.library.opcheck(torch.ops.vvs.tree_attention, (q, k, v, P2, local2, None))
 
 
 def _flash_emulation(q, k_cache, v_cache, cache_seqlens, causal):

@@ -203,8 +203,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
     ``block_n`` / ``num_splits`` override ``launch_config`` / ``pick_splits`` (tests use them)."""
     B, H, Q, D = q.shape
     S = k.shape[2]
-    if out is None:
-        out = torch.empty((B, H, Q, D), dtype=q.dtype, device=q.device)
+    if out is None:  # [B, Q, H, D] memory seen as [B, H, Q, D]: the output projection reads it without a copy
+        out = torch.empty((B, Q, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     # uint8 views: one byte per mask entry, loaded as integers (bool pointers are awkward in Triton).
     local_u8 = local.to(torch.bool).view(torch.uint8)
     if key_valid is not None:

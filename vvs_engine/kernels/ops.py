@@ -40,18 +40,31 @@ def _impl(op: str, device: torch.device):
 # ---------------------------------------------------------------------------------------------- attention
 
 
-@torch.library.custom_op("vvs::tree_attention", mutates_args=())
+def head_major_empty(q: Tensor) -> Tensor:
+    """An empty [B, H, Q, D] tensor laid out as [B, Q, H, D] (the layout of tree_attention's output):
+    the caller's ``y.transpose(1, 2).reshape(B, Q, H * D)`` for the output projection is then a view,
+    where a [B, H, Q, D]-contiguous output would need one transpose-copy kernel per layer."""
+    B, H, Q, D = q.shape
+    return q.new_empty((B, Q, H, D)).transpose(1, 2)
+
+
+# flexible_layout: inputs come in whatever layout Inductor has (q: a strided slice of the fused q/k/v
+# projection; the CFG rows' prefix lengths and masks: expanded views), with no copy kernel before the
+# op: every backend reads any strides (the reference through SDPA, Triton through its stride arguments).
+@torch.library.custom_op("vvs::tree_attention", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, local: Tensor,
                    key_valid: Optional[Tensor]) -> Tensor:
-    # Contiguous whatever the backend: the reference (SDPA) returns q's layout, and the engine's q is a
-    # transposed slice of the fused q/k/v projection. The fake says contiguous, and Inductor asserts
-    # that the real strides match it.
-    return _impl("tree_attention", q.device)(q, k, v, prefix_len, local, key_valid).contiguous()
+    # The output layout is the fake's whatever the backend: [B, Q, H, D] memory seen as [B, H, Q, D]
+    # (see head_major_empty); Inductor asserts that the real strides match the fake's.
+    out = _impl("tree_attention", q.device)(q, k, v, prefix_len, local, key_valid)
+    if out.stride() != head_major_empty(q).stride():
+        out = head_major_empty(q).copy_(out)
+    return out
 
 
 @tree_attention.register_fake
 def _(q, k, v, prefix_len, local, key_valid):
-    return q.new_empty(q.shape)  # contiguous [B, H, Q, D]
+    return head_major_empty(q)
 
 
 # ----------------------------------------------------------------------------------------------- sampling

@@ -22,17 +22,26 @@ kernels inside one CUDA graph. Any method gets this by naming its round function
 * Cache: Inductor's on-disk FX graph cache stays on (torch's default), so a second process with the
   same rounds reloads the compiled code instead of compiling (Dynamo still traces: seconds, not
   minutes). ``TORCHINDUCTOR_CACHE_DIR`` moves it.
+* Inductor options (:data:`INDUCTOR_OPTIONS`): ``force_pointwise_cat`` (a ``torch.cat`` becomes an
+  indexing expression inside its consumer's kernel instead of one copy kernel per input: the tree
+  builder concatenates per-level candidates) and ``combo_kernels`` (independent small kernels of one
+  round are launched as one: Inductor does this on GPUs only). On the Zoo's 2-layer EAGLE-2 verify
+  round they take the Triton launch count from 166 to 114 (``runtime/launches.py``, GPU style).
 * Off the GPU: ``compile=None`` means on for CUDA, off for the CPU (Inductor's C++ kernels are not
   faster than eager there); ``--compile`` on the CPU works: the same tokens on the tests' fp64 models;
   in fp32 a late sampled token can flip where Inductor rounds a reduction differently (docs/compile.md).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
+
+# Inductor settings of every compiled round (see the module docstring); torch.compile(options=...).
+INDUCTOR_OPTIONS = {"force_pointwise_cat": True, "combo_kernels": True}
 
 # Dynamo's cache is per code object; size it for round kinds (AR step, verify, verify after a skip,
 # skip, Jacobi iteration) x batch buckets x retire sizes (powers of two up to the largest bucket).
@@ -84,6 +93,21 @@ def compile_log() -> list:
     return list(_LOG)
 
 
+_CODEGEN_ONLY = False  # launches.recording("gpu"): code is generated, never run; rounds run eagerly, silently
+
+
+@contextlib.contextmanager
+def codegen_only():
+    """Inside: a compile that stops after code generation (``launches.recording("gpu")``) is not a
+    failure to report: the round runs eagerly without a warning or a fallback log entry."""
+    global _CODEGEN_ONLY
+    previous, _CODEGEN_ONLY = _CODEGEN_ONLY, True
+    try:
+        yield
+    finally:
+        _CODEGEN_ONLY = previous
+
+
 _CURRENT = None  # the round kind whose first (compiling) call is running: launches.recording() files code under it
 
 
@@ -108,7 +132,7 @@ class CompiledRound:
     def __init__(self, name: str, fn: Callable, buffers: Sequence[torch.Tensor] = ()):
         configure()
         self.name, self.eager, self.buffers = name, fn, list(buffers)
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=dict(INDUCTOR_OPTIONS))
         self.ok: Optional[bool] = None  # None until the first call; then whether it runs compiled
         self.error: Optional[str] = None
         self.first_call_s = 0.0  # the first call: tracing + compiling (or a cache load) + one run
@@ -130,6 +154,8 @@ class CompiledRound:
             for b, s in zip(self.buffers, saved):
                 b.copy_(s)
             self.ok, self.error = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if _CODEGEN_ONLY:
+                return self.eager(*args)
             warnings.warn(f"torch.compile of round '{self.name}' failed; it runs eagerly ({self.error})",
                           stacklevel=2)
             _LOG.append((self.name, time.perf_counter() - t0, False))

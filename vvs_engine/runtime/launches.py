@@ -13,6 +13,17 @@ on the CPU (C++ kernels) and on CUDA (Triton kernels) up to Inductor's device-sp
     launches = {kind: count(c[0]) for kind, c in codes.items()}
 
     n = round_launches(fn, *args)                    # one round function, compiled on its own
+
+**Two styles.** ``recording("cpu")`` keeps the C++ code the CPU compiles and runs. Its kernel
+functions are not GPU launches: Inductor's C++ backend puts several loop nests (on a GPU, several
+Triton kernels) into one function, and it never forms combo kernels. ``recording("gpu")`` makes
+Inductor lower every round to **Triton** kernels, as it does for CUDA (``cpu_backend="triton"``,
+combo kernels grouped as on CUDA), on this machine without a GPU: each round's compile stops once its
+code is generated (nothing Triton runs) and the round runs eagerly. The GPU style is the launch count
+of a CUDA-graph replay up to Inductor's device-specific choices (autotuned GEMM templates, split
+reductions sized by the SM count); the engine's benchmarks report it. On the Zoo's 2-layer EAGLE-2
+verify round the two styles read 104 (C++ functions) and 166 (Triton kernels) before the compile
+options of :mod:`.compiled` (``force_pointwise_cat``, ``combo_kernels``), 114 Triton kernels after.
 """
 from __future__ import annotations
 
@@ -108,29 +119,84 @@ def allocations(code: str) -> list:
     return [tuple(int(x) for x in m.split(",") if x.strip()) for m in _ALLOC.findall(call_body(code))]
 
 
+class CodeCaptured(RuntimeError):
+    """Raised after Inductor generated a round's code in ``recording("gpu")``: the round runs eagerly."""
+
+
+def _patch_combo_grouping(stack: contextlib.ExitStack) -> bool:
+    """Inductor forms combo kernels only for GPU devices (its grouping skips ``cpu`` nodes); for the
+    GPU-style count the CPU's Triton nodes are grouped as CUDA's would be. Returns False if this
+    torch's grouping code is not the one patched (then no combo kernels are counted)."""
+    import inspect
+    import textwrap
+
+    import torch._inductor.scheduler as scheduler
+
+    node_cls = getattr(scheduler, "ForeachKernelSchedulerNode", None)
+    fn = getattr(node_cls, "_default_group_nodes_for_combo_kernels", None)
+    if fn is None:
+        return False
+    src = textwrap.dedent(inspect.getsource(fn))
+    skip = 'device.type == "mps" or device.type == "cpu"'
+    if skip not in src:
+        return False
+    namespace: dict = {}
+    exec(compile(src.replace(skip, 'device.type == "mps"'), "<vvs-combo-grouping>", "exec"),
+         scheduler.__dict__, namespace)
+    stack.enter_context(mock.patch.object(node_cls, "group_algorithm_for_combo_kernels",
+                                          staticmethod(namespace[fn.__name__])))
+    return True
+
+
+def _enter_gpu_style(stack: contextlib.ExitStack) -> None:
+    """Inductor lowers CPU graphs to Triton (as for CUDA) without a GPU driver: the backend hash that
+    Triton's code generation asks the (absent) driver for is a constant."""
+    import torch._inductor.config as inductor_config
+    import torch.utils._triton as triton_utils
+
+    stack.enter_context(inductor_config.patch({"cpu_backend": "triton", "fx_graph_cache": False}))
+    stack.enter_context(mock.patch.object(triton_utils, "triton_hash_with_backend", lambda: "VVS-CODEGEN-ONLY"))
+    stack.enter_context(mock.patch.object(triton_utils, "triton_backend", lambda: None))
+    _patch_combo_grouping(stack)
+    stack.enter_context(compiled.codegen_only())
+
+
 @contextlib.contextmanager
-def recording():
+def recording(style: str = "cpu"):
     """Collect the generated code of every round compiled inside the block: {round kind: [code, ...]}
     (one entry per compile: batch size, retire size). Resets Dynamo first, so every round compiles
-    (or loads from Inductor's on-disk cache) here, not earlier in the process."""
+    (or loads from Inductor's on-disk cache) here, not earlier in the process. ``style``: "cpu" (the
+    C++ code that runs) or "gpu" (Triton code as for CUDA; the rounds then run eagerly): see the
+    module docstring."""
+    if style not in ("cpu", "gpu"):
+        raise ValueError(f"style must be cpu or gpu, got {style!r}")
     codes: dict = {}
 
     def save(code: str) -> None:
         codes.setdefault(compiled.current_round() or "?", []).append(code)
+        if style == "gpu":
+            raise CodeCaptured("code generated; not compiled (launches.recording('gpu'))")
 
     from torch._inductor.graph import GraphLowering
 
     torch._dynamo.reset()
-    with mock.patch.object(GraphLowering, "save_output_code", save):
+    with contextlib.ExitStack() as stack:
+        if style == "gpu":
+            _enter_gpu_style(stack)
+        stack.enter_context(mock.patch.object(GraphLowering, "save_output_code", save))
         yield codes
+    torch._dynamo.reset()  # no compiled code of this block outlives it (the GPU style's cannot run)
 
 
-def round_launches(fn, *args, name: str = "round") -> Launches:
-    """Compile ``fn`` as the engine compiles a round (``fullgraph=True, dynamic=False``), run it once
-    on ``args`` (it runs for real: it updates whatever state it updates) and count its launches."""
-    with recording() as codes:
+def round_launches(fn, *args, name: str = "round", style: str = "cpu") -> Launches:
+    """Compile ``fn`` as the engine compiles a round (``fullgraph=True, dynamic=False``, the engine's
+    Inductor options), run it once on ``args`` (it runs for real: it updates whatever state it
+    updates; eagerly in the "gpu" style) and count its launches."""
+    with recording(style) as codes:
         r = compiled.CompiledRound(name, fn)
         r(*args)
-    if not r.ok:
+    if style == "cpu" and not r.ok:
         raise RuntimeError(f"round '{name}' did not compile: {r.error}")
-    return sum((count(c) for c in codes.get(name, [])), Launches())
+    if name not in codes:
+        raise RuntimeError(f"round '{name}' generated no code: {r.error}")
+    return sum((count(c) for c in codes[name]), Launches())
