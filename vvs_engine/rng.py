@@ -96,7 +96,10 @@ class CounterRNG:
     def batch(self) -> int:
         return self.key.shape[0]
 
-    def _lane_offsets(self, n: int) -> torch.Tensor:
+    def lane_offsets(self, n: int) -> torch.Tensor:
+        """``lane_offsets(n)`` as a cached device constant. Round functions that torch.compile traces
+        take it from here, made eagerly before the first round: computed inside a traced round,
+        ``arange * GOLDEN`` becomes an Inductor index expression whose 64-bit constants overflow."""
         lanes = self._lanes.get(n)
         if lanes is None:  # constant per shape: not recomputed every round
             lanes = self._lanes[n] = lane_offsets(n, self.device)
@@ -118,7 +121,7 @@ class CounterRNG:
             n *= s
         step = torch.as_tensor(step, dtype=torch.long, device=self.device)
         base = mix64(self.key + step * STEP + _signed(int(stream) * _STREAM % (1 << 64)))  # [B]
-        h = mix64(base[:, None] + self._lane_offsets(n)[None, :])  # [B, n]
+        h = mix64(base[:, None] + self.lane_offsets(n)[None, :])  # [B, n]
         return bits_to_uniform(h).reshape(self.batch, *shape)
 
     def uniforms(self, step, draws) -> list:
@@ -129,7 +132,7 @@ class CounterRNG:
         offsets = self.stream_offsets(stream for stream, _ in draws)
         step = torch.as_tensor(step, dtype=torch.long, device=self.device)
         base = mix64((self.key + step * STEP)[:, None] + offsets[None, :])  # [B, streams]
-        u = bits_to_uniform(mix64(base[:, :, None] + self._lane_offsets(max(sizes))[None, None, :]))
+        u = bits_to_uniform(mix64(base[:, :, None] + self.lane_offsets(max(sizes))[None, None, :]))
         return [u[:, i, :n].reshape(self.batch, *shape) for i, (n, shape) in enumerate(zip(sizes, shapes))]
 
     def sample(self, probs: torch.Tensor, step, stream: int) -> torch.Tensor:

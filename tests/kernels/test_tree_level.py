@@ -29,7 +29,7 @@ def _poisoned(B, K, C, D, W, S, rows, dtype, device):
     return (torch.full((B, K * C), nan, dtype=dtype, device=device), torch.full((B, K), -7, dtype=torch.long, device=device),
             torch.full((rows, K), -7, dtype=torch.long, device=device), torch.full((B, K), nan, dtype=dtype, device=device),
             torch.full((rows, K, D), nan, dtype=dtype, device=device), torch.ones(rows, K, W + K, dtype=torch.bool, device=device),
-            torch.ones(rows, K, S, dtype=torch.bool, device=device))
+            torch.full((rows, K, S), nan, dtype=dtype, device=device))
 
 
 @pytest.mark.parametrize("B,K,C,D,W,S,cfg", [(1, 10, 10, 256, 10, 300, True), (3, 4, 5, 33, 8, 61, True),
@@ -40,7 +40,7 @@ def test_tree_level_matches_reference(triton_kernels, device, B, K, C, D, W, S, 
     out = _poisoned(B, K, C, D, W, S, rows, torch.float32, device)
     got = triton_kernels.tree_level(*args, S, out=out)
     want = R.tree_level(*args, S)
-    names = ("cum", "best", "tokens", "score_next", "feats_next", "anc_next", "vis_next")
+    names = ("cum", "best", "tokens", "score_next", "feats_next", "anc_next", "mask_next")
     for name, g_, w in zip(names, got, want):
         assert g_.shape == w.shape and g_.dtype == w.dtype, name
         assert torch.equal(g_, w), name  # the same float adds and copies: bit-exact
@@ -62,7 +62,7 @@ def test_ties_go_to_the_lower_index(triton_kernels, device):
     score, clp, ctok, feats, anc, plen = _inputs(1, 3, 4, 8, 3, 20, True, device)
     clp[:] = -1.0
     score[:] = 0.5
-    cum, best, tokens, score_next, feats_next, anc_next, vis_next = triton_kernels.tree_level(
+    cum, best, tokens, score_next, feats_next, anc_next, mask_next = triton_kernels.tree_level(
         score, clp, ctok, feats, anc, plen, 20)
     assert best.tolist() == [[0, 1, 2]]
     assert torch.equal(tokens, ctok.flatten(1).gather(1, best).repeat(2, 1))
@@ -90,7 +90,8 @@ def test_tree_level_equals_the_unfused_level_code():
     vis = (torch.arange(S)[None, :] < plen[:, None])[:, None, :].expand(rows, K, S).clone()
     vis.scatter_(2, scratch[:, None, :width].expand(rows, K, width), a)
     got = R.tree_level(score, clp, ctok, feats, anc, plen, S)
-    for g_, w in zip(got, (cum, best, rows_of(f_tok), f_score, f_feat, a, vis)):
+    mask = torch.where(vis, 0.0, float("-inf"))  # the additive form SDPA makes of the boolean mask
+    for g_, w in zip(got, (cum, best, rows_of(f_tok), f_score, f_feat, a, mask)):
         assert torch.equal(g_, w)
 
 
@@ -110,3 +111,35 @@ def test_fake_matches_real_shapes_and_strides():
 def test_opcheck():
     args = _inputs(2, 3, 4, 8, 4, 30, True, "cpu")
     torch.library.opcheck(ops.tree_level, (*args, 30), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tree_level_writes_the_drafter_input_with_an_embedding(triton_kernels, device, dtype):
+    """With the target's embedding table, feats_next is the drafter's whole fc input [R, K, 2D]:
+    [embedding of each new node's token (cast to the features' dtype) | its parent's output]."""
+    B, K, C, D, W, S = 2, 3, 4, 6, 5, 40
+    args = _inputs(B, K, C, D, W, S, True, device, dtype=dtype, seed=7)
+    table = torch.randn(1000, D, generator=torch.Generator().manual_seed(2)).to(device)  # fp32 table
+    rows = args[3].shape[0]
+    out = list(_poisoned(B, K, C, D, W, S, rows, dtype, device))
+    out[4] = torch.full((rows, K, 2 * D), float("nan"), dtype=dtype, device=device)
+    got = triton_kernels.tree_level(*args, S, table, out=tuple(out))
+    want = R.tree_level(*args, S, table)
+    plain = R.tree_level(*args, S)
+    assert torch.equal(want[4], torch.cat([table[want[2]].to(dtype), plain[4]], 2))
+    for g_, w in zip(got, want):
+        assert g_.shape == w.shape and g_.dtype == w.dtype and torch.equal(g_, w)
+
+
+def test_drafter_fc_input_equals_embedding_and_features():
+    """The drafter fed the op's [embedding | feature] rows computes what it computes from the
+    features and tokens (the session's compiled path vs its eager one)."""
+    from vvs_engine.drafting.drafter import Drafter, DrafterConfig
+    from vvs_engine.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(dim=32, n_layer=1, n_head=4, vocab_size=50, num_classes=3, block_size=16)).eval()
+    dr = Drafter(DrafterConfig(dim=32, n_head=4)).attach(gpt).eval()
+    feats, tokens, pos = torch.randn(2, 3, 32), torch.randint(0, 50, (2, 3)), torch.arange(3)
+    fc_in = torch.cat([gpt.token_embedding_table()[tokens], feats], -1)
+    assert torch.equal(dr(feats, tokens, pos), dr(None, None, pos, fc_input=fc_in))

@@ -123,15 +123,24 @@ class Drafter(nn.Module):
         table = self.target.rope
         return table[(positions + 1).clamp(max=table.shape[0] - 1)]
 
-    def forward(self, feats, tokens, positions, kv=None, slots=None, mask=None):
+    def forward(self, feats, tokens, positions, kv=None, slots=None, mask=None, fc_input=None):
         """feats [rows, T, D] (target or stale or own features at positions t), tokens [rows, T]
-        (x_{t+1}), positions [T] -> predicted features [rows, T, D]."""
-        emb = self.target.embed_tokens(tokens).to(feats.dtype)
-        x = self.fc(torch.cat([emb, feats], dim=-1))
+        (x_{t+1}), positions [T] -> predicted features [rows, T, D]. ``fc_input`` [rows, T, 2D]: the
+        already concatenated [embedding of tokens | feats] (``kernels.tree_level`` writes it; then
+        ``feats`` and ``tokens`` are not read)."""
+        if fc_input is None:
+            fc_input = torch.cat([self.target.embed_tokens(tokens).to(feats.dtype), feats], dim=-1)
+        x = self.fc(fc_input)
         rope = self.rope_rows(positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, None if kv is None else kv.layer(i), slots, mask)
         return x
+
+    def embedding_table(self):
+        """The target's token-embedding table [V, D] when its ``embed_tokens`` is a plain lookup
+        (LlamaGen), else None (Janus-Pro's aligner MLP, Chameleon's id remapping)."""
+        table = getattr(self.target, "token_embedding_table", None)
+        return table() if table is not None else None
 
     def logits(self, h, position=None):
         """Features [rows, F, D] -> target-head logits; with the drafter ``position`` of each row

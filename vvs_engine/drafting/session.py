@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.reference import additive_mask
 from ..sampling import SamplingParams, guided_logits, process_logits
 from .tree import DraftTree, static_layout, tree_structure
 
@@ -158,13 +159,17 @@ class DraftSession:
         cand_tok, cand_score, cand_lp, frontiers = [root[:, None], tok], [lp], [t["zero_logp"], lp], [t["frontier0"]]
         f_tok_rows, f_score = self.rows_of(tok), lp
         f_feat = h_root[:, None].expand(rows, K, D)
+        # With a plain embedding table, each level's op writes the next drafter input directly.
+        embedding, f_input = self.drafter.embedding_table(), None
         anc = t["eye"]  # [rows, K, width]: frontier f sees its ancestors' scratch slots and its own
         vis = prefix_vis[:, None, :].expand(rows, K, self.S).clone()
         vis.scatter_(2, scratch[:, None, :K].expand(rows, K, K), anc)
+        mask = additive_mask(vis, h_root.dtype)  # additive, like the masks kernels.tree_level returns
         for d in range(depth):
             width = (d + 1) * K
             pos = (P_rows + d)[:, None]
-            out = self.drafter(f_feat, f_tok_rows, pos.expand(rows, K), self.kv, scratch[:, d * K:width], vis[:, None])
+            out = self.drafter(f_feat, f_tok_rows, pos.expand(rows, K), self.kv, scratch[:, d * K:width], mask[:, None],
+                               fc_input=f_input)
             clp, ctok = self._topk_rows(out, K, pos[:, 0])  # [B, K, K]
             cand_tok.append(ctok.flatten(1))
             cand_lp.append(clp.flatten(1))
@@ -173,8 +178,12 @@ class DraftSession:
                 break
             # Scores, the next frontier (top K), its tokens, parent features, ancestor columns and
             # attention mask: one op per level instead of a dozen small ones.
-            cum, best, f_tok_rows, f_score, f_feat, anc, vis = kernels.tree_level(f_score, clp, ctok, out, anc,
-                                                                                  P_rows, self.S)
+            cum, best, f_tok_rows, f_score, level_out, anc, mask = kernels.tree_level(f_score, clp, ctok, out, anc,
+                                                                                     P_rows, self.S, embedding)
+            if embedding is None:
+                f_feat = level_out
+            else:
+                f_input = level_out
             cand_score.append(cum)
             frontiers.append(best)
         score = torch.nan_to_num(torch.cat(cand_score, 1) - t["penalty"], neginf=-1e30)

@@ -90,23 +90,24 @@ def tree_verify(tokens, children, p, q, u_accept, u_sample, neighbors, delta: fl
                            bool(reference_residual), bool(greedy), int(max_depth))
 
 
-def tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots: int):
+def tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots: int, embedding=None):
     """One dynamic-tree expansion step in one op -> (cum [B, K*C], best [B, K], tokens [R, K],
-    score_next [B, K], feats_next [R, K, D], anc_next [R, K, W + K], vis_next [R, K, S]). See
-    ``reference.tree_level``."""
-    if _reference_fast_path(score) or torch.compiler.is_compiling():
-        # Compiled, the torch version is better: Inductor fuses its gathers into the kernels around
-        # them (the compiled EAGLE-2 verify round of a 2-layer Zoo: 104 launches inlined, 109 with the
-        # op as one opaque node). The op is the eager GPU path's (one launch instead of ~13).
-        return reference.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots)
-    return ops.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, int(n_slots))
+    score_next [B, K], feats_next [R, K, D] (with the target's ``embedding`` table: the drafter's input
+    [R, K, 2D]), anc_next [R, K, W + K], mask_next [R, K, S] additive, in feats' dtype). See ``reference.tree_level``. Compiled,
+    it stays one opaque launch: inlined, Inductor made three of it (cumulative scores, top-K, the gathers)."""
+    if _reference_fast_path(score):
+        return reference.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots, embedding)
+    return ops.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, int(n_slots), embedding)
 
 
-def counter_uniform(key, step, stream_offsets, n_lanes: int):
+def counter_uniform(key, step, stream_offsets, n_lanes: int, lanes=None):
     """-> float32 [B, S, n_lanes]: ``CounterRNG`` uniforms of S streams in one op (the same bits as
-    ``CounterRNG.uniform``). See ``reference.counter_uniform``."""
-    if _reference_fast_path(key):
-        return reference.counter_uniform(key, step, stream_offsets, n_lanes)
+    ``CounterRNG.uniform``). See ``reference.counter_uniform``. ``lanes``: the generator's
+    ``lane_offsets(n)`` (n >= n_lanes), made before compiling; with it, a compiled round uses the torch
+    version, a few integer hashes that Inductor fuses into a kernel the round launches anyway (the op is
+    a launch of its own in every round kind, the AR step's included)."""
+    if _reference_fast_path(key) or (lanes is not None and torch.compiler.is_compiling()):
+        return reference.counter_uniform(key, step, stream_offsets, n_lanes, lanes)
     return ops.counter_uniform(key, step, stream_offsets, int(n_lanes))
 
 
@@ -116,7 +117,8 @@ def counter_sample(rng, probs, step, stream: int):
     from ..rng import sample_inverse_cdf
 
     step = torch.as_tensor(step, dtype=torch.long, device=probs.device)
-    return sample_inverse_cdf(probs, counter_uniform(rng.key, step, rng.stream_offsets([stream]), 1)[:, 0, 0])
+    u = counter_uniform(rng.key, step, rng.stream_offsets([stream]), 1, rng.lane_offsets(1))
+    return sample_inverse_cdf(probs, u[:, 0, 0])
 
 
 def kv_compact(k, v, src, dst) -> None:

@@ -189,19 +189,21 @@ def _(x, idx, src):
 
 @torch.library.custom_op("vvs::tree_level", mutates_args=())
 def tree_level(score: Tensor, child_logp: Tensor, child_tokens: Tensor, feats: Tensor, anc: Tensor,
-               prefix_len: Tensor, n_slots: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _impl("tree_level", score.device)(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots)
+               prefix_len: Tensor, n_slots: int, embedding: Optional[Tensor] = None
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _impl("tree_level", score.device)(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots,
+                                             embedding)
 
 
 @tree_level.register_fake
-def _(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots):
+def _(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots, embedding=None):
     B, K, C = child_logp.shape
     R, _, D = feats.shape
     dtype = torch.promote_types(score.dtype, child_logp.dtype)
     return (score.new_empty((B, K * C), dtype=dtype), score.new_empty((B, K), dtype=torch.long),
             score.new_empty((R, K), dtype=torch.long), score.new_empty((B, K), dtype=dtype),
-            feats.new_empty((R, K, D)), anc.new_empty((R, K, anc.shape[2] + K)),
-            anc.new_empty((R, K, n_slots)))
+            feats.new_empty((R, K, 2 * D if embedding is not None else D)), anc.new_empty((R, K, anc.shape[2] + K)),
+            feats.new_empty((R, K, n_slots)))
 
 
 # ------------------------------------------------------------------------------------ random numbers

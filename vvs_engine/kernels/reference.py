@@ -126,7 +126,7 @@ def stable_topk(score: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def tree_level(score: torch.Tensor, child_logp: torch.Tensor, child_tokens: torch.Tensor, feats: torch.Tensor,
-               anc: torch.Tensor, prefix_len: torch.Tensor, n_slots: int):
+               anc: torch.Tensor, prefix_len: torch.Tensor, n_slots: int, embedding: Optional[torch.Tensor] = None):
     """One expansion step of the dynamic (EAGLE-2) draft tree: from a frontier's children to the next
     frontier and everything the drafter needs to run it.
 
@@ -138,8 +138,13 @@ def tree_level(score: torch.Tensor, child_logp: torch.Tensor, child_tokens: torc
     -> cum [B, K*C] (every child's cumulative log-prob), best [B, K] (the K best children, best first,
     as ``cum.topk``), tokens [R, K] (their tokens, per row), score_next [B, K], feats_next [R, K, D] (the
     parent's drafter output for each new node), anc_next [R, K, W + K] (the parent's columns + its own),
-    vis_next [R, K, S] bool (the drafter's attention mask of the new frontier: the committed prefix and
-    its scratch ancestors at slots prefix_len + column)."""
+    mask_next [R, K, S] in feats' dtype (the drafter's additive attention mask of the new frontier: 0 at
+    the committed prefix and its scratch ancestors at slots prefix_len + column, -inf elsewhere; additive
+    so that SDPA adds it as it is: a boolean mask costs one conversion kernel per level).
+
+    With ``embedding`` [V, D] (the target's token-embedding table), feats_next is instead the drafter's
+    whole input [R, K, 2D] = [embedding of the new node's token (in feats' dtype) | its parent's
+    output]: the drafter's fc reads it directly, so no kernel runs between this op and the fc GEMM."""
     B, K, C = child_logp.shape
     R, _, D = feats.shape
     W = anc.shape[2]
@@ -157,7 +162,15 @@ def tree_level(score: torch.Tensor, child_logp: torch.Tensor, child_tokens: torc
     in_tree = (col >= 0) & (col < W + K)
     seen = anc_next.gather(2, col.clamp(0, W + K - 1)[:, None, :].expand(R, K, n_slots))
     vis_next = (col < 0)[:, None, :] | (in_tree[:, None, :] & seen)
-    return cum, best, tokens, score_next, feats_next, anc_next, vis_next
+    mask_next = additive_mask(vis_next, feats.dtype)
+    if embedding is not None:
+        feats_next = torch.cat([embedding[tokens].to(feats.dtype), feats_next], 2)
+    return cum, best, tokens, score_next, feats_next, anc_next, mask_next
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean visibility -> the additive mask SDPA makes of it (0 where visible, -inf elsewhere)."""
+    return torch.where(visible, 0.0, float("-inf")).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -395,10 +408,13 @@ def walk_accepted(accepted_child: torch.Tensor, max_depth: int):
 # Counter-based random numbers
 
 
-def counter_uniform(key: torch.Tensor, step: torch.Tensor, stream_offsets: torch.Tensor, n_lanes: int) -> torch.Tensor:
+def counter_uniform(key: torch.Tensor, step: torch.Tensor, stream_offsets: torch.Tensor, n_lanes: int,
+                    lanes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``CounterRNG`` uniforms of several streams at once: key [B] (``CounterRNG.key``), step [B] or
     [1] int64, stream_offsets [S] (``CounterRNG.stream_offsets``) -> float32 [B, S, n_lanes] in (0, 1],
-    entry [b, s, j] equal to ``uniform(step, stream s)[b, j]`` (the same bits)."""
+    entry [b, s, j] equal to ``uniform(step, stream s)[b, j]`` (the same bits). ``lanes``: at least
+    ``n_lanes`` of ``CounterRNG.lane_offsets`` (else computed here)."""
+    offsets = lane_offsets(n_lanes, key.device) if lanes is None else lanes[:n_lanes]
     base = mix64((key + step * STEP)[:, None] + stream_offsets[None, :])  # [B, S]
-    return bits_to_uniform(mix64(base[:, :, None] + lane_offsets(n_lanes, key.device)[None, None, :]))
+    return bits_to_uniform(mix64(base[:, :, None] + offsets[None, None, :]))
 

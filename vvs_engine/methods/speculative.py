@@ -220,6 +220,7 @@ class SpeculativeRounds:
         self.no_skip = torch.zeros((), dtype=torch.long, device=self.dev)
         self.verify_streams = self.rng.stream_offsets([Streams.ACCEPT, Streams.SAMPLE])
         self.skip_stream = self.rng.stream_offsets([Streams.SKIP])
+        self.node_lanes = self.rng.lane_offsets(self.nodes)  # made here, outside any compiled round
         self.skip_codebook = None
         if opts.skip_policy == "dynamic":
             self.skip_codebook = torch.nn.functional.normalize(engine.codebook_vectors().float(), dim=-1)
@@ -323,7 +324,7 @@ class SpeculativeRounds:
         H = s.forward_per_sequence(tokens, positions, P_t, local)  # [rows, Q, D]
         logits = guided_logits(s.logits(H), params)  # [B, Q, V]
         p = process_logits(logits[:, off:], params)
-        u = kernels.counter_uniform(self.rng.key, st.round, self.verify_streams, N)  # one op, CounterRNG's bits
+        u = kernels.counter_uniform(self.rng.key, st.round, self.verify_streams, N, self.node_lanes)
         u_accept, u_sample = u[:, 0], u[:, 1, 0]
         res = verify_tree(tree, p, self.rule, u_accept, u_sample, params.greedy, logits=logits[:, off:],
                           hidden=H[:B, off:], engine=self.engine)  # the conditional rows' features
@@ -436,7 +437,8 @@ class SpeculativeRounds:
         """A root-to-leaf path per sequence: uniform over leaves (VVS default), or the most confident."""
         leaf = tree.is_leaf
         if self.opts.select == "random":
-            score = kernels.counter_uniform(self.rng.key, self.state.round, self.skip_stream, tree.n)[:, 0]
+            score = kernels.counter_uniform(self.rng.key, self.state.round, self.skip_stream, tree.n,
+                                            self.node_lanes)[:, 0]
             score = score.to(torch.float64)
         else:  # confidence: highest cumulative draft log-prob along the path
             lp = tree.draft_logp if tree.draft_logp is not None else torch.zeros(leaf.shape, device=leaf.device)

@@ -321,6 +321,13 @@ class GPT(nn.Module):
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_dropout(self.tok_embeddings(tokens))
 
+    def token_embedding_table(self):
+        """[V, D]: ``embed_tokens`` is a plain row lookup in it (kernels that gather embeddings
+        themselves use it), or None while token dropout makes it something else (training)."""
+        if self.training and self.tok_dropout.p > 0:
+            return None
+        return self.tok_embeddings.weight
+
     # --- forward ------------------------------------------------------------------------------
     def forward_hidden(self, x, positions, kv=None, slots=None, mask=None) -> torch.Tensor:
         """Run the decoder on embeddings ``x`` [B, T, D] at sequence ``positions`` ([T] or [B, T],

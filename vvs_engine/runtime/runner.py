@@ -203,9 +203,11 @@ class GraphRunner:
         if "ar_step" not in self.calls:
             n = first.shape[0]
             self.ar_rng = CounterRNG(0, torch.zeros(n, dtype=torch.long, device=self.device))
-            # Fill the RNG's stream-offset cache now: filling it inside a compiled step changes what Dynamo
-            # guards on, and the second step would compile again.
+            # Fill the RNG's stream- and lane-offset caches now: filling them inside a compiled step changes
+            # what Dynamo guards on (the second step would compile again), and lane offsets made inside a
+            # traced step overflow Inductor's index arithmetic.
             self.ar_rng.stream_offsets([Streams.SAMPLE])
+            self.ar_rng.lane_offsets(1)
             state = (torch.zeros(n, dtype=torch.long, device=self.device),  # last token
                      torch.zeros(1, dtype=torch.long, device=self.device),  # its position
                      torch.zeros(n, s.T, dtype=torch.long, device=self.device))  # tokens so far
