@@ -15,7 +15,8 @@ try:
 except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None to block it
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass", "tree_verify", "tree_level", "counter_uniform"]
+__all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass", "tree_verify", "tree_level", "counter_uniform",
+           "kv_move_rows"]
 
 
 _LAUNCHERS = {
@@ -26,6 +27,7 @@ _LAUNCHERS = {
     "tree_verify": "tree_verify",
     "tree_level": "tree_level",
     "counter_uniform": "counter_uniform",
+    "kv_move_rows": "kv_move_rows",
 }
 
 

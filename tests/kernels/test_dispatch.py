@@ -43,6 +43,8 @@ def small_inputs():
                             torch.randint(-2**62, 2**62, (3,), generator=gen), 37),
         "kv_compact": (torch.randn(2, B, H, S, D, generator=gen), torch.randn(2, B, H, S, D, generator=gen),
                        torch.tensor([4, 5, 6]), torch.tensor([3, 4, 5])),
+        "kv_move_rows": (torch.randn(2, B, H, S, D, generator=gen), torch.randn(2, B, H, S, D, generator=gen),
+                         torch.tensor([[4, 5, 8], [10, 12, 13]]), torch.tensor([[4, 5, 6], [10, 11, 12]])),
         "gather_rows": (torch.randn(B, S, D, generator=gen), torch.tensor([3, 0, 7])),
         "scatter_rows_": (torch.randn(B, S, D, generator=gen), torch.tensor([3, 0, 7]), torch.randn(B, 3, D, generator=gen)),
     }

@@ -164,6 +164,16 @@ def _(k, v, src, dst):
     return None
 
 
+@torch.library.custom_op("vvs::kv_move_rows", mutates_args=("k", "v"))
+def kv_move_rows(k: Tensor, v: Tensor, src: Tensor, dst: Tensor) -> None:
+    _impl("kv_move_rows", k.device)(k, v, src, dst)
+
+
+@kv_move_rows.register_fake
+def _(k, v, src, dst):
+    return None
+
+
 @torch.library.custom_op("vvs::gather_rows", mutates_args=())
 def gather_rows(x: Tensor, idx: Tensor) -> Tensor:
     return _impl("gather_rows", x.device)(x, idx)

@@ -50,17 +50,22 @@ def kv_compact(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.T
     before the call (every layer and row). ``src``/``dst`` are ``[n]`` (the same for every row) or
     ``[B, n]`` (per row) device int64; the gather happens before any write, so overlapping ranges are
     fine."""
-    if src.dim() == 2:  # one slot list per row: index_put_ on the base buffer (torch.compile writes it in place)
-        L, B, H, S, D = k.shape
-        dev = k.device
-        lbh = (torch.arange(L, device=dev).view(L, 1, 1, 1), torch.arange(B, device=dev).view(1, B, 1, 1),
-               torch.arange(H, device=dev).view(1, 1, H, 1))
-        src_i, dst_i = (*lbh, src[None, :, None, :]), (*lbh, dst[None, :, None, :])
-        for buf in (k, v):
-            buf.index_put_(dst_i, buf[src_i])
-        return
+    if src.dim() == 2:
+        return kv_move_rows(k, v, src, dst)
     for buf in (k, v):
         buf.index_copy_(3, dst, buf.index_select(3, src))
+
+
+def kv_move_rows(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``kv_compact`` with one slot list per row: src, dst [B, n]. index_put_ on the base buffer, so
+    torch.compile writes it in place."""
+    L, B, H, S, D = k.shape
+    dev = k.device
+    lbh = (torch.arange(L, device=dev).view(L, 1, 1, 1), torch.arange(B, device=dev).view(1, B, 1, 1),
+           torch.arange(H, device=dev).view(1, 1, H, 1))
+    src_i, dst_i = (*lbh, src[None, :, None, :]), (*lbh, dst[None, :, None, :])
+    for buf in (k, v):
+        buf.index_put_(dst_i, buf[src_i])
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
