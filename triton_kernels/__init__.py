@@ -15,7 +15,7 @@ try:
 except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None to block it
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass", "tree_verify", "tree_level", "counter_uniform"]
+__all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass", "tree_verify", "tree_level", "tree_select", "counter_uniform"]
 
 
 _LAUNCHERS = {
@@ -25,6 +25,7 @@ _LAUNCHERS = {
     "group_mass": "relaxed_acceptance",
     "tree_verify": "tree_verify",
     "tree_level": "tree_level",
+    "tree_select": "tree_select",
     "counter_uniform": "counter_uniform",
 }
 
