@@ -13,6 +13,7 @@ import importlib
 ta = importlib.import_module("triton_kernels.tree_attention")
 dt = importlib.import_module("triton_kernels.draft_topk")
 ra = importlib.import_module("triton_kernels.relaxed_acceptance")
+ts = importlib.import_module("triton_kernels.tree_select")
 target = GPUTarget("cuda", 90, 32)
 FAILED = []
 
@@ -69,4 +70,13 @@ build(fn, sigs(fn, dict(p_ptr="*fp32", tokens_ptr="*i64", neighbors_ptr="*i64", 
 fn = ra._group_mass_kernel
 consts = dict(BLOCK_G=8)
 build(fn, sigs(fn, dict(p_ptr="*fp32", q_ptr="*fp32", members_ptr="*i64", sum_p_ptr="*fp32", sum_q_ptr="*fp32", error_ptr="*i32"), consts), consts, "group_mass")
+# dynamic-tree selection: fp32 (the engine) and fp64 (the fill constants of nan_to_num in fp64)
+fn = ts._tree_select_kernel
+for fdt, pos in (("fp32", 3.4028234663852886e38), ("fp64", 1.7976931348623157e308)):
+    consts = dict(MAX_DEPTH=5, MAX_CHILDREN=10, POS_FILL=pos, NEG_FILL=-1e30, BLOCK_I=64, BLOCK_J=64, BLOCK_R=64,
+                  BLOCK_K=64, BLOCK_P=8, BLOCK_CH=16)
+    types = dict(score_ptr="*" + fdt, penalty_ptr="*" + fdt, frontier_ptr="*i64", foff_ptr="*i64", pcol_ptr="*i64",
+                 ctok_ptr="*i64", clp_ptr="*" + fdt, tok_ptr="*i64", par_ptr="*i64", mask_ptr="*u8", depth_ptr="*i64",
+                 paths_ptr="*i64", leaf_ptr="*u8", child_ptr="*i64", lp_ptr="*" + fdt, before_ptr="*i32", taken_ptr="*i8")
+    build(fn, sigs(fn, types, consts), consts, f"tree_select {fdt}")
 sys.exit(1 if FAILED else 0)

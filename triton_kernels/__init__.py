@@ -15,8 +15,8 @@ try:
 except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None to block it
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass", "tree_verify", "tree_level", "counter_uniform",
-           "kv_move_rows"]
+__all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass", "tree_verify", "tree_level",
+           "tree_select", "counter_uniform", "kv_move_rows"]
 
 
 _LAUNCHERS = {
@@ -26,6 +26,7 @@ _LAUNCHERS = {
     "group_mass": "relaxed_acceptance",
     "tree_verify": "tree_verify",
     "tree_level": "tree_level",
+    "tree_select": "tree_select",
     "counter_uniform": "counter_uniform",
     "kv_move_rows": "kv_move_rows",
 }

@@ -39,6 +39,12 @@ def small_inputs():
         "tree_level": (torch.randn(B, 3, generator=gen), -torch.rand(B, 3, 4, generator=gen),
                        torch.randint(0, V, (B, 3, 4), generator=gen), torch.randn(2 * B, 3, D, generator=gen),
                        torch.rand(2 * B, 3, 6, generator=gen) < 0.5, torch.tensor([4, 9, 4, 9]), S),
+        # a dynamic tree of K = 2, depth 2: 10 candidates (levels of 2, 4, 4), frontier table [-1 | 0, 1 | 2 best]
+        "tree_select": (torch.randn(B, 10, generator=gen).to(torch.float64),
+                        1e-6 * torch.tensor([1, 1, 2, 2, 2, 2, 3, 3, 3, 3]),
+                        torch.tensor([[-1, 0, 1, 2, 0], [-1, 0, 1, 3, 1]]), torch.tensor([0, 0, 0, 2, 2]),
+                        torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4]), torch.randint(0, V, (B, 11), generator=gen),
+                        -torch.rand(B, 11, generator=gen).to(torch.float64), 6, 3, 2),
         "counter_uniform": (torch.randint(-2**62, 2**62, (B,), generator=gen), torch.tensor([5, -1]),
                             torch.randint(-2**62, 2**62, (3,), generator=gen), 37),
         "kv_compact": (torch.randn(2, B, H, S, D, generator=gen), torch.randn(2, B, H, S, D, generator=gen),

@@ -139,7 +139,6 @@ class DraftSession:
             frontier0=torch.arange(-1, K, device=dev).expand(self.batch, K + 1),
             scratch_cols=torch.arange(depth * K, device=dev),
             eye=torch.eye(K, dtype=torch.bool, device=dev).expand(self.rows, K, K),
-            no_parent=torch.full((self.batch, 1), -1, dtype=torch.long, device=dev),
             zero_logp=torch.zeros(self.batch, 1, device=dev))
         return tables
 
@@ -186,18 +185,11 @@ class DraftSession:
                 f_input = level_out
             cand_score.append(cum)
             frontiers.append(best)
-        score = torch.nan_to_num(torch.cat(cand_score, 1) - t["penalty"], neginf=-1e30)
-        sel = score.topk(min(total - 1, score.shape[1]), dim=1).indices.sort(dim=1).values
-        # Parent of each selected candidate (a global candidate id, -1 for the root's children), then
-        # its node index: the root is node 0, selected candidate j is node j + 1.
-        frontier_ids = torch.cat(frontiers, 1) + t["frontier_offset"]
-        par_gid = frontier_ids.gather(1, t["parent_col"][sel])
-        sel_nodes = torch.cat([t["no_parent"], sel], 1)  # node i <- candidate sel_nodes[i] (root: -1)
-        parents = torch.cat([t["no_parent"], torch.searchsorted(sel_nodes, par_gid)], 1)
-        node_cand = sel_nodes + 1  # columns of [root | candidates]
-        tokens = torch.cat(cand_tok, 1).gather(1, node_cand)
-        logp = torch.cat(cand_lp, 1).gather(1, node_cand)
-        mask, dep, paths, leaf, children = tree_structure(parents, depth + 1, K)
+        # Selection of the best total - 1 candidates, their parents, tokens and log-probs, and the tree
+        # structure (ancestor mask, depths, paths, leaves, children): one op.
+        tokens, parents, mask, dep, paths, leaf, children, logp = kernels.tree_select(
+            torch.cat(cand_score, 1), t["penalty"], torch.cat(frontiers, 1), t["frontier_offset"], t["parent_col"],
+            torch.cat(cand_tok, 1), torch.cat(cand_lp, 1), total, depth + 1, K)
         return DraftTree(tokens, parents, mask, dep, paths, leaf, children, draft_logp=logp)
 
     def _static_levels(self):

@@ -17,6 +17,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..errors import VVSError
+# The batched structure (ancestor masks, depths, paths, leaves, children tables) lives with the kernels'
+# references: kernels.tree_select builds it too, and kernels sit below drafting.
+from ..kernels.reference import children_table_batched, tree_meta_batched, tree_structure  # noqa: F401
 
 
 @dataclass
@@ -47,49 +50,6 @@ class DraftTree:
     @property
     def max_depth(self) -> int:
         return self.paths.shape[-1] - 1
-
-
-def tree_structure(parents: torch.Tensor, max_depth: int, max_children: int):
-    """parents [B, N] -> (mask [B, N, N], depth [B, N], paths [B, N, max_depth + 1], is_leaf [B, N],
-    children [B, N, max_children]). Vectorised over sequences and nodes: loops over depth levels only."""
-    mask, depth, paths, is_leaf = tree_meta_batched(parents, max_depth)
-    return mask, depth, paths, is_leaf, children_table_batched(parents, max_children)
-
-
-def tree_meta_batched(parents: torch.Tensor, max_depth: int):
-    """``kernels.tree_meta`` for B trees at once (parents [B, N], ``parents[b, i] < i``): ancestor
-    masks, depths, root -> node paths and leaf flags. Follows parent links ``max_depth`` times (one
-    gather of [B, N] each) instead of propagating whole [N, N] masks."""
-    B, N = parents.shape
-    dev = parents.device
-    # up[b, i]: the parent of i; the root's parent is a sentinel N that is its own parent.
-    up = torch.nn.functional.pad(parents % (N + 1), (0, 1), value=N)  # -1 % (N + 1) == N
-    hop = torch.arange(N, device=dev).expand(B, N)
-    hops = [hop]
-    for _ in range(max_depth):
-        hop = up.gather(1, hop)
-        hops.append(hop)
-    chain = torch.stack(hops, 2)  # [B, N, max_depth + 1]: the ancestor t steps up (N past the root)
-    anc = torch.zeros(B, N, N + 1, dtype=torch.bool, device=dev).scatter_(2, chain, True)[:, :, :N]
-    depth = anc.sum(2) - 1
-    # Path column j (root first) is the ancestor depth - j steps up.
-    up_steps = depth[:, :, None] - torch.arange(max_depth + 1, device=dev)
-    paths = torch.where(up_steps >= 0, chain.gather(2, up_steps.clamp(min=0)), -1)
-    has_child = torch.zeros(B, N + 1, dtype=torch.bool, device=dev).scatter_(1, up[:, :N], True)
-    return anc, depth, paths, ~has_child[:, :N]
-
-
-def children_table_batched(parents: torch.Tensor, max_children: int) -> torch.Tensor:
-    """[B, N] parents -> [B, N, max_children] children ids in increasing id order, -1 padded."""
-    B, N = parents.shape
-    ids = torch.arange(N, device=parents.device)
-    is_child = parents[:, None, :] == ids[None, :, None]  # [B, N parent, N child]
-    rank = is_child.cumsum(2) - 1
-    out = torch.full((B, N, max_children + 1), -1, dtype=torch.long, device=parents.device)
-    # Non-children (and ranks past the table) land in a spill column that is dropped.
-    col = torch.where(is_child & (rank < max_children), rank, max_children)
-    out.scatter_(2, col, ids.expand(B, N, N))
-    return out[:, :, :max_children]
 
 
 def children_table(parents: torch.Tensor, max_children: int) -> torch.Tensor:

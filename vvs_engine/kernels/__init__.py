@@ -22,7 +22,8 @@ from .reference import local_visibility, sibling_links  # noqa: F401
 
 __all__ = [
     "tree_attention", "local_visibility", "sibling_links", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
-    "accept_walk", "tree_verify", "tree_level", "counter_uniform", "counter_sample", "kv_compact", "kv_move_rows", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
+    "accept_walk", "tree_verify", "tree_level", "tree_select", "counter_uniform", "counter_sample", "kv_compact",
+    "kv_move_rows", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
 ]
 
 
@@ -98,6 +99,20 @@ def tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots:
     if _reference_fast_path(score):
         return reference.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots, embedding)
     return ops.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, int(n_slots), embedding)
+
+
+def tree_select(score, penalty, frontier, frontier_offset, parent_col, tokens, logp, n_nodes: int, max_depth: int,
+                max_children: int):
+    """The end of a dynamic tree build in one op: the best ``n_nodes - 1`` candidates and the tree they
+    form -> (tokens, parents, mask, depth, paths, is_leaf, children, logp), every field [B, N, ...]. See
+    ``reference.tree_select``."""
+    if _reference_fast_path(score):
+        return reference.tree_select(score, penalty, frontier, frontier_offset, parent_col, tokens, logp, n_nodes,
+                                     max_depth, max_children)
+    # Compiled too (unlike tree_level): inlined, the selection and the structure are ~11 kernels and
+    # aten fallbacks (topk, sort, searchsorted, the structure's scatters); the op is one launch.
+    return ops.tree_select(score, penalty, frontier, frontier_offset, parent_col, tokens, logp, int(n_nodes),
+                           int(max_depth), int(max_children))
 
 
 def counter_uniform(key, step, stream_offsets, n_lanes: int, lanes=None):

@@ -24,7 +24,7 @@ ENV = "VVS_KERNELS"
 # What each compiled backend implements; everything else falls through to the next backend.
 CUDA_OPS = frozenset({"tree_meta", "kv_compact", "gather_rows", "scatter_rows_", "accept_walk"})
 TRITON_OPS = frozenset({"tree_attention", "draft_topk", "lantern_mass", "group_mass", "tree_verify",
-                        "counter_uniform", "tree_level", "kv_move_rows"})
+                        "counter_uniform", "tree_level", "tree_select", "kv_move_rows"})
 
 
 def forced_backend() -> str | None:
@@ -47,21 +47,32 @@ def cuda_module():
 
 @functools.lru_cache(maxsize=None)
 def triton_module():
-    """``vvs_engine.triton_kernels`` (installed package, or ``triton_kernels/`` of a source checkout),
-    or None when Triton is not installed."""
+    """``vvs_engine.triton_kernels``: ``triton_kernels/`` of the source checkout this ``vvs_engine`` was
+    imported from, else the installed package; None when Triton is not installed. The checkout comes
+    first because an editable install of another checkout (a git worktree's main tree) maps the name
+    to that checkout's kernels, which can lack this one's ops."""
     try:
         if importlib.util.find_spec("triton") is None:
             return None
     except (ImportError, ValueError):
         return None
     name = "vvs_engine.triton_kernels"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError:
-        pass
-    init = Path(__file__).resolve().parents[2] / "triton_kernels" / "__init__.py"
-    if not init.exists():
-        return None
+    checkout = Path(__file__).resolve().parents[2]
+    init = checkout / "triton_kernels" / "__init__.py"
+    # setup.py marks a source checkout (an installed vvs_engine's parent is site-packages, where a
+    # ``triton_kernels`` would be Triton's own package)
+    if not (init.exists() and (checkout / "setup.py").exists()):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            return None
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(loaded.__file__).resolve() == init:
+        return loaded
+    # Drop another checkout's package and launcher modules (imported under the same names) before
+    # loading this one's.
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+        del sys.modules[key]
     spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -216,6 +216,25 @@ def _(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots, embeddin
             feats.new_empty((R, K, n_slots)))
 
 
+@torch.library.custom_op("vvs::tree_select", mutates_args=())
+def tree_select(score: Tensor, penalty: Tensor, frontier: Tensor, frontier_offset: Tensor, parent_col: Tensor,
+                tokens: Tensor, logp: Tensor, n_nodes: int, max_depth: int,
+                max_children: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out = _impl("tree_select", score.device)(score, penalty, frontier, frontier_offset, parent_col, tokens, logp,
+                                             n_nodes, max_depth, max_children)
+    return tuple(t.contiguous() for t in out)  # the reference's mask and children are slices
+
+
+@tree_select.register_fake
+def _(score, penalty, frontier, frontier_offset, parent_col, tokens, logp, n_nodes, max_depth, max_children):
+    B, C = score.shape
+    N = min(n_nodes - 1, C) + 1
+    new = score.new_empty
+    return (new((B, N), dtype=tokens.dtype), new((B, N), dtype=torch.long), new((B, N, N), dtype=torch.bool),
+            new((B, N), dtype=torch.long), new((B, N, max_depth + 1), dtype=torch.long),
+            new((B, N), dtype=torch.bool), new((B, N, max_children), dtype=torch.long), new((B, N), dtype=logp.dtype))
+
+
 # ------------------------------------------------------------------------------------ random numbers
 
 

@@ -178,6 +178,84 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(visible, 0.0, float("-inf")).to(dtype)
 
 
+def tree_structure(parents: torch.Tensor, max_depth: int, max_children: int):
+    """parents [B, N] -> (mask [B, N, N], depth [B, N], paths [B, N, max_depth + 1], is_leaf [B, N],
+    children [B, N, max_children]). Vectorised over sequences and nodes: loops over depth levels only."""
+    mask, depth, paths, is_leaf = tree_meta_batched(parents, max_depth)
+    return mask, depth, paths, is_leaf, children_table_batched(parents, max_children)
+
+
+def tree_meta_batched(parents: torch.Tensor, max_depth: int):
+    """``kernels.tree_meta`` for B trees at once (parents [B, N], ``parents[b, i] < i``): ancestor
+    masks, depths, root -> node paths and leaf flags. Follows parent links ``max_depth`` times (one
+    gather of [B, N] each) instead of propagating whole [N, N] masks."""
+    B, N = parents.shape
+    dev = parents.device
+    # up[b, i]: the parent of i; the root's parent is a sentinel N that is its own parent.
+    up = torch.nn.functional.pad(parents % (N + 1), (0, 1), value=N)  # -1 % (N + 1) == N
+    hop = torch.arange(N, device=dev).expand(B, N)
+    hops = [hop]
+    for _ in range(max_depth):
+        hop = up.gather(1, hop)
+        hops.append(hop)
+    chain = torch.stack(hops, 2)  # [B, N, max_depth + 1]: the ancestor t steps up (N past the root)
+    anc = torch.zeros(B, N, N + 1, dtype=torch.bool, device=dev).scatter_(2, chain, True)[:, :, :N]
+    depth = anc.sum(2) - 1
+    # Path column j (root first) is the ancestor depth - j steps up.
+    up_steps = depth[:, :, None] - torch.arange(max_depth + 1, device=dev)
+    paths = torch.where(up_steps >= 0, chain.gather(2, up_steps.clamp(min=0)), -1)
+    has_child = torch.zeros(B, N + 1, dtype=torch.bool, device=dev).scatter_(1, up[:, :N], True)
+    return anc, depth, paths, ~has_child[:, :N]
+
+
+def children_table_batched(parents: torch.Tensor, max_children: int) -> torch.Tensor:
+    """[B, N] parents -> [B, N, max_children] children ids in increasing id order, -1 padded."""
+    B, N = parents.shape
+    ids = torch.arange(N, device=parents.device)
+    is_child = parents[:, None, :] == ids[None, :, None]  # [B, N parent, N child]
+    rank = is_child.cumsum(2) - 1
+    out = torch.full((B, N, max_children + 1), -1, dtype=torch.long, device=parents.device)
+    # Non-children (and ranks past the table) land in a spill column that is dropped.
+    col = torch.where(is_child & (rank < max_children), rank, max_children)
+    out.scatter_(2, col, ids.expand(B, N, N))
+    return out[:, :, :max_children]
+
+
+def tree_select(score: torch.Tensor, penalty: torch.Tensor, frontier: torch.Tensor, frontier_offset: torch.Tensor,
+                parent_col: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, n_nodes: int, max_depth: int,
+                max_children: int):
+    """The end of a dynamic (EAGLE-2) draft tree build: from every candidate the levels produced to the
+    tree of the best ``n_nodes - 1`` of them under the root, with its structure.
+
+    score [B, C] the candidates' cumulative log-probs (global candidate ids: the level-1 candidates, then
+    each expansion's in order); penalty [C] the per-level penalty subtracted from them (it makes every
+    child rank strictly below its parent); frontier [B, F] the frontier table (column 0: -1 = no parent,
+    then each level's expanded candidates as within-level indices), frontier_offset [F] the first global
+    id of each column's level; parent_col [C] the frontier column of each candidate's parent; tokens,
+    logp [B, 1 + C] the root's then every candidate's token and draft log-prob.
+
+    Selection: the ``min(n_nodes - 1, C)`` best scores after ``nan_to_num(score - penalty, neginf=-1e30)``,
+    ties to the lower candidate id (``stable_topk``), numbered in increasing candidate id (node 0 is the
+    root, the j-th selected candidate is node j + 1). A parent's node is found by ``searchsorted`` among
+    the selected ids.
+
+    -> (tokens [B, N], parents [B, N] (root -1), mask [B, N, N], depth [B, N], paths [B, N, max_depth + 1],
+    is_leaf [B, N], children [B, N, max_children], logp [B, N]) with N = min(n_nodes - 1, C) + 1; the
+    structure is ``tree_structure(parents, max_depth, max_children)``."""
+    B, C = score.shape
+    ranked = torch.nan_to_num(score - penalty, neginf=-1e30)
+    sel = stable_topk(ranked, min(n_nodes - 1, C)).sort(dim=1).values
+    no_parent = torch.full((B, 1), -1, dtype=torch.long, device=score.device)
+    # Parent of each selected candidate (a global candidate id, -1 for the root's children), then its
+    # node index among [root | selected ids in increasing order].
+    par_gid = (frontier + frontier_offset).gather(1, parent_col[sel])
+    sel_nodes = torch.cat([no_parent, sel], 1)  # node i <- candidate sel_nodes[i] (root: -1)
+    parents = torch.cat([no_parent, torch.searchsorted(sel_nodes, par_gid)], 1)
+    node_cand = sel_nodes + 1  # columns of [root | candidates]
+    mask, depth, paths, is_leaf, children = tree_structure(parents, max_depth, max_children)
+    return tokens.gather(1, node_cand), parents, mask, depth, paths, is_leaf, children, logp.gather(1, node_cand)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Relaxed acceptance (LANTERN) and grouped acceptance (GSD)
 
