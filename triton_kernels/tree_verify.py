@@ -28,7 +28,7 @@ def _tree_verify_kernel(
     tokens_ptr, children_ptr, p_ptr, q_ptr, u_accept_ptr, u_sample_ptr, neighbors_ptr,
     r_scratch_ptr, moved_scratch_ptr,
     path_ptr, n_accepted_ptr, last_ptr, next_token_ptr,
-    N, C, V, K, max_depth, delta,
+    N, C, V, K, max_depth, delta, stride_ua_b, stride_ua_n, stride_us_b,
     HAS_Q: tl.constexpr, RELAXED: tl.constexpr, RATIO: tl.constexpr, REF_RESIDUAL: tl.constexpr,
     GREEDY: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -64,7 +64,7 @@ def _tree_verify_kernel(
             q_x = tl.sum(tl.where(is_x, q_norm, 0.0), 0)
         else:
             q_x = 1.0
-        u = tl.load(u_accept_ptr + b * N + child_id).to(tl.float32)
+        u = tl.load(u_accept_ptr + b * stride_ua_b + child_id * stride_ua_n).to(tl.float32)
 
         if RELAXED:
             nb = tl.load(neighbors_ptr + x * K + kk, mask=kk < K, other=-1)
@@ -131,7 +131,7 @@ def _tree_verify_kernel(
         token = tl.argmax(tl.where(in_v, r, -1.0), 0).to(tl.int64)
     else:
         cdf = tl.cumsum(r, 0)
-        target = tl.load(u_sample_ptr + b).to(tl.float32) * tl.max(tl.where(in_v, cdf, 0.0), 0)
+        target = tl.load(u_sample_ptr + b * stride_us_b).to(tl.float32) * tl.max(tl.where(in_v, cdf, 0.0), 0)
         token = tl.minimum(tl.sum((in_v & (cdf < target)).to(tl.int64), 0), V - 1)
     tl.store(n_accepted_ptr + b, depth)
     tl.store(last_ptr + b, node)
@@ -161,9 +161,9 @@ def tree_verify(tokens: torch.Tensor, children: torch.Tensor, p: torch.Tensor, q
     block_v = triton.next_power_of_2(V)
     _tree_verify_kernel[(B,)](
         tokens.contiguous(), children.contiguous(), p.contiguous(), p if q is None else q.contiguous(),
-        u_accept.contiguous(), u_sample.contiguous(), neighbors.contiguous() if relaxed else tokens,
+        u_accept, u_sample, neighbors.contiguous() if relaxed else tokens,  # the uniforms: any strides
         r_scratch, moved_scratch, path, n_accepted, last, next_token,
-        N, C, V, K, max_depth, float(delta),
+        N, C, V, K, max_depth, float(delta), u_accept.stride(0), u_accept.stride(1), u_sample.stride(0),
         HAS_Q=q is not None, RELAXED=relaxed, RATIO=bool(ratio), REF_RESIDUAL=bool(reference_residual),
         GREEDY=bool(greedy), BLOCK_V=block_v, BLOCK_K=max(2, triton.next_power_of_2(K)),
         BLOCK_D=max(2, triton.next_power_of_2(max_depth + 1)), num_warps=4 if block_v <= 4096 else 8,

@@ -135,3 +135,16 @@ def test_exact_rule_through_kernel_samples_the_target(triton_kernels, device):
     args[3] = torch.ones_like(args[3])  # negative control: the wrong draft distribution
     path, n_acc, _, nxt = triton_kernels.tree_verify(*args, None, 0.0, False, False, False, 2)
     assert _chi2_rejects(_first_token(args[0], path, n_acc, nxt).cpu(), p_root)
+
+
+def test_tree_verify_reads_strided_uniforms(triton_kernels, device):
+    """The uniforms arrive as slices of one [B, 2, N] counter-RNG draw (the op takes any layout): the
+    kernel reads them through their strides, with the results of contiguous copies."""
+    tokens, children, p, q, u_accept, u_sample = tree_case(3, 9, 40, 3, 4, seed=5, sampled=False, device=device)
+    u = torch.stack([u_accept, torch.cat([u_sample[:, None], torch.rand_like(u_accept[:, 1:])], 1)], 1)
+    ua, us = u[:, 0], u[:, 1, 0]
+    assert not ua.is_contiguous() and not us.is_contiguous()
+    got = triton_kernels.tree_verify(tokens, children, p, q, ua, us, None, 0.0, False, False, False, 4)
+    want = R.tree_verify(tokens, children, p, q, u_accept, u_sample, None, 0.0, False, False, False, 4)
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w.cpu())

@@ -135,7 +135,9 @@ def _(accepted, first_child, next_sibling, max_depth):
     return new((max_depth + 1,), dtype=torch.int64), new((1,), dtype=torch.int64), new((1,), dtype=torch.int64)
 
 
-@torch.library.custom_op("vvs::tree_verify", mutates_args=())
+# flexible_layout: the uniforms arrive as strided slices of one counter-RNG draw (no copy kernel before
+# the op); the kernel reads them through their strides, and every other input is contiguous as made.
+@torch.library.custom_op("vvs::tree_verify", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def tree_verify(tokens: Tensor, children: Tensor, p: Tensor, q: Optional[Tensor], u_accept: Tensor, u_sample: Tensor,
                 neighbors: Optional[Tensor], delta: float, ratio: bool, reference_residual: bool, greedy: bool,
                 max_depth: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
