@@ -48,6 +48,62 @@ class SamplingParams:
         return asdict(self)
 
 
+# --- reductions that keep compiled CPU rounds bitwise equal to eager ones ----------------------------
+# Inductor's C++ code sums a row in another order than ATen's kernels (and divides where ATen's softmax
+# multiplies by a reciprocal), so a compiled round's sampling distribution can differ from eager's in the
+# last bit, and a sampled token on a CDF boundary then flips. Inside a round compiled for the CPU the
+# sampling path's normalisers are therefore ATen's own kernels, called as opaque ops: compiled and eager
+# CPU rounds give the same tokens. On a GPU Inductor fuses them as usual (its bf16 kernels differ from
+# eager anyway; GPU checks compare a graph replay with the compiled round).
+@torch.library.custom_op("vvs::aten_softmax", mutates_args=())
+def _aten_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, -1)
+
+
+@_aten_softmax.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("vvs::aten_sum_last", mutates_args=())
+def _aten_sum_last(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(-1, keepdim=True)
+
+
+@_aten_sum_last.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], 1))
+
+
+@torch.library.custom_op("vvs::aten_mean_last", mutates_args=())
+def _aten_mean_last(x: torch.Tensor) -> torch.Tensor:
+    return x.mean(-1, keepdim=True)
+
+
+@_aten_mean_last.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], 1))
+
+
+def _eager_exact(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and torch.compiler.is_compiling()
+
+
+def softmax_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.softmax(-1)``; ATen's kernel inside a CPU compile (see above)."""
+    return _aten_softmax(x.contiguous()) if _eager_exact(x) else x.softmax(-1)
+
+
+def sum_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1, keepdim=True)``; ATen's kernel inside a CPU compile (see above)."""
+    return _aten_sum_last(x.contiguous()) if _eager_exact(x) else x.sum(-1, keepdim=True)
+
+
+def mean_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.mean(-1, keepdim=True)``; ATen's kernel inside a CPU compile (see above; RMSNorm's mean)."""
+    return _aten_mean_last(x.contiguous()) if _eager_exact(x) else x.mean(-1, keepdim=True)
+
+
 def cfg_combine(logits: torch.Tensor, scale: float) -> torch.Tensor:
     """Rows ``[cond; uncond]`` (first dim 2B) -> ``uncond + scale * (cond - uncond)`` (first dim B)."""
     cond, uncond = logits.chunk(2, dim=0)
@@ -75,7 +131,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         remove_sorted = (cum - srt.softmax(-1)) > params.top_p
         remove = torch.zeros_like(remove_sorted).scatter_(-1, idx, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
-    return logits.softmax(-1)
+    return softmax_last(logits)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import VVSError
+from ..sampling import mean_last
 from .fused import FusedLinear, fuse_linears
 
 
@@ -167,7 +168,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = xf * torch.rsqrt(mean_last(xf.pow(2)) + self.eps)  # mean_last: ATen's order in CPU compiles
         return out.type_as(x) * self.weight
 
 

@@ -159,6 +159,10 @@ def _enter_gpu_style(stack: contextlib.ExitStack) -> None:
     stack.enter_context(mock.patch.object(triton_utils, "triton_backend", lambda: None))
     _patch_combo_grouping(stack)
     stack.enter_context(compiled.codegen_only())
+    # The CPU compile's ATen reductions (compiled CPU tokens = eager ones) are not what a GPU runs.
+    from .. import sampling
+
+    stack.enter_context(mock.patch.object(sampling, "_eager_exact", lambda x: False))
 
 
 @contextlib.contextmanager
