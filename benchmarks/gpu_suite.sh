@@ -16,7 +16,8 @@
 #   4. draft_topk  fused sampling vs torch's sort-based path, V = 16384 first
 #   5. e2e_zoo     methods on the Zoo model: latency, TPF, speed-up / TPF (records the acceptance trace)
 #   6. e2e_replay_xl  LANTERN and VVS replayed on a random LlamaGen-XL-shaped target; round_replay: each
-#      round kind's replay time per method at XL shape (benchmarks/round_replay.py)
+#      round kind's replay time per method at XL shape (benchmarks/round_replay.py); gpu_launches: kernels
+#      per compiled-round replay on the Zoo, counted by the profiler (benchmarks/gpu_launches.py)
 #   7. tests       the GPU tests, one process per file (a device-side assert cannot poison the others)
 #   8. the other kernel microbenchmarks (--quick), then the GPT-7B replay if time is left
 # Every table carries its command and date. What comes back ($OUT, at most 8 files): suite.log,
@@ -131,6 +132,9 @@ step e2e_replay_xl 60 python benchmarks/e2e.py --replay "$TRACE" $E2E_FLAGS --re
 
 step round_replay 45 python benchmarks/round_replay.py --shape "$AR_SHAPE" --tokens "$RR_TOKENS" --device "$DEV" \
   --dtype "$DTYPE" --out "$RES/round_replay.md"
+# kernel launches per compiled-round replay (profiler), beside the CPU's GPU-style counts
+GL_METHODS="--methods ar,eagle,vvs,sjd --max-replays 4"; [ "$DRY" = 1 ] && GL_METHODS="--methods eagle --max-replays 2"
+step gpu_launches 90 python benchmarks/gpu_launches.py --device "$DEV" $GL_METHODS --out "$RES/gpu_launches.md"
 
 # --- 7: GPU tests, one process per file -------------------------------------------------------------
 if [ -n "$BUILD_PID" ]; then
@@ -165,7 +169,7 @@ step e2e_replay_7b 60 python benchmarks/e2e.py --replay "$TRACE" $E2E_FLAGS --re
   echo "$(git log -1 --format='Commit %h: %s' 2>/dev/null)"; echo
   cat "$STEPS"; echo
   echo "## tests (one process per file)"; echo '```'; cat "$RES/tests/summary.txt" 2>/dev/null; echo '```'
-  for f in "$RES"/ar_graph_step.md "$RES"/round_replay.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
+  for f in "$RES"/ar_graph_step.md "$RES"/round_replay.md "$RES"/gpu_launches.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
   for f in "$RES"/ar_decode_eager.json; do
     [ -f "$f" ] && { echo; echo "## AR step, eager ($(basename "$f"))"; echo '```'
       python -c "import json,sys; r=json.load(open(sys.argv[1])); print('\n'.join(f'{k}: {r[k]}' for k in ('command','gpt_model','dtype','device_name','batch_rows','step_ms_median','step_ms_p10','step_ms_p90','achieved_gbps','fraction_of_peak','e2e_generate','timestamp') if k in r))" "$f"

@@ -1,0 +1,147 @@
+"""Kernel launches per CUDA-graph replay of every compiled round kind, counted by the profiler on a
+GPU, beside the counts read on the CPU from Inductor's Triton code (``benchmarks/results/op_count.json``,
+the GPU-style count of ``vvs_engine.runtime.launches``).
+
+    python benchmarks/gpu_launches.py --out benchmarks/results/gpu_launches.md         # on a GPU
+    python benchmarks/gpu_launches.py --device cpu --out /tmp/gl.md --methods ar       # CPU smoke run
+
+Per method on the Zoo model (one image, batch 1, compiled rounds in CUDA graphs, the engine's defaults): a
+warm-up image compiles and captures every round kind, then one more image runs under
+``torch.profiler`` and each replay's GPU kernels are counted (CUPTI reports the kernels inside a graph
+launch one by one; memcpy/memset activities are listed apart). On the CPU nothing is a GPU launch: the
+smoke run counts the CPU ops of the same replays so that the script's plumbing is tested.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+METHODS = [("AR", "ar", {}), ("EAGLE-2", "eagle", {}), ("LANTERN d=0.2", "lantern", {"lantern_delta": 0.2}),
+           ("LANTERN++", "lantern++", {}), ("VVS-U i=2", "vvs", {"skip_policy": "uniform", "skip_interval": 2}),
+           ("CASCADE", "cascade", {}), ("SJD", "sjd", {}), ("GSD", "gsd", {}), ("SCD", "scd", {}),
+           ("SJD-PAC", "sjd-pac", {})]
+
+
+def kernel_events(prof, cuda: bool):
+    """(kernels, copies) of a profile: GPU kernel activities (memcpy/memset apart), or CPU ops."""
+    kernels = copies = 0
+    for e in prof.events():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            if "memcpy" in e.name.lower() or "memset" in e.name.lower():
+                copies += 1
+            else:
+                kernels += 1
+        elif e.name.startswith(("aten::", "vvs::")) and e.cpu_parent is None:
+            kernels += 1
+    return kernels, copies
+
+
+def count_method(engine, method, opts, cuda):
+    """{round kind: [(kernels, copies) per replay]} for one image after a warm-up image."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vvs_engine.runtime import runner
+
+    kw = dict(class_labels=[1], method=method, decode_images=False, batch_size=1, **opts)
+    engine.generate(seed=100, **kw)  # compiles (Inductor) and captures every round kind
+    per_kind: dict = {}
+    RG, SC = runner.RoundGraphs.__call__, runner.StaticCall.__call__
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+
+    def counted(fn, kind_of, replaying=lambda obj, *args: True):
+        def call(obj, *args, **kwargs):
+            if not replaying(obj, *args):  # a first call that warms up and captures: not a replay
+                return fn(obj, *args, **kwargs)
+            with profile(activities=activities) as prof:
+                out = fn(obj, *args, **kwargs)
+                if cuda:
+                    torch.cuda.synchronize()
+            per_kind.setdefault(kind_of(obj, *args), []).append(kernel_events(prof, cuda))
+            return out
+        return call
+
+    from vvs_engine.methods import jacobi
+
+    capture, maybe_compiled = jacobi.capture, jacobi.maybe_compiled
+    runner.RoundGraphs.__call__ = counted(RG, lambda g, name: name, lambda g, name: not g.use_graphs or name in g.graphs)
+    runner.StaticCall.__call__ = counted(SC, lambda c, *a: c.name, lambda c, *a: not c.use_graph or c.graph is not None)
+    # Jacobi iterations are a graph replay (CUDA) or the round function itself (CPU)
+    as_jacobi = lambda fn: (lambda: counted(lambda _obj: fn(), lambda _obj: "jacobi")(None))  # noqa: E731
+    if cuda:
+        jacobi.capture = lambda fn, state: as_jacobi(capture(fn, state))
+    else:
+        jacobi.maybe_compiled = lambda *a, **k: as_jacobi(maybe_compiled(*a, **k))
+    try:
+        engine.generate(seed=0, **kw)
+    finally:
+        runner.RoundGraphs.__call__, runner.StaticCall.__call__ = RG, SC
+        jacobi.capture, jacobi.maybe_compiled = capture, maybe_compiled
+    return per_kind
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--methods", default="", help="comma-separated method names (default: all)")
+    ap.add_argument("--max-replays", type=int, default=8, help="replays profiled per round kind (default 8)")
+    ap.add_argument("--out", required=True, help="Markdown path; JSON goes next to it")
+    args = ap.parse_args(argv)
+    from vvs_engine import Engine
+    from vvs_engine.runtime import runner
+
+    cuda = args.device == "cuda"
+    engine = Engine.load(device=args.device, threads=4)
+    wanted = [m for m in args.methods.split(",") if m]
+    cpu_counts = {}
+    path = os.path.join(ROOT, "benchmarks", "results", "op_count.json")
+    if os.path.exists(path):
+        for name, row in json.load(open(path))["results"].get("1", {}).items():
+            cpu_counts[name] = {k: v["total"] for k, v in row.get("compiled_launches_by_kind", {}).items()}
+    rows = []
+    for name, method, opts in METHODS:
+        if wanted and method not in wanted:
+            continue
+        # Profiling every replay of an image is slow: only the first max_replays of each kind are kept.
+        per_kind = count_method(engine, method, opts, cuda)
+        for kind, counts in sorted(per_kind.items()):
+            counts = counts[: args.max_replays]
+            kernels = [k for k, _ in counts]
+            rows.append(dict(method=name, kind=kind, replays=len(counts), kernels_median=statistics.median(kernels),
+                             kernels_min=min(kernels), kernels_max=max(kernels),
+                             copies_median=statistics.median(c for _, c in counts),
+                             cpu_gpu_style=cpu_counts.get(name, {}).get(kind)))
+        runner.clear_runners()
+        print(name, {r["kind"]: r["kernels_median"] for r in rows if r["method"] == name}, flush=True)
+    device = torch.cuda.get_device_name() if cuda else "cpu (smoke run: CPU ops, not GPU launches)"
+    res = dict(benchmark="gpu_launches", device=device, rows=rows,
+               command=" ".join(["python", "benchmarks/gpu_launches.py"] + (argv if argv is not None else sys.argv[1:])),
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    lines = [f"## Kernel launches per compiled-round replay ({device}, Zoo, batch 1)", "",
+             f"`{res['command']}`  |  {res['date']}", "",
+             "| method | round kind | replays | GPU kernels (median, min-max) | memcpy/memset | CPU count, GPU style (op_count.json) |",
+             "|---|---|---:|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['kind']} | {r['replays']} | {r['kernels_median']:.0f} "
+                     f"({r['kernels_min']}-{r['kernels_max']}) | {r['copies_median']:.0f} | "
+                     f"{'-' if r['cpu_gpu_style'] is None else r['cpu_gpu_style']} |")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
