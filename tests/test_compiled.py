@@ -296,3 +296,33 @@ def test_gpu_compiled_graph_replays_never_sync():
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert tokens.shape == (1, e.tokens_per_image) and r.compiled() == {"ar_step": True}
+
+
+def test_cpu_compiled_norm_and_softmax_are_atens():
+    """Inside a CPU compile, RMSNorm's mean and the sampling softmax are ATen's kernels: bit-equal to
+    eager (what keeps compiled CPU tokens equal to eager ones in fp32). Negative control: Inductor's
+    own C++ reductions sum in another order and differ in the last bit."""
+    from unittest import mock
+
+    from vvs_engine import sampling
+    from vvs_engine.models.gpt import RMSNorm
+    from vvs_engine.runtime.compiled import INDUCTOR_OPTIONS
+
+    torch.manual_seed(0)
+    norm = RMSNorm(256).eval()
+    x = torch.randn(64, 1, 256) * 3
+    logits = torch.randn(16, 1024) * 4
+
+    def fn(x, logits):
+        return norm(x), sampling.softmax_last(logits)
+
+    with torch.no_grad():
+        want = fn(x, logits)
+        torch._dynamo.reset()
+        got = torch.compile(fn, fullgraph=True, options=dict(INDUCTOR_OPTIONS))(x, logits)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        with mock.patch.object(sampling, "_eager_exact", lambda t: False):
+            torch._dynamo.reset()
+            fused = torch.compile(fn, fullgraph=True, options=dict(INDUCTOR_OPTIONS))(x, logits)
+        torch._dynamo.reset()
+    assert not torch.equal(fused[0], want[0]) and torch.allclose(fused[0], want[0], rtol=1e-6)
