@@ -102,10 +102,13 @@ def tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots:
     return ops.tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, int(n_slots))
 
 
-def counter_uniform(key, step, stream_offsets, n_lanes: int):
+def counter_uniform(key, step, stream_offsets, n_lanes: int, fuse_when_compiled: bool = False):
     """-> float32 [B, S, n_lanes]: ``CounterRNG`` uniforms of S streams in one op (the same bits as
-    ``CounterRNG.uniform``). See ``reference.counter_uniform``."""
-    if _reference_fast_path(key):
+    ``CounterRNG.uniform``). See ``reference.counter_uniform``. ``fuse_when_compiled``: under
+    torch.compile, the reference's torch arithmetic instead of the op (the same bits): Inductor then
+    computes each hash inside the kernel that reads the number, with no launch of its own (the Jacobi
+    rounds; the AR step keeps the op: its launch count is the unit the other rounds are measured in)."""
+    if _reference_fast_path(key) or (fuse_when_compiled and torch.compiler.is_compiling()):
         return reference.counter_uniform(key, step, stream_offsets, n_lanes)
     return ops.counter_uniform(key, step, stream_offsets, int(n_lanes))
 

@@ -129,10 +129,10 @@ class CompiledRound:
     are saved before the first (compiling) call and restored if it fails, so the eager rerun starts
     from the same state."""
 
-    def __init__(self, name: str, fn: Callable, buffers: Sequence[torch.Tensor] = ()):
+    def __init__(self, name: str, fn: Callable, buffers: Sequence[torch.Tensor] = (), options: Optional[dict] = None):
         configure()
         self.name, self.eager, self.buffers = name, fn, list(buffers)
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=dict(INDUCTOR_OPTIONS))
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={**INDUCTOR_OPTIONS, **(options or {})})
         self.ok: Optional[bool] = None  # None until the first call; then whether it runs compiled
         self.error: Optional[str] = None
         self.first_call_s = 0.0  # the first call: tracing + compiling (or a cache load) + one run
@@ -168,9 +168,11 @@ class CompiledRound:
         return out
 
 
-def maybe_compiled(name: str, fn: Callable, enabled: bool, buffers: Sequence[torch.Tensor] = ()) -> Callable:
-    """``fn`` as a :class:`CompiledRound` when ``enabled``, else ``fn`` itself."""
-    return CompiledRound(name, fn, buffers) if enabled else fn
+def maybe_compiled(name: str, fn: Callable, enabled: bool, buffers: Sequence[torch.Tensor] = (),
+                   options: Optional[dict] = None) -> Callable:
+    """``fn`` as a :class:`CompiledRound` when ``enabled`` (``options``: Inductor options on top of
+    :data:`INDUCTOR_OPTIONS`), else ``fn`` itself."""
+    return CompiledRound(name, fn, buffers, options) if enabled else fn
 
 
 def status(rounds: dict) -> dict:
