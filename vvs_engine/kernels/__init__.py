@@ -104,13 +104,25 @@ def tree_level(score, child_logp, child_tokens, feats, anc, prefix_len, n_slots:
 
 def counter_uniform(key, step, stream_offsets, n_lanes: int, fuse_when_compiled: bool = False):
     """-> float32 [B, S, n_lanes]: ``CounterRNG`` uniforms of S streams in one op (the same bits as
-    ``CounterRNG.uniform``). See ``reference.counter_uniform``. ``fuse_when_compiled``: under
-    torch.compile, the reference's torch arithmetic instead of the op (the same bits): Inductor then
-    computes each hash inside the kernel that reads the number, with no launch of its own (the Jacobi
-    rounds; the AR step keeps the op: its launch count is the unit the other rounds are measured in)."""
-    if _reference_fast_path(key) or (fuse_when_compiled and torch.compiler.is_compiling()):
+    ``CounterRNG.uniform``). See ``reference.counter_uniform``. ``fuse_when_compiled``: when
+    torch.compile lowers the caller to Triton, the reference's torch arithmetic instead of the op (the
+    same bits): Inductor then computes each hash inside the kernel that reads the number, with no launch
+    of its own (the Jacobi rounds; the AR step keeps the op: its launch count is the unit the other
+    rounds are measured in). Not for Inductor's C++ backend, the CPU's default: it compiles the
+    hash's wrapping int64 multiplies as signed C++ arithmetic, where overflow is undefined (on the
+    tests' tiny models: other bits, an Inductor error, a crash); Triton's int64 multiply wraps."""
+    if _reference_fast_path(key) or (fuse_when_compiled and torch.compiler.is_compiling()
+                                     and _inductor_emits_triton(key)):
         return reference.counter_uniform(key, step, stream_offsets, n_lanes)
     return ops.counter_uniform(key, step, stream_offsets, int(n_lanes))
+
+
+def _inductor_emits_triton(t: torch.Tensor) -> bool:
+    """Whether Inductor generates Triton code for ``t``'s device: CUDA, or the CPU when its backend is
+    Triton (``runtime.launches.recording("gpu")``, the GPU-style launch count)."""
+    import torch._inductor.config as inductor_config
+
+    return t.device.type == "cuda" or (t.device.type == "cpu" and inductor_config.cpu_backend == "triton")
 
 
 def counter_sample(rng, probs, step, stream: int):
