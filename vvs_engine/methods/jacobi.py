@@ -300,8 +300,9 @@ class JacobiDecoder:
         # unused draws but no dependent pass after the walk (the same arithmetic per row as drawing it
         # in row k alone). moved = None: GSD's reference resamples SJD's residual too.
         next_tokens = st.window.roll(-1, 1)  # [B, L] draft j + 1 (lane L - 1 wraps around: never used)
-        # ok[j]: draft j + 1 passed; lane L - 1 has no draft (False). Lanes as wide as the window: the
-        # compiled walk below is then one loop with the commit and refill that follow it.
+        # ok[j]: draft j + 1 passed; lane L - 1 has no draft (False: its test, which reads the first
+        # Jacobi sample's uniform, is dropped). Lanes as wide as the window: the compiled walk below is
+        # then one loop with the commit and refill that follow it.
         ok = self.test_drafts(p, next_tokens, st.draft_q, u[:, :L]) & (lanes < L - 1)  # [B, L]
         residual = self.rule.residual(p.reshape(-1, V), st.draft_q.reshape(-1, V), next_tokens.reshape(-1),
                                       None).view(B, L, V)
