@@ -333,3 +333,22 @@ def test_benchmark_rows(eng):
     assert [r["method"] for r in rows] == ["ar", "sjd", "gsd"]
     for r in rows:
         assert r["tpf"] >= 1.0 and r["mean_accepted_length"] >= 1.0 and r["wall_s"] > 0 and "wall_ratio_vs_ar" in r
+
+
+def test_one_pass_draw_and_masked_gather_are_the_same_numbers():
+    """The Jacobi rounds' fusable forms (docs/launches.md) are the same arithmetic as the plain ones:
+    the inverse-CDF draw with the total read as the cdf's maximum, p(x) as a masked sum."""
+    from vvs_engine.rng import sample_inverse_cdf, sample_inverse_cdf_one_pass
+    from vvs_engine.sampling import value_at
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        p = torch.rand(6, 5, 97, generator=g, dtype=dtype) ** 4
+        p[0, 0] = 0.0  # an all-zero row
+        p[1, :, 40:] = 0.0  # zero tails (top-k / forced tokens)
+        p[2] = torch.softmax(torch.randn(5, 97, generator=g, dtype=dtype) * 30, -1)  # underflow to 0
+        u = torch.rand(6, 5, generator=g)
+        u[3, 0] = 1.0
+        assert torch.equal(sample_inverse_cdf_one_pass(p, u), sample_inverse_cdf(p, u))
+        x = torch.randint(0, 97, (6, 5), generator=g)
+        assert torch.equal(value_at(p, x), p.gather(-1, x[..., None])[..., 0])

@@ -192,14 +192,17 @@ def test_window_kv_lands_in_each_rows_own_slots(eng):
         batch = _batch(eng, labels, params, seed=2)
         dec = jacobi.JacobiDecoder(eng, batch, params, jacobi.SJDOptions(jacobi_window=6), ExactRule())
         st = dec.prefill()
-        for _ in range(8):
+        for _ in range(7):
             dec.jacobi_iteration(st)
         n = st.n_committed.tolist()
-        assert min(n) > 8 and len(set(n)) > 1  # rows at different prefix lengths
+        # the 8th iteration first places the 7th window's K/V (its forward computes the last committed
+        # token's own); the scratch slots then hold the 8th window's
+        dec.jacobi_iteration(st)
+        assert min(n) > 7 and len(set(n)) > 1  # rows at different prefix lengths
         c = dec.c
         for b, lab in enumerate(labels):
             cond, _ = eng.condition_rows([lab], None, True)
-            m = n[b] - 1  # the last committed token's K/V are written by the next iteration
+            m = n[b] - 1  # K/V in place: every token committed by the 7th iteration but its last
             ref = TargetSession(eng.gpt, cond, 1, True, None)
             ref.prefill()
             ref.forward(st.tokens[b : b + 1, :m], c + torch.arange(m), torch.tensor([c]), causal_local(m, "cpu"))
@@ -238,14 +241,14 @@ def test_gpu_jacobi_steady_state_never_syncs(options):
         rule = opts.rule(e) if isinstance(opts, jacobi.GSDOptions) else ExactRule()
         dec = jacobi.JacobiDecoder(e, _batch(e, [1, 2, 3, 4], params), params, opts, rule)
         st = dec.prefill()
-        replay = jacobi.capture(lambda: dec.jacobi_iteration(st), st)
-        committed = LateCounter(dec.device, 2)
+        replay = jacobi.capture(lambda: dec.jacobi_iteration(st), dec.round_buffers(st))
+        committed = LateCounter(dec.device, dec.B)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(6):
                 replay()
-                committed.push(st.progress)
+                committed.push(st.n_committed)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert int(st.n_committed.min()) > 6

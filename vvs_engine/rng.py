@@ -147,3 +147,15 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.float().cumsum(-1)
     target = u[..., None] * cdf[..., -1:]
     return (cdf < target).sum(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample_inverse_cdf_one_pass(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The draw of :func:`sample_inverse_cdf`, bit for bit, for non-negative ``probs``: the row total is
+    read as the cdf's maximum instead of its last entry (the same number: a cumulative sum of
+    non-negative terms never decreases). Compiled, a maximum is a reduction Inductor keeps in the kernel
+    that computes the cdf (and the distribution itself), so a draw costs no launch of its own; reading
+    the last entry needs the cdf in memory and a second kernel for the count. Used by the Jacobi
+    rounds, whose every draw sits in one pass over the vocabulary."""
+    cdf = probs.float().cumsum(-1)
+    target = u[..., None] * cdf.amax(-1, keepdim=True)
+    return (cdf < target).sum(-1).clamp(max=probs.shape[-1] - 1)

@@ -144,3 +144,11 @@ def make_generator(seed: int, device) -> torch.Generator:
     g = torch.Generator(device=torch.device(device))
     g.manual_seed(int(seed))
     return g
+
+
+def value_at(dist: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``dist[..., tokens]`` [...] for dist [..., V] as a masked sum over V: exactly the gathered value
+    (one non-zero term), but a reduction over the row, which a compiled round computes in the kernel
+    that computes ``dist`` (a gather needs dist in memory first, so it waits for a later kernel)."""
+    V = dist.shape[-1]
+    return torch.where(tokens[..., None] == torch.arange(V, device=dist.device), dist, 0).sum(-1)

@@ -46,6 +46,7 @@ import math
 import torch
 
 from .verify import AcceptanceRule
+from ..sampling import value_at
 from ..errors import VVSError
 from .registry import register_rule
 
@@ -137,8 +138,13 @@ class GroupedRule(AcceptanceRule):
         M, V = p.shape
         G = self.group
         order = torch.argsort(p, dim=-1, descending=True, stable=True)  # order[m, r] = token at rank r
-        rank_of = torch.empty_like(order).scatter_(1, order, torch.arange(V, device=p.device).expand(M, V))
-        r = rank_of.gather(1, x[:, None])  # [M, 1]
+        # x's rank in that order, counted: the tokens more likely than x and the equally likely ones with
+        # a lower id (a stable sort keeps them first). The same number as inverting the permutation, but a
+        # count over the row, which the compiled round computes in the pass that computes p (an inverse
+        # permutation is a scatter and kernels of its own)
+        ids = torch.arange(V, device=p.device)
+        px = value_at(p, x)[:, None]
+        r = ((p > px) | ((p == px) & (ids < x[:, None]))).sum(1, keepdim=True)  # [M, 1]
         # more likely side first: ranks r - (G - 1 - G//2) .. r + G//2
         cand_rank = r + torch.arange(G, device=p.device)[None] - (G - 1 - G // 2)
         inside = (cand_rank >= 0) & (cand_rank < V)

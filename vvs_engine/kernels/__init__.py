@@ -115,15 +115,28 @@ def tree_select(score, penalty, frontier, frontier_offset, parent_col, tokens, l
                            int(max_depth), int(max_children))
 
 
-def counter_uniform(key, step, stream_offsets, n_lanes: int, lanes=None):
+def counter_uniform(key, step, stream_offsets, n_lanes: int, lanes=None, fuse_when_compiled: bool = False):
     """-> float32 [B, S, n_lanes]: ``CounterRNG`` uniforms of S streams in one op (the same bits as
-    ``CounterRNG.uniform``). See ``reference.counter_uniform``. ``lanes``: the generator's
-    ``lane_offsets(n)`` (n >= n_lanes), made before compiling; with it, a compiled round uses the torch
-    version, a few integer hashes that Inductor fuses into a kernel the round launches anyway (the op is
-    a launch of its own in every round kind, the AR step's included)."""
-    if _reference_fast_path(key) or (lanes is not None and torch.compiler.is_compiling()):
+    ``CounterRNG.uniform``). See ``reference.counter_uniform``. ``fuse_when_compiled``: when
+    torch.compile lowers the caller to Triton, the reference's torch arithmetic instead of the op (the
+    same bits): Inductor then computes each hash inside the kernel that reads the number, with no launch
+    of its own. Not for Inductor's C++ backend, the CPU's default: it compiles the hash's wrapping int64
+    multiplies as signed C++ arithmetic, where overflow is undefined (on the tests' tiny models: other
+    bits, an Inductor error, a crash); Triton's int64 multiply wraps. ``lanes``: the generator's
+    ``lane_offsets(n)`` (n >= n_lanes), made before compiling: ``arange * GOLDEN`` computed inside a
+    traced round can become an index expression whose 64-bit constants overflow Inductor's printer."""
+    if _reference_fast_path(key) or (fuse_when_compiled and torch.compiler.is_compiling()
+                                     and _inductor_emits_triton(key)):
         return reference.counter_uniform(key, step, stream_offsets, n_lanes, lanes)
     return ops.counter_uniform(key, step, stream_offsets, int(n_lanes))
+
+
+def _inductor_emits_triton(t: torch.Tensor) -> bool:
+    """Whether Inductor generates Triton code for ``t``'s device: CUDA, or the CPU when its backend is
+    Triton (``runtime.launches.recording("gpu")``, the GPU-style launch count)."""
+    import torch._inductor.config as inductor_config
+
+    return t.device.type == "cuda" or (t.device.type == "cpu" and inductor_config.cpu_backend == "triton")
 
 
 def counter_sample(rng, probs, step, stream: int):
@@ -132,7 +145,7 @@ def counter_sample(rng, probs, step, stream: int):
     from ..rng import sample_inverse_cdf
 
     step = torch.as_tensor(step, dtype=torch.long, device=probs.device)
-    u = counter_uniform(rng.key, step, rng.stream_offsets([stream]), 1, rng.lane_offsets(1))
+    u = counter_uniform(rng.key, step, rng.stream_offsets([stream]), 1, rng.lane_offsets(1), fuse_when_compiled=True)
     return sample_inverse_cdf(probs, u[:, 0, 0])
 
 

@@ -74,13 +74,13 @@ class LateCounter:
     """Host view of a few device counters [n] that only decide when to stop or retire rows (Jacobi). On
     CUDA they are read one iteration late (copy to pinned memory + event), so the host never stalls the
     GPU; on the CPU at once. ``push(t)`` starts the copy of ``t`` and returns the last values read
-    (also ``value``, a list of n ints; zeros before the first read)."""
+    (also ``value``, a list of n ints; zeros before the first read, or ``initial`` [n] read now)."""
 
-    def __init__(self, device, n: int = 1):
+    def __init__(self, device, n: int = 1, initial: torch.Tensor | None = None):
         self.cuda = torch.device(device).type == "cuda"
         self.buf = torch.zeros(n, dtype=torch.long, pin_memory=self.cuda)
         self.event = None
-        self.value = [0] * n
+        self.value = [0] * n if initial is None else initial.tolist()
 
     def push(self, t: torch.Tensor) -> list:
         if not self.cuda:

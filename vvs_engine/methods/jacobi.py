@@ -21,20 +21,23 @@ argmax(log p + G) with Gumbel noise keyed by the absolute token index (:meth:`Ja
 SJD-PAC (``methods/sjd_pac.py``) runs a product tree on the same session, KV layout and loop.
 
 KV layout: the window's K/V are written to L scratch slots shared by all rows (the model writes one
-slot list for the whole batch), then copied to each row's own slots ``[P_b, P_b + L)``. The accepted
-prefix is then already in place and the next window starts after it; slots past it are hidden by the
-next prefix length and overwritten later (rollback = not advancing P). Attention uses one dense
-``[rows, L, S]`` mask per iteration (prefix of each row + the causal window block).
+slot list for the whole batch), then copied to each row's own slots ``[P_b, P_b + L)`` at the start of
+the next iteration (before its forward overwrites the scratch slots). The accepted prefix is then in
+place and the next window starts after it; slots past it are hidden by the next prefix length and
+overwritten later (rollback = not advancing P). Attention uses one dense ``[rows, L, S]`` mask per
+iteration (prefix of each row + the causal window block).
 
 :func:`jacobi_iteration` is the whole iteration (forward, acceptance, commit, refill, KV bookkeeping,
 counters) with static shapes and no host read, so it is captured as one CUDA graph; the loop between
-iterations only reads the slowest image's committed count, one iteration late on CUDA. Finished images
-keep running (static shapes) but stop committing and counting.
+iterations only reads the images' committed counts, one iteration late on CUDA. Finished images keep
+running (static shapes) but stop committing and counting. Compiled, SJD's iteration is the target's
+forward plus four launches: the KV copy, one pass over the vocabulary, the walk with the commit and
+refill, the next draft distributions (``docs/launches.md``).
 
-Randomness comes from the batch's counter RNG with step = the image's own iteration counter, so an
-image's tokens do not depend on the batch it is decoded in. Lossless for SJD: each draft is drawn from
-its q independently of the tokens it is tested after (checked by a chi-square test in
-``tests/test_jacobi.py``).
+Randomness comes from the batch's counter RNG with step = the image's own iteration number (its
+forwards so far + 1), so an image's tokens do not depend on the batch it is decoded in. Lossless for
+SJD: each draft is drawn from its q independently of the tokens it is tested after (checked by a
+chi-square test in ``tests/test_jacobi.py``).
 """
 from __future__ import annotations
 
@@ -46,12 +49,12 @@ import torch
 from .. import kernels
 from ..acceptance.gsd import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PROB_THRESHOLD, check_gsd_values,
                               check_window_edge, make_grouped_rule)
-from ..acceptance.verify import ExactRule
+from ..acceptance.verify import AcceptanceRule, ExactRule
 from ..errors import VVSError
-from ..rng import Streams, sample_inverse_cdf
+from ..rng import Streams, sample_inverse_cdf_one_pass
 from ..runtime.compiled import maybe_compiled, status as compiled_status
 from ..runtime.target import TargetSession
-from ..sampling import guided_logits, process_logits
+from ..sampling import guided_logits, process_logits, value_at
 from . import register
 from .common import DecodeBatch, LateCounter, MethodResult, retire_finished, rows_to_keep
 from .options import option
@@ -62,6 +65,14 @@ MAX_WINDOW = 1024
 # Counter-RNG streams of the coupled re-drafting (distinct from rng.Streams): Gumbel noise is keyed by
 # the absolute token index instead of the iteration, so a position keeps its noise until committed.
 GUMBEL_STREAM = 16
+
+
+# Inductor options of the compiled iteration on top of runtime.compiled.INDUCTOR_OPTIONS: no peak-memory
+# gate on combo kernels. The gate refuses a combo that raises the graph's peak of intermediates by 5 %;
+# an iteration's intermediates are a few hundred KB (the Zoo: the tree verifier's inputs alone are 14 %
+# of that peak), so it split independent kernels of the same step into separate launches (SJD-PAC: 2)
+# to save tens of KB next to a KV cache of megabytes to gigabytes.
+JACOBI_INDUCTOR_OPTIONS = {"combo_kernel_peak_memory_pct_threshold": None}
 
 
 def check_coupling(value) -> None:
@@ -185,11 +196,11 @@ class JacobiState:
     fresh: torch.Tensor  # [B, L] bool: a fresh initialisation (not a carried Jacobi draft)
     tokens: torch.Tensor  # [B, T + 2L] committed tokens; an iteration may write up to L past the count
     n_committed: torch.Tensor  # [B]
-    iteration: torch.Tensor  # [B] the image's own iteration counter (the random-number step)
-    passes: torch.Tensor  # [B] target forwards while the image was unfinished
+    passes: torch.Tensor  # [B] target forwards while the image was unfinished (+ 1: the random-number step)
     accepted_hist: torch.Tensor  # [B, L] iterations that accepted exactly k drafts
     accepted_carried: torch.Tensor  # [B] accepted drafts that were carried Jacobi samples
-    progress: torch.Tensor  # [2] the slowest image's count, unfinished real images: the host's one read
+    window_start: torch.Tensor  # [B] the last forward's first slot among the row's own (c + committed - 1
+    #                             then): where the next iteration first copies that window's K/V
 
     def tensors(self):
         return [getattr(self, f.name) for f in fields(self)]
@@ -237,11 +248,13 @@ class JacobiDecoder:
         p0 = self.processed(self.session.prefill()[:, -1])  # [B, V]
         first = self.rng.sample(p0, 0, Streams.SAMPLE)  # [B]; iterations use steps 1, 2, ...
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
+        # window_start = c: no window yet; the first iteration copies the scratch slots (zeros) to slots
+        # [c, c + L), which its prefix (length c) hides
         st = JacobiState(window=zeros(B, L), draft_q=torch.zeros(B, L, V, device=dev),
                          fresh=torch.zeros(B, L, dtype=torch.bool, device=dev), tokens=zeros(B, T + 2 * L),
-                         n_committed=torch.ones(B, dtype=torch.long, device=dev), iteration=torch.ones_like(first),
-                         passes=zeros(B), accepted_hist=zeros(B, L), accepted_carried=zeros(B),
-                         progress=torch.tensor([1, self.n_real], dtype=torch.long, device=dev))
+                         n_committed=torch.ones(B, dtype=torch.long, device=dev), passes=zeros(B),
+                         accepted_hist=zeros(B, L), accepted_carried=zeros(B),
+                         window_start=torch.full((B,), self.c, dtype=torch.long, device=dev))
         st.tokens.index_put_((self.batch_rows(), torch.zeros_like(first)), first)
         window = torch.where(self.lanes == 0, first[:, None], 0)
         u_init = self.rng.uniform(0, Streams.JACOBI_INIT, L) if self.policy == "random" else None
@@ -260,6 +273,7 @@ class JacobiDecoder:
         B, L, V, T = self.B, self.L, self.V, self.T
         s, lanes, params = self.session, self.lanes, self.params
         rows_b = self.batch_rows()
+        self.place_last_window_kv(st)
         active = st.n_committed < T  # [B] finished images keep running but commit nothing
         prefix = self.rows(self.c + st.n_committed - 1)  # [rows] the window starts at the last committed token
         positions = (prefix[:, None] + lanes).clamp(max=self.last_position)  # [rows, L]
@@ -271,46 +285,44 @@ class JacobiDecoder:
                                    self.scratch_slots, mask[:, None])
         s.last_positions = positions  # the family's layout rules for these logits (TargetSession.logits)
         p = self.processed(h)  # [B, L, V]
-        self.keep_window_kv(prefix[:, None] + lanes)
+        st.window_start.copy_(self.c + st.n_committed - 1)  # its K/V go there next iteration
 
         # One counter-RNG draw per iteration, split by lane: L - 1 acceptance tests, L Jacobi samples
         # (with maximal coupling: the L - 1 replacement samples and the last one), the residual sample,
         # and L fresh random drafts (random init only).
-        u = kernels.counter_uniform(self.rng.key, st.iteration, self.update_stream, self.n_uniforms)[:, 0]
+        u = kernels.counter_uniform(self.rng.key, random_step(st), self.update_stream, self.n_uniforms,
+                                     fuse_when_compiled=True)[:, 0]
 
-        # --- accept the longest passing prefix of drafts --------------------------------------------
-        drafts = st.window[:, 1:]  # [B, L-1]
-        q = st.draft_q[:, :-1]
-        if L > 1:
-            qx = q.gather(2, drafts[..., None])[..., 0]
-            if params.greedy:  # greedy: exactly the argmax, whatever the rule
-                ok = p[:, :-1].argmax(-1) == drafts
-            else:
-                ok, _ = self.rule.accept(p[:, :-1].reshape(-1, V), drafts.reshape(-1), qx.reshape(-1),
-                                         u[:, : L - 1].reshape(-1), JacobiContext(q.reshape(-1, V), self.engine))
-                ok = ok.view(B, L - 1)
-            k = ok.long().cumprod(1).sum(1)  # [B] accepted drafts, 0..L-1
+        # --- every prediction p[j] at once: one pass over the vocabulary when compiled --------------
+        # Row j gives the test of draft j + 1, the Jacobi sample y[j] and the token committed if the
+        # walk stops at j: a sample of the residual norm(max(0, p[j] - q[j])) (row L - 1 has q = 0: p
+        # itself, the bonus token). Drawing it in every row and picking row k afterwards costs L - 1
+        # unused draws but no dependent pass after the walk (the same arithmetic per row as drawing it
+        # in row k alone). moved = None: GSD's reference resamples SJD's residual too.
+        next_tokens = st.window.roll(-1, 1)  # [B, L] draft j + 1 (lane L - 1 wraps around: never used)
+        # ok[j]: draft j + 1 passed; lane L - 1 has no draft (False: its test, which reads the first
+        # Jacobi sample's uniform, is dropped). Lanes as wide as the window: the compiled walk below is
+        # then one loop with the commit and refill that follow it.
+        ok = self.test_drafts(p, next_tokens, st.draft_q, u[:, :L]) & (lanes < L - 1)  # [B, L]
+        residual = self.rule.residual(p.reshape(-1, V), st.draft_q.reshape(-1, V), next_tokens.reshape(-1),
+                                      None).view(B, L, V)
+        if params.greedy:
+            stop_token = residual.argmax(-1)
         else:
-            ok = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
-            k = torch.zeros(B, dtype=torch.long, device=self.device)
+            stop_token = sample_inverse_cdf_one_pass(residual, u[:, 2 * L - 1, None].expand(B, L))
         # The next iteration's carried drafts, one per prediction p[j] (j = 0..L-1).
-        y = self.redraw(p, drafts, q, ok, u[:, L - 1: 2 * L - 1], st.n_committed)
-        # The token after the accepted prefix: residual at the first rejection, p itself after the
-        # last draft (q = 0 there). moved = None: GSD's reference resamples SJD's residual too.
-        at_k = k[:, None, None].expand(B, 1, V)
-        p_k, q_k = p.gather(1, at_k)[:, 0], st.draft_q.gather(1, at_k)[:, 0]
-        rejected = st.window.gather(1, (k + 1).clamp(max=L - 1)[:, None])[:, 0]
-        residual = self.rule.residual(p_k, q_k, rejected, None)
-        nxt = residual.argmax(-1) if params.greedy else sample_inverse_cdf(residual, u[:, 2 * L - 1])
+        y = self.redraw(p, next_tokens, ok, residual, u[:, L - 1: 2 * L - 1], st.n_committed)
+
+        # --- the walk: the longest passing prefix of drafts ------------------------------------------
+        k = ok.long().cumprod(1).sum(1)  # [B] accepted drafts, 0..L-1
+        nxt = stop_token.gather(1, k[:, None])[:, 0]
 
         # --- commit (drafts past k are overwritten later; finished images write past T) -------------
-        values = torch.where(lanes == k[:, None], nxt[:, None], st.window.roll(-1, 1))
+        values = torch.where(lanes == k[:, None], nxt[:, None], next_tokens)
         st.tokens.index_put_((rows_b[:, None], st.n_committed[:, None] + lanes), values)
-        carried = ((~st.fresh[:, 1:]) & (lanes[1:] <= k[:, None])).sum(1)
-        st.accepted_hist.index_put_((rows_b, k), active.long(), accumulate=True)
+        carried = ((~st.fresh) & (lanes >= 1) & (lanes <= k[:, None])).sum(1)  # accepted drafts not fresh
         st.accepted_carried.add_(carried * active)
-        st.passes.add_(active.long())
-        n_new = st.n_committed + torch.where(active, k + 1, 0)
+        n_new = self.count_iteration(st, k, active)
 
         # --- next window: [nxt, y[k+1..L-1] (q = p), fresh drafts] ------------------------------------
         src = (k[:, None] + lanes).clamp(max=L - 1)  # new position i came from old prediction k + i
@@ -321,32 +333,56 @@ class JacobiDecoder:
             carried_q = p.gather(1, src_q)
             if self.declare_old_q and self.coupling == "maximal":
                 # negative control: a kept draft (its test passed) declares the q it was drawn from
-                kept = torch.cat([ok, torch.zeros_like(ok[:, :1])], 1).gather(1, src[:, 1:])  # [B, L-1]
+                kept = ok.gather(1, src[:, 1:])  # [B, L-1]
                 carried_q = torch.where(kept[..., None], st.draft_q.gather(1, src_q), carried_q)
             st.draft_q.copy_(self.draft_rows(torch.where(fresh[:, 1:, None], one_hot(window[:, 1:], V), carried_q)))
         st.window.copy_(window)
         st.fresh.copy_(fresh)
-        self.advance(st, n_new)
+        st.n_committed.copy_(n_new)  # the host's one read (decode)
 
-    def advance(self, st, n_new: torch.Tensor) -> None:
-        """End of an iteration: the committed counts, the iteration counter and the host-read progress
-        flags [slowest row's count, unfinished real rows]."""
-        st.n_committed.copy_(n_new)
-        st.iteration.add_(1)
-        st.progress.copy_(torch.stack([n_new.min(), (n_new < self.T)[: self.n_real].sum()]))
-
-    def redraw(self, p, drafts, q, ok, u_y, n_committed):
-        """The carried drafts of the next iteration, y [B, L] with y[j] ~ p[j] (its declared q):
-        ``none``: independent samples (SJD); ``maximal``: draft j + 1 itself where its test passed, else
-        a sample of the residual norm(max(0, p[j] - q[j])) (the speculative-sampling lemma: a sample of
-        p[j], equal to the old draft with probability 1 - TV); the last prediction has no draft and is
-        sampled. ``gumbel``: argmax(log p[j] + G[t]) with G keyed by the absolute token index t."""
+    def test_drafts(self, p, next_tokens, draft_q, u_test):
+        """[B, L] bool: token ``next_tokens[j]`` (drawn from ``draft_q[j]``) passes its test against p[j]
+        (greedy: it is the argmax, whatever the rule). Every row is tested, the last one too (it has no
+        draft; the caller drops it): compiled, a test over rows 0..L-2 only would be a loop of its own.
+        The exact rule's test u * q(x) < p(x) reads p(x) as a masked sum (the same number as a gather:
+        one non-zero term), so the compiled round computes it in the pass that computes p; other rules
+        get the flat batch of rows through their ``accept``."""
         B, L, V = p.shape
-        y = sample_inverse_cdf(p, u_y)  # [B, L]
-        if self.coupling == "maximal" and L > 1:
-            res = self.rule.residual(p[:, :-1].reshape(-1, V), q.reshape(-1, V), drafts.reshape(-1), None)
-            replaced = sample_inverse_cdf(res.view(B, L - 1, V), u_y[:, : L - 1])
-            y = torch.cat([torch.where(ok, drafts, replaced), y[:, L - 1:]], 1)
+        if self.params.greedy:
+            return p.argmax(-1) == next_tokens
+        qx = draft_q.gather(2, next_tokens[..., None])[..., 0]
+        if type(self.rule).accept is AcceptanceRule.accept:
+            return u_test * qx < value_at(p, next_tokens)
+        ok, _ = self.rule.accept(p.reshape(-1, V), next_tokens.reshape(-1), qx.reshape(-1), u_test.reshape(-1),
+                                 JacobiContext(draft_q.reshape(-1, V), self.engine))
+        return ok.view(B, L)
+
+    def count_iteration(self, st, n_accepted: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """The iteration's histogram entry and forward of each image that is still decoding (``active``
+        [B]) after it accepted ``n_accepted`` [B] drafts (< L) -> the new committed counts [B]."""
+        lanes = self.lanes
+        st.accepted_hist.add_(((lanes == n_accepted[:, None]) & active[:, None]).long())  # rows are distinct
+        st.passes.add_(active.long())
+        # Lanes 0..n_accepted commit a token; lane 0 also carries the old count, so the new count is one
+        # sum over the lanes, a reduction of its own that the counters' writes join. Written as old count
+        # + accepted + 1, those writes join another per-row reduction instead (SJD-PAC's carried-draft
+        # count), which must then wait for the refill's reads of the old counts: one more launch.
+        committed = ((lanes <= n_accepted[:, None]) & active[:, None]).long()
+        return torch.where(lanes == 0, st.n_committed[:, None] + committed, committed).sum(1)
+
+    def redraw(self, p, next_tokens, ok, residual, u_y, n_committed):
+        """The carried drafts of the next iteration, y [B, L] with y[j] ~ p[j] (its declared q):
+        ``none``: independent samples (SJD); ``maximal``: draft j + 1 (``next_tokens[j]``) itself where
+        its test passed (``ok`` [B, L]), else a sample of ``residual[j]`` = norm(max(0, p[j] - q[j])) (the
+        speculative-sampling lemma: a sample of p[j], equal to the old draft with probability 1 - TV);
+        the last prediction has no draft and is sampled. ``gumbel``: argmax(log p[j] + G[t]) with G keyed
+        by the absolute token index t. Samples are drawn in every row and selected (compiled, a draw over
+        some of the rows would be a loop of its own)."""
+        B, L, V = p.shape
+        y = sample_inverse_cdf_one_pass(p, u_y)  # [B, L]
+        if self.coupling == "maximal":
+            replaced = sample_inverse_cdf_one_pass(residual, u_y)
+            y = torch.where(self.lanes < L - 1, torch.where(ok, next_tokens, replaced), y)
         elif self.coupling == "gumbel":
             y = (p.clamp(min=0).log() + self.gumbel_noise(n_committed[:, None] + self.lanes, V)).argmax(-1)
         return y
@@ -356,7 +392,8 @@ class JacobiDecoder:
         (seed, image, token index), the same in every iteration until that token is committed."""
         B, n = token_index.shape
         key = self.rng.key[:, None].expand(B, n).reshape(-1)
-        u = kernels.counter_uniform(key, token_index.reshape(-1), self.gumbel_stream, V)[:, 0].view(B, n, V)
+        u = kernels.counter_uniform(key, token_index.reshape(-1), self.gumbel_stream, V, fuse_when_compiled=True)
+        u = u[:, 0].view(B, n, V)
         return gumbel(u)
 
     def retire(self, st, keep: torch.Tensor, n_real: int):
@@ -369,14 +406,24 @@ class JacobiDecoder:
         s.n, s.rows = keep.numel(), rows.numel()
         self.rng = self.rng.rows(keep)
         self.B, self.n_real = keep.numel(), n_real
-        per_row = {f.name: getattr(st, f.name).index_select(0, keep) for f in fields(st) if f.name != "progress"}
-        new = type(st)(**per_row, progress=st.progress.clone())
-        new.progress[0] = new.n_committed.min()
-        return new
+        return type(st)(**{f.name: getattr(st, f.name).index_select(0, keep) for f in fields(st)})
 
-    def keep_window_kv(self, dst: torch.Tensor) -> None:
-        """Copy the window's K/V from the scratch slots to slots ``dst`` [rows, L] of each row."""
+    def place_last_window_kv(self, st) -> None:
+        """Copy the last forward's window K/V from the scratch slots to the row's slots
+        ``[window_start, window_start + L)``: its accepted prefix is then in place (slots past it are
+        hidden by the prefix length and overwritten later). Done at the start of the next iteration,
+        before its forward overwrites the scratch slots, rather than at the end of the last one:
+        compiled, the copy's gather and write then run beside the round's first kernels instead of as
+        two launches of their own after the forward. Attention sees the same cache either way."""
+        dst = self.rows(st.window_start)[:, None] + self.lanes
         self.session.kv.move(self.scratch_slots.expand_as(dst), dst)  # index_put_: in place when compiled
+
+    def round_buffers(self, st) -> list:
+        """What a rerun of an iteration (the warm-up runs of a CUDA graph capture, a failed compile)
+        must restore: the state and the scratch slots' K/V (views), which an iteration first copies to
+        the rows."""
+        kv, window = self.session.kv, slice(self.scratch, self.scratch + self.L)
+        return st.tensors() + [kv.k[:, :, :, window], kv.v[:, :, :, window]]
 
     def fill_fresh(self, window, n_kept, left_dist, tokens, n_committed, u_init):
         """Fill window positions ``i >= n_kept[b]`` with fresh drafts. ``left_dist`` [B, V] is the
@@ -409,6 +456,13 @@ class JacobiDecoder:
         return window, fresh
 
 
+def random_step(st) -> torch.Tensor:
+    """[B] the counter-RNG step of each image's iteration: its own iteration number 1, 2, ... (the
+    prefill draws at step 0), i.e. its forwards so far + 1. Finished images stop counting and draw
+    numbers nobody uses; no counter of its own means no update of its own to launch."""
+    return st.passes + 1
+
+
 def one_hot(tokens: torch.Tensor, V: int) -> torch.Tensor:
     """float32 one-hot [..., V] by comparison (no scatter into a persistent buffer)."""
     return (tokens[..., None] == torch.arange(V, device=tokens.device)).float()
@@ -420,14 +474,16 @@ def gumbel(u: torch.Tensor) -> torch.Tensor:
     return -torch.log((-torch.log(u)).clamp(min=2.0 ** -30))
 
 
-def capture(fn, state: JacobiState):
+def capture(fn, buffers):
     """``fn()`` captured as one CUDA graph; returns its replay. Warm-up runs (autotuning, allocator
-    caching) restore the state afterwards, and their KV writes are repeated identically by the first
-    replay, so capturing changes nothing observable."""
-    saved = [t.clone() for t in state.tensors()]
+    caching) restore ``buffers`` afterwards (the state and the scratch K/V,
+    :meth:`JacobiDecoder.round_buffers`), and their other KV writes are repeated identically by the
+    first replay, so capturing changes nothing observable."""
+    buffers = list(buffers)
+    saved = [t.clone() for t in buffers]
 
     def restore():
-        for t, v in zip(state.tensors(), saved):
+        for t, v in zip(buffers, saved):
             t.copy_(v)
 
     side = torch.cuda.Stream()
@@ -457,17 +513,21 @@ def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graph
     compiled_rounds = []
 
     def round_fn(state):
-        iteration = maybe_compiled("jacobi", lambda: dec.jacobi_iteration(state), batch.compile, state.tensors())
+        buffers = dec.round_buffers(state)
+        iteration = maybe_compiled("jacobi", lambda: dec.jacobi_iteration(state), batch.compile, buffers,
+                                   JACOBI_INDUCTOR_OPTIONS)
         compiled_rounds.append(iteration)
-        return capture(iteration, state) if use_graphs else iteration
+        return capture(iteration, buffers) if use_graphs else iteration
 
     iteration = round_fn(st)
-    counters = LateCounter(dec.device, 2)
+    # The one host read: the rows' committed counts (one iteration late on CUDA); the stop and retire
+    # flags are derived here, so the iteration has no reduction over the batch to launch.
+    counts = LateCounter(dec.device, dec.B)
     n_iterations, reported, retire = 0, 1, retire_finished()
-    while counters.push(st.progress)[0] < dec.T:  # the one host read (one iteration late on CUDA)
+    while min(counts.push(st.n_committed)) < dec.T:
         iteration()
         n_iterations += 1
-        slowest, unfinished = counters.value
+        slowest, unfinished = min(counts.value), sum(n < dec.T for n in counts.value[: dec.n_real])
         if batch.on_tokens is not None and slowest > reported:
             batch.on_tokens((min(slowest, dec.T) - reported) * batch.n_real)
             reported = slowest
@@ -478,6 +538,7 @@ def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graph
                 _store_rows(full, st, origin)
                 st, origin = dec.retire(st, keep, n_real), origin[keep]
                 iteration = round_fn(st)
+                counts = LateCounter(dec.device, dec.B, st.n_committed)  # the kept rows, read now
     _store_rows(full, st, origin)
     n = batch.n_real
     stats = summary(full.accepted_hist[:n].sum(0).tolist(), int(full.accepted_carried[:n].sum()), n_iterations, dec.L)

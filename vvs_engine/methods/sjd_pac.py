@@ -45,10 +45,11 @@ import torch
 from .. import kernels
 from ..acceptance.verify import ExactRule, verify_tree
 from ..errors import VVSError
-from ..rng import sample_inverse_cdf
+from ..rng import sample_inverse_cdf_one_pass
+from ..sampling import value_at
 from . import register
 from .common import DecodeBatch, MethodResult
-from .jacobi import JacobiDecoder, SJDOptions, _graphs_for, decode, gumbel, merge_stats, one_hot
+from .jacobi import JacobiDecoder, SJDOptions, _graphs_for, decode, gumbel, merge_stats, one_hot, random_step
 from .options import option
 
 PAC_VARIANTS = ("exact", "released")
@@ -183,12 +184,10 @@ class PACState:
     fresh: torch.Tensor  # [B, M] bool: depth d holds fresh initialisations, not carried candidates
     tokens: torch.Tensor  # [B, T + 2L]
     n_committed: torch.Tensor  # [B]
-    iteration: torch.Tensor  # [B]
-    passes: torch.Tensor  # [B]
+    passes: torch.Tensor  # [B] (+ 1: the random-number step, ``jacobi.random_step``)
     accepted_hist: torch.Tensor  # [B, L]
     accepted_carried: torch.Tensor  # [B]
     accepted_alternatives: torch.Tensor  # [B] accepted tree nodes of branch >= 1
-    progress: torch.Tensor  # [2]
 
     def tensors(self):
         return [getattr(self, f.name) for f in fields(self)]
@@ -226,17 +225,17 @@ class PACDecoder(JacobiDecoder):
     def uniforms(self, step):
         """(u_node [B, N], u_next [B], u_ac [B, M], u_res [B, M], u_fresh [B, M]) of one iteration."""
         N, M = self.L, self.M
-        u = kernels.counter_uniform(self.rng.key, step, self.pac_stream, N + 1 + 3 * M)[:, 0]
+        u = kernels.counter_uniform(self.rng.key, step, self.pac_stream, N + 1 + 3 * M, fuse_when_compiled=True)[:, 0]
         return u[:, :N], u[:, N], u[:, N + 1: N + 1 + M], u[:, N + 1 + M: N + 1 + 2 * M], u[:, N + 1 + 2 * M:]
 
     def alt_noise(self, step):
         """Gumbel noise [B, D - 1, V] for the candidates of depths 1..D-1."""
         B, n, V = self.B, self.n_alt_depths, self.V
-        u = kernels.counter_uniform(self.rng.key, step, self.alt_stream, max(n, 1) * V)[:, 0]
+        u = kernels.counter_uniform(self.rng.key, step, self.alt_stream, max(n, 1) * V, fuse_when_compiled=True)[:, 0]
         return gumbel(u[:, : n * V].view(B, n, V))
 
     def sample(self, dist, u):
-        return dist.argmax(-1) if self.params.greedy else sample_inverse_cdf(dist, u)
+        return dist.argmax(-1) if self.params.greedy else sample_inverse_cdf_one_pass(dist, u)
 
     # --- the candidate table ------------------------------------------------------------------------
     def new_table(self, chain, n_kept, stale_p, alts, alts_valid, noise, u_fresh, tokens, n_new):
@@ -268,11 +267,16 @@ class PACDecoder(JacobiDecoder):
                 cand = chain[:, None, :].expand(B, W, M)
             else:
                 alts_valid = alts_valid & ~fresh_alt[:, None]
-            pad = lambda x, fill: torch.cat([x[..., :1].new_full(x.shape[:-1] + (1,), fill), x,
-                                             x[..., :1].new_full(x.shape[:-1] + (M - 1 - nd,), fill)], -1)
-            side = torch.where(pad(alts_valid, False), pad(alts, 0), chain[:, None, :])  # [B, W - 1, M]
-            cand = torch.cat([chain[:, None, :], side], 1)
-            valid = torch.cat([valid[:, :1], pad(alts_valid, False)], 1)
+            # cell (w, d) for w >= 1 and depth d in 1..nd holds alternative w - 1 of depth d if it
+            # exists; every other cell repeats candidate 0 and is no candidate. Indexed rather than
+            # padded and concatenated: compiled, the table is then written straight into the state
+            # (a concatenation of the [B, nd, W - 1] top-k outputs is laid out in their order and copied)
+            w, d = torch.arange(W, device=self.device)[:, None], lanes[None, :]
+            is_alt = (w >= 1) & (d >= 1) & (d <= nd)  # [W, M]
+            at = ((w - 1).clamp(min=0), (d - 1).clamp(0, nd - 1))
+            alt_ok = is_alt & alts_valid[:, at[0], at[1]]  # [B, W, M]
+            cand = torch.where(alt_ok, alts[:, at[0], at[1]], chain[:, None, :])
+            valid = (w == 0) | alt_ok
         return cand.contiguous(), valid.contiguous(), table_q, fresh
 
     def alternatives(self, P, c0, noise):
@@ -301,9 +305,8 @@ class PACDecoder(JacobiDecoder):
                                                                                        device=dev),
             self.alt_noise(step), u_fresh, tokens, n)
         return PACState(cand=cand, cand_valid=valid, table_q=table_q.contiguous(), fresh=fresh, tokens=tokens,
-                        n_committed=n, iteration=torch.ones_like(first), passes=zeros(B), accepted_hist=zeros(B, L),
-                        accepted_carried=zeros(B), accepted_alternatives=zeros(B),
-                        progress=torch.tensor([1, self.n_real], dtype=torch.long, device=dev))
+                        n_committed=n, passes=zeros(B), accepted_hist=zeros(B, L),
+                        accepted_carried=zeros(B), accepted_alternatives=zeros(B))
 
     # --- one iteration ------------------------------------------------------------------------------
     def jacobi_iteration(self, st: PACState) -> None:
@@ -324,8 +327,9 @@ class PACDecoder(JacobiDecoder):
         s.last_positions = positions
         p = self.processed(h)  # [B, N, V]: p[n] = the target after node n
 
-        u_node, u_next, u_ac, u_res, u_fresh = self.uniforms(st.iteration)
-        noise = self.alt_noise(st.iteration) if self.n_alt_depths else None
+        step = random_step(st)
+        u_node, u_next, u_ac, u_res, u_fresh = self.uniforms(step)
+        noise = self.alt_noise(step) if self.n_alt_depths else None
         child_depth = (tr.depth + 1).clamp(max=M - 1)
         node_q = st.table_q.gather(1, child_depth[None, :, None].expand(B, L, V))  # [B, N, V] law of n's children
         kids = tr.children[None].expand(B, L, W)
@@ -349,11 +353,9 @@ class PACDecoder(JacobiDecoder):
         on_path = (lanes[1:] <= A[:, None])  # depths 1..A
         carried = (on_path & ~st.fresh[:, 1:]).sum(1)
         alternatives = (on_path & (tr.branch[path[:, 1:].clamp(min=0)] > 0)).sum(1)
-        st.accepted_hist.index_put_((rows_b, A), active.long(), accumulate=True)
         st.accepted_carried.add_(carried * active)
         st.accepted_alternatives.add_(alternatives * active)
-        st.passes.add_(active.long())
-        n_new = st.n_committed + torch.where(active, A + 1, 0)
+        n_new = self.count_iteration(st, A, active)
 
         # --- adaptive continuation on the stale columns col = A + d ---------------------------------
         col = A[:, None] + lanes  # [B, M]
@@ -367,7 +369,7 @@ class PACDecoder(JacobiDecoder):
             if params.greedy:
                 ok = P.argmax(-1) == x
             else:
-                ok = u_ac * q_old.gather(2, x[..., None])[..., 0] < P.gather(2, x[..., None])[..., 0]
+                ok = u_ac * q_old.gather(2, x[..., None])[..., 0] < value_at(P, x)
             res = self.rule.residual(P.reshape(-1, V), q_old.reshape(-1, V), x.reshape(-1), None).view(B, M, V)
             has_old = col < M - 1
             c0 = torch.where(has_old, torch.where(ok, x, self.sample(res, u_res)), self.sample(P, u_res))
@@ -403,7 +405,7 @@ class PACDecoder(JacobiDecoder):
         st.cand_valid.copy_(valid)
         st.table_q.copy_(table_q)
         st.fresh.copy_(fresh)
-        self.advance(st, n_new)
+        st.n_committed.copy_(n_new)
 
     def verify_exact(self, node_tokens, children, p, node_q, u_node, u_next):
         """First-accepted-sibling verification (the engine's tree verifier) -> (path [B, M], A [B],

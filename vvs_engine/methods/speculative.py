@@ -324,7 +324,8 @@ class SpeculativeRounds:
         H = s.forward_per_sequence(tokens, positions, P_t, local)  # [rows, Q, D]
         logits = guided_logits(s.logits(H), params)  # [B, Q, V]
         p = process_logits(logits[:, off:], params)
-        u = kernels.counter_uniform(self.rng.key, st.round, self.verify_streams, N, self.node_lanes)
+        u = kernels.counter_uniform(self.rng.key, st.round, self.verify_streams, N, self.node_lanes,
+                                    fuse_when_compiled=True)
         u_accept, u_sample = u[:, 0], u[:, 1, 0]
         res = verify_tree(tree, p, self.rule, u_accept, u_sample, params.greedy, logits=logits[:, off:],
                           hidden=H[:B, off:], engine=self.engine)  # the conditional rows' features
@@ -438,7 +439,7 @@ class SpeculativeRounds:
         leaf = tree.is_leaf
         if self.opts.select == "random":
             score = kernels.counter_uniform(self.rng.key, self.state.round, self.skip_stream, tree.n,
-                                            self.node_lanes)[:, 0]
+                                            self.node_lanes, fuse_when_compiled=True)[:, 0]
             score = score.to(torch.float64)
         else:  # confidence: highest cumulative draft log-prob along the path
             lp = tree.draft_logp if tree.draft_logp is not None else torch.zeros(leaf.shape, device=leaf.device)

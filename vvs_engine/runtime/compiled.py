@@ -26,7 +26,9 @@ kernels inside one CUDA graph. Any method gets this by naming its round function
   indexing expression inside its consumer's kernel instead of one copy kernel per input: the tree
   builder concatenates per-level candidates) and ``combo_kernels`` (independent small kernels of one
   round are launched as one: Inductor does this on GPUs only). On the Zoo's 2-layer EAGLE-2 verify
-  round they take the Triton launch count from 166 to 114 (``runtime/launches.py``, GPU style).
+  round they take the Triton launch count from 166 to 114 (``runtime/launches.py``, GPU style). A
+  round may add options of its own (``maybe_compiled(..., options=...)``; the Jacobi rounds drop the
+  combo kernels' peak-memory gate, ``methods/jacobi.py``).
 * Off the GPU: ``compile=None`` means on for CUDA, off for the CPU (Inductor's C++ kernels are not
   faster than eager there); ``--compile`` on the CPU works: the same tokens on the tests' fp64 models;
   in fp32 a late sampled token can flip where Inductor rounds a reduction differently (docs/compile.md).
@@ -129,10 +131,12 @@ class CompiledRound:
     are saved before the first (compiling) call and restored if it fails, so the eager rerun starts
     from the same state."""
 
-    def __init__(self, name: str, fn: Callable, buffers: Sequence[torch.Tensor] = ()):
+    def __init__(self, name: str, fn: Callable, buffers: Sequence[torch.Tensor] = (),
+                 options: Optional[dict] = None):
         configure()
         self.name, self.eager, self.buffers = name, fn, list(buffers)
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=dict(INDUCTOR_OPTIONS))
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False,
+                                      options={**INDUCTOR_OPTIONS, **(options or {})})
         self.ok: Optional[bool] = None  # None until the first call; then whether it runs compiled
         self.error: Optional[str] = None
         self.first_call_s = 0.0  # the first call: tracing + compiling (or a cache load) + one run
@@ -168,9 +172,11 @@ class CompiledRound:
         return out
 
 
-def maybe_compiled(name: str, fn: Callable, enabled: bool, buffers: Sequence[torch.Tensor] = ()) -> Callable:
-    """``fn`` as a :class:`CompiledRound` when ``enabled``, else ``fn`` itself."""
-    return CompiledRound(name, fn, buffers) if enabled else fn
+def maybe_compiled(name: str, fn: Callable, enabled: bool, buffers: Sequence[torch.Tensor] = (),
+                   options: Optional[dict] = None) -> Callable:
+    """``fn`` as a :class:`CompiledRound` when ``enabled`` (``options``: Inductor options on top of
+    :data:`INDUCTOR_OPTIONS`), else ``fn`` itself."""
+    return CompiledRound(name, fn, buffers, options) if enabled else fn
 
 
 def status(rounds: dict) -> dict:
