@@ -329,3 +329,16 @@ def test_cpu_compiled_norm_and_softmax_are_atens():
             fused = torch.compile(fn, fullgraph=True, options=dict(INDUCTOR_OPTIONS))(x, logits)
         torch._dynamo.reset()
     assert not torch.equal(fused[0], want[0]) and torch.allclose(fused[0], want[0], rtol=1e-6)
+
+
+def test_launch_count_sees_every_call_form():
+    """Generated wrappers call Triton kernels (.run), extern GEMMs, torch.ops custom ops and aten
+    fallbacks written as ``aten.op(...)`` / ``aten.op.overload(...)``; comments are not launches."""
+    code = '\n'.join([
+        "k0 = async_compile.triton('k0', '''...''')", "def call(self, args):", "    k0.run(a, b)",
+        "    aten.index_put_(arg1, [x], y, True)", "    buf2 = aten.sort.stable(buf1)",
+        "    extern_kernels.mm(a, b, out=c)", "    buf3 = torch.ops.aten.topk.default(buf1, 3)",
+        "    buf4 = torch.ops.vvs.tree_select.default(buf1)", "    # aten.foo(x) in a comment",
+        "runner = Runner(partitions=[])"])
+    n = launches.count(code)
+    assert (n.kernels, n.gemms, n.custom, n.other) == (1, 1, 1, 3), n

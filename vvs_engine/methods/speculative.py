@@ -251,8 +251,10 @@ class SpeculativeRounds:
         out.index_put_((self.seq_ids[: idx.shape[0], None], idx.clamp(max=out.shape[1] - 1)), tokens)
 
     def _count_(self, hist: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor) -> None:
-        """hist[b, bins[b]] += counts[b] (the per-sequence histograms)."""
-        hist.index_put_((self.seq_ids[: bins.shape[0]], bins), counts, accumulate=True)
+        """hist[b, bins[b]] += counts[b] (the per-sequence histograms), as a one-hot add: compiled, it
+        joins a kernel of the round (an accumulating index_put_ is an aten fallback, a launch of its own)."""
+        one_hot = bins[:, None] == torch.arange(hist.shape[1], device=hist.device)
+        hist.add_(one_hot * counts[:, None])
 
     # --- prefill (eager) -------------------------------------------------------------------------------
     def _prefill(self) -> DecodeState:

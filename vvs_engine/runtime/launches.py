@@ -40,6 +40,7 @@ GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_int_mm", "_scaled_mm"})
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)
 _EXTERN = re.compile(r"\bextern_kernels\.(\w+)\(")
 _OP = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)")
+_ATEN_CALL = re.compile(r"(?<![\w.])aten\.(\w+)(?:\.\w+)?\(")  # a fallback written as aten.index_put_(...)
 _COPY = re.compile(r"\.copy_\(")
 _ALLOC = re.compile(r"\bempty_strided_\w+\(\(([\d, ]*)\)")
 
@@ -106,6 +107,11 @@ def count(code: str) -> Launches:
             else:
                 n.custom += 1
             names.append(f"{op.group(1)}.{op.group(2)}")
+            continue
+        aten = _ATEN_CALL.search(line)
+        if aten:
+            n.other += 1
+            names.append(f"aten.{aten.group(1)}")
             continue
         if _COPY.search(line):
             n.other += 1
