@@ -11,10 +11,15 @@ torch reference inlined), and with ``VVS_KERNELS=reference``, which routes each 
 compiled columns run the same generation with ``compile=True`` and count, per round kind, the launches
 of the code Inductor generated for it (``vvs_engine.runtime.launches``: generated kernels + extern GEMMs
 + custom ops + other fallbacks); a method's launches per round average its round kinds by how often
-each ran (prefill, which stays eager, is not in them). The second table counts one call of
+each ran (prefill, which stays eager, is not in them). The compiled launches are counted as a GPU
+replays them: Inductor lowers each round to Triton kernels as it does for CUDA (``launches.recording
+("gpu")``; the rounds then run eagerly); ``--cpu-compile`` also compiles every round for the CPU (C++)
+and records whether its tokens equal the eager ones, and its kernel-function count (not launches: the
+C++ backend puts several loop nests in one function). The second table counts one call of
 ``verify_tree`` on a Zoo-sized tree: the vectorised torch walk against the fused ``vvs::tree_verify`` op.
 
     python benchmarks/op_count.py                       # writes benchmarks/results/op_count.{md,json}
+    python benchmarks/op_count.py --cpu-compile         # also compiled-on-the-CPU tokens (tens of minutes)
     python benchmarks/op_count.py --batch-sizes 1,4,16  # per-B columns once Engine.generate batches
     python benchmarks/op_count.py --quick --out /tmp/oc # two methods, for the test
 """
@@ -59,7 +64,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="AR and LANTERN only, eager columns (the test's configuration)")
     ap.add_argument("--no-compiled", dest="compiled", action="store_false",
-                    help="eager columns only (the compiled ones compile every round kind: minutes on a CPU)")
+                    help="eager columns only (the compiled ones generate every round kind's Triton code: minutes)")
+    ap.add_argument("--cpu-compile", action="store_true",
+                    help="also compile every round for the CPU and compare its tokens with eager (tens of minutes)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="output folder")
     return ap.parse_args(argv)
 
@@ -84,25 +91,31 @@ def rounds_by_kind(stats: dict) -> dict:
     return {"ar_step": int(stats["target_forward_passes"])}
 
 
-def count_compiled(engine, kw, eager_tokens):
-    """Compiled launches of each round kind of this generation (Inductor's code, read on the CPU)."""
+def count_compiled(engine, kw, eager_tokens, cpu_compile=False):
+    """Compiled launches of each round kind of this generation as a GPU replays them (Inductor's Triton
+    code, generated on the CPU), weighted by how often each kind ran; with ``cpu_compile`` also the
+    CPU-compiled run's tokens against eager and its C++ kernel functions."""
     from vvs_engine.runtime import launches
 
-    with launches.recording() as codes:
-        out = engine.generate(compile=True, **kw)
-    assert all(out.stats["compiled"].values()), out.stats["compiled"]
+    with launches.recording("gpu") as codes:
+        out = engine.generate(compile=True, **kw)  # code generated, rounds run eagerly
     per_kind = {kind: launches.count(c[0]) for kind, c in codes.items() if kind != "?"}  # one compile per kind at one batch size
     ran = rounds_by_kind(out.stats)
     total = sum(n * per_kind[kind].total for kind, n in ran.items())
-    # fp32: Inductor's kernels round some reductions differently in the last bit (softmax: ~1e-8), so a
-    # sampled token that sits on a CDF boundary can flip and the image then diverges (docs/compile.md).
-    return dict(compiled_tokens_equal=bool(torch.equal(out.tokens, eager_tokens)),
-                compiled_launches_by_kind={k: v.to_dict() for k, v in per_kind.items()}, rounds_by_kind=ran,
-                compiled_launches_per_round=total / sum(ran.values()),
-                compiled_launches_per_token=total / out.stats["tokens_generated"])
+    row = dict(compiled_launches_by_kind={k: v.to_dict() for k, v in per_kind.items()}, rounds_by_kind=ran,
+               compiled_launches_per_round=total / sum(ran.values()),
+               compiled_launches_per_token=total / out.stats["tokens_generated"])
+    if cpu_compile:
+        with launches.recording("cpu") as cpu_codes:
+            compiled = engine.generate(compile=True, **kw)
+        assert all(compiled.stats["compiled"].values()), compiled.stats["compiled"]
+        row.update(compiled_tokens_equal=bool(torch.equal(compiled.tokens, eager_tokens)),
+                   cpu_kernel_functions_by_kind={k: launches.count(c[0]).to_dict() for k, c in cpu_codes.items()
+                                                 if k != "?"})
+    return row
 
 
-def count_method(engine, method, opts, label, seed, batch_size, compiled=True):
+def count_method(engine, method, opts, label, seed, batch_size, compiled=True, cpu_compile=False):
     kw = dict(class_labels=[label] * batch_size, method=method, seed=seed, decode_images=False, **opts)
     if batch_size > 1:
         kw["batch_size"] = batch_size
@@ -128,7 +141,7 @@ def count_method(engine, method, opts, label, seed, batch_size, compiled=True):
                eager_kernels_per_round=kernel_ops.compute / rounds, eager_kernels_per_token=kernel_ops.compute / tokens,
                top_ops=ops.by_name.most_common(8))
     if compiled:
-        row.update(count_compiled(engine, kw, out.tokens))
+        row.update(count_compiled(engine, kw, out.tokens, cpu_compile))
     return row
 
 
@@ -211,14 +224,19 @@ def compiled_table(rows) -> list:
     ar = rows["AR"]
     unit = ar["compiled_launches_by_kind"]["ar_step"]["total"]
     tok = ar["compiled_launches_per_token"]
-    lines = ["", "## Compiled rounds: launches (Inductor, `compile=True`, read from the generated code)", "",
-             f"Unit: the compiled AR step = {unit} launches (generated kernels + extern GEMMs + custom ops + other "
-             "fallbacks). Per round kind: launches (kernels + GEMMs + custom ops + other) and x the compiled AR step. "
-             "Per round / per token: the method's rounds weighted by how often each kind ran (eager prefill "
-             "excluded); eager = the kernels-as-ops count above.", "",
+    cpu = any("compiled_tokens_equal" in r for r in rows.values())
+    lines = ["", "## Compiled rounds: launches as a GPU replays them (Inductor's Triton code, read on the CPU)", "",
+             f"Unit: the compiled AR step = {unit} launches (Triton kernels + extern GEMMs + custom ops + other "
+             "fallbacks; Inductor lowers each round to Triton as for CUDA, combo kernels included: "
+             "`runtime/launches.py`, `recording(\"gpu\")`). Per round kind: launches (kernels + GEMMs + custom ops + "
+             "other) and x the compiled AR step. Per round / per token: the method's rounds weighted by how often "
+             "each kind ran (eager prefill excluded); eager = the kernels-as-ops count above. Custom ops count one "
+             "launch each (at real shapes some launch more: `round_cost.py` adds them)."
+             + (" Compiled tokens = eager: the same generation compiled for the CPU (C++), fp32." if cpu else ""), "",
              "| method | round kinds: launches (k + g + c + o), x AR step | compiled launches per round | x AR step "
-             "| per committed token | x AR | eager kernels per round | compiled / eager | compiled tokens = eager |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| per committed token | x AR | eager kernels per round | compiled / eager |"
+             + (" compiled tokens = eager |" if cpu else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if cpu else "")]
     for name, r in rows.items():
         if "compiled_launches_by_kind" not in r:
             continue
@@ -229,8 +247,8 @@ def compiled_table(rows) -> list:
         per_round = r["compiled_launches_per_round"]
         lines.append(f"| {name} | {cell} | {per_round:.0f} | {per_round / unit:.2f} | "
                      f"{r['compiled_launches_per_token']:.0f} | {r['compiled_launches_per_token'] / tok:.2f} | "
-                     f"{r['eager_kernels_per_round']:.0f} | {per_round / r['eager_kernels_per_round']:.2f} | "
-                     f"{'yes' if r['compiled_tokens_equal'] else 'no (fp32 last-bit flip)'} |")
+                     f"{r['eager_kernels_per_round']:.0f} | {per_round / r['eager_kernels_per_round']:.2f} |"
+                     + (f" {'yes' if r.get('compiled_tokens_equal') else 'no'} |" if cpu else ""))
     return lines
 
 
@@ -267,7 +285,8 @@ def main(argv=None, engine=None):
     for b in batch_sizes:
         results[b] = {}
         for name, method, opts in rows:
-            r = count_method(engine, method, opts, args.label, args.seed, b, compiled=args.compiled and not args.quick and b == 1)
+            r = count_method(engine, method, opts, args.label, args.seed, b, compiled=args.compiled and not args.quick and b == 1,
+                             cpu_compile=args.cpu_compile)
             results[b][name] = r
             print(f"B={b} {name:16s} ops/round {r['ops_per_round']:8.1f}  ops/token {r['ops_per_token']:8.1f}  "
                   f"kernels as ops: {r['kernel_ops_per_round']:8.1f} / {r['kernel_ops_per_token']:8.1f}  "

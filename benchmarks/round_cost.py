@@ -12,8 +12,10 @@ Jacobi iteration) the model is
 * **launches** at a real depth = per-layer slope x layers + fixed part, fitted on the Zoo model cut
   to 2, 4 and 6 layers. Counted eagerly on the CPU with ``VVS_KERNELS=reference`` (every engine kernel
   one op, as one launch on a GPU; ``OpCounter``), per call of each round function, one image, fp32.
-  When the compiled-launch counter (``vvs_engine.runtime.launches``) exists, the compiled counts are
-  fitted the same way and modelled beside the eager ones.
+  Compiled: Inductor lowers each round kind to Triton kernels as for CUDA, on the CPU
+  (``runtime.launches.recording("gpu")``), fitted on 2 and 6 layers. The engine's ops that launch
+  more than one kernel at a real shape add theirs (``extra_launches``: tree attention's split-merge
+  kernel when it splits the keys, draft_topk's four chunked kernels over a head of 8192+ rows).
 * **kernel groups**: the target's GEMMs (its weights + activations vs 2 x rows x tokens x params),
   the target's attention (the KV prefix read vs its FLOPs), the logits, and the same for each drafter
   forward of a round (the drafter layer, the shared output head). Small bookkeeping kernels move
@@ -196,12 +198,18 @@ METHODS = [
     ("VVS-U i=2", "vvs", {"skip_policy": "uniform", "skip_interval": 2}, ("verify", "skip", "verify_after_skip")),
     ("SJD", "sjd", {}, ("jacobi_iteration",)),
     ("GSD", "gsd", {}, ("jacobi_iteration",)),
+    ("SCD", "scd", {}, ("jacobi_iteration",)),
+    ("SJD-PAC", "sjd-pac", {}, ("jacobi_iteration",)),
 ]
 # Rows of benchmarks/results/spec_zoo.json (16 images, sampled) that hold each method's acceptance.
 SPEC_ZOO_ROWS = {"EAGLE-2": "EAGLE-2", "LANTERN d=0.2": "LANTERN d=0.2", "LANTERN++": "LANTERN++",
                  "CASCADE": "CASCADE (target-hidden)", "VVS-U i=2": "VVS-U i=2 fill", "SJD": "SJD", "GSD": "GSD G=8"}
-# The quality-speed cache (512 images) where it has the method at its default options.
-QS_CACHE = {"SJD": "SJD.npz", "GSD": "GSD_G_8.npz", "VVS-U i=2": "VVS_U_i_2_fill.npz"}
+# The quality-speed cache (512 images) where it has the method at its default options (preferred).
+QS_CACHE = {"EAGLE-2": "EAGLE_2.npz", "LANTERN d=0.2": "LANTERN_d_0_2.npz", "LANTERN++": "LANTERN__.npz",
+            "CASCADE": "CASCADE.npz", "VVS-U i=2": "VVS_U_i_2_fill.npz", "SJD": "SJD.npz", "GSD": "GSD_G_8.npz",
+            "SCD": "SCD.npz", "SJD-PAC": "SJD_PAC.npz"}
+# Target tokens per Jacobi iteration (the default window; SJD-PAC's counts every tree node).
+JACOBI_WINDOW = {"SJD-PAC": 32}
 STATIC_TREE_METHODS = ("LANTERN++", "CASCADE")
 
 
@@ -212,10 +220,11 @@ def recorded_acceptance() -> dict:
     spec = {r["name"]: r for r in json.load(open(os.path.join(OUT, "spec_zoo.json")))["rows"]}
     n_img = json.load(open(os.path.join(OUT, "spec_zoo.json")))["meta"]["n_images"]
     out = {"AR": dict(tpf=1.0, skip_per_forward=0.0, source="-")}
-    for row, name in SPEC_ZOO_ROWS.items():
-        r = spec[name]
+    for row in [r for r, *_ in METHODS if r != "AR"]:
+        name = SPEC_ZOO_ROWS.get(row)
+        r = spec[name] if name else dict(tpf=float("nan"), target_forward_passes=1)
         out[row] = dict(tpf=r["tpf"], skip_per_forward=(r.get("skip_steps") or 0) / r["target_forward_passes"],
-                        source=f"spec_zoo.json '{name}' ({n_img} images)")
+                        source=f"spec_zoo.json '{name}' ({n_img} images)" if name else "-")
         cache = QS_CACHE.get(row)
         path = os.path.join(OUT, "quality_speed_tokens", cache or "")
         if cache and os.path.exists(path):
@@ -284,11 +293,16 @@ def count_round_launches(engine, method: str, opts: dict, kinds, calls: int = 3)
 COMPILED_NAME = {"jacobi_iteration": "jacobi"}  # round kinds as runtime/compiled.py names them
 
 
+# Custom ops that launch more than one kernel at some shapes (counted once each in the generated code).
+MULTI_LAUNCH_OPS = ("vvs.tree_attention", "vvs.draft_topk")
+
+
 def count_compiled_launches(engine, method: str, opts: dict, kinds) -> dict:
-    """Launches per round of each compiled round kind of ``method`` (Inductor's generated kernels +
-    extern GEMMs + custom ops + fallbacks, read from its output code by ``runtime.launches``): one
-    image, each kind compiled on its first call; the decode stops once every kind has run (the Jacobi
-    loop runs to its end: its round function is the compiled one, nothing outside it to stop at)."""
+    """Launches per round of each compiled round kind of ``method`` as a GPU replays it: Inductor lowers
+    the round to Triton kernels as for CUDA (``runtime.launches.recording("gpu")``; generated kernels
+    + extern GEMMs + custom ops + fallbacks), one image, each kind on its first call; the decode stops
+    once every kind has run (the Jacobi loop runs to its end). -> {kind: {"total": n, op: calls}} for
+    the ops of MULTI_LAUNCH_OPS."""
     from vvs_engine.runtime import launches, runner
 
     calls = {}
@@ -304,7 +318,7 @@ def count_compiled_launches(engine, method: str, opts: dict, kinds) -> dict:
     runner.RoundGraphs.__call__ = lambda self, name: note(name, orig[0], self, name)
     runner.StaticCall.__call__ = lambda self, *a, **k: note(self.name, orig[1], self, *a, **k)
     try:
-        with launches.recording() as codes:
+        with launches.recording("gpu") as codes:
             try:
                 engine.generate(class_labels=[0], method=method, seed=0, batch_size=1, decode_images=False,
                                 compile=True, **opts)
@@ -317,7 +331,8 @@ def count_compiled_launches(engine, method: str, opts: dict, kinds) -> dict:
     for kind in kinds:
         code = codes.get(COMPILED_NAME.get(kind, kind))
         if code:  # the first compile of the kind (a later recompile is filed under "?")
-            out[kind] = launches.count(code[0]).total
+            n = launches.count(code[0])
+            out[kind] = dict(total=n.total, **{op: n.names.count(op) for op in MULTI_LAUNCH_OPS})
     return out
 
 
@@ -367,10 +382,38 @@ def measure_counts(depths=DEPTHS, calls=3, compiled=False, rows=None) -> dict:
     return counts
 
 
+def extra_launches(shape: "Shape", row: str, kind: str) -> dict:
+    """Launches beyond one per call of the engine's multi-kernel ops at ``shape`` (the Zoo counts see one
+    each): a tree_attention call whose keys are split (the cache is long for the programs the queries
+    make) adds the split-merge kernel; a draft_topk over a head of CHUNKED_FROM rows or more runs four
+    chunked kernels (triton_kernels/tree_attention.py, draft_topk.py decide this on the host)."""
+    import importlib
+
+    tree_attention = importlib.import_module("vvs_engine.triton_kernels.tree_attention")
+    draft_topk = importlib.import_module("vvs_engine.triton_kernels.draft_topk")
+    work = work_for(row, kind)
+    extra = {"vvs.tree_attention": 0, "vvs.draft_topk": 3 if shape.head_rows >= draft_topk.CHUNKED_FROM else 0}
+    if work.target_tokens:
+        head_dim = shape.dim // shape.heads
+        block_q = tree_attention.launch_config(work.target_tokens, head_dim)[0]
+        programs = 2 * shape.kv_heads * -(-work.target_tokens // block_q)  # CFG rows x heads x query blocks
+        n_slots = shape.cond + shape.tokens + (work.target_tokens + 16) * 2  # + the method's scratch slots
+        splits = tree_attention.pick_splits(programs, n_slots, __import__("torch").device("cpu"))
+        extra["vvs.tree_attention"] = 1 if splits > 1 else 0
+    return extra
+
+
 # --- the table ---------------------------------------------------------------------------------------
+def _total(count):
+    """A count as stored: an int (eager) or {"total": n, op: calls} (compiled)."""
+    return count["total"] if isinstance(count, dict) else count
+
+
 def work_for(row: str, kind: str) -> RoundWork:
     if kind == "verify" and row in STATIC_TREE_METHODS:
         return round_work("verify_static")
+    if kind == "jacobi_iteration" and row in JACOBI_WINDOW:
+        return round_work(kind, jacobi_window=JACOBI_WINDOW[row])
     return round_work(kind)
 
 
@@ -389,14 +432,20 @@ def model(counts: dict, hw: Hardware, acceptance: dict, qk_norm_extra: int = QK_
         for row, method, opts, kinds in METHODS:
             kinds_out = {}
             for kind in kinds:
-                per_depth = counts[row][kind]
-                ds = sorted(int(k) for k in per_depth)
-                slope, fixed, resid = fit(ds, [per_depth[k] if k in per_depth else per_depth[str(k)] for k in ds])
+                per_depth = {int(k): v for k, v in counts[row][kind].items()}
+                ds = sorted(per_depth)
+                total = lambda v: v["total"] if isinstance(v, dict) else v  # noqa: E731
+                slope, fixed, resid = fit(ds, [total(per_depth[k]) for k in ds])
                 # Chameleon's qk-norm adds a LayerNorm (+ gain, bias) on q and k per layer and token pass
                 extra = qk_norm_extra if shape.qk_norm and work_for(row, kind).target_tokens else 0
                 launches = (slope + extra) * shape.layers + fixed
-                r = round_ms(shape, work_for(row, kind), launches, hw)
-                r.update(slope=slope, fixed=fixed, fit_residual=resid)
+                multi = 0.0
+                if all(isinstance(per_depth[k], dict) for k in ds):  # compiled counts name their op calls
+                    for op, more in extra_launches(shape, row, kind).items():
+                        op_slope, op_fixed, _ = fit(ds, [per_depth[k][op] for k in ds])
+                        multi += more * (op_slope * shape.layers + op_fixed)
+                r = round_ms(shape, work_for(row, kind), launches + multi, hw)
+                r.update(slope=slope, fixed=fixed, fit_residual=resid, multi_launch_extra=multi)
                 kinds_out[kind] = r
             rows[row] = dict(kinds=kinds_out)
         ar_ms = rows["AR"]["kinds"]["ar_step"]["ms"]
@@ -470,7 +519,10 @@ def render(result: dict, hw: Hardware, argv) -> str:
              f"(bf16 dense), bf16 weights/activations/KV, fp32 logits, one image = {hw.rows} CFG rows, attention "
              "over the average prefix (condition + half the image). Launches: eager kernels-as-ops counts "
              f"(`VVS_KERNELS=reference`, OpCounter, per round-function call) on the Zoo model cut to "
-             f"{', '.join(str(d) for d in result['depths'])} layers, fitted as per-layer slope x layers + fixed part. "
+             f"{', '.join(str(d) for d in result['depths'])} layers, fitted as per-layer slope x layers + fixed part; "
+             "compiled counts: Inductor's Triton code as for CUDA (generated on the CPU, `runtime/launches.py`), "
+             "fitted on 2 and 6 layers, plus the extra kernels of the engine's multi-kernel ops at each shape "
+             "(tree attention's split merge, draft_topk's chunked launches over 8192+ head rows). "
              "TPF (and VVS's skip rounds) are the Zoo's recorded acceptance, used at every shape. "
              "Speed-up over AR = TPF x (AR step time / method time per target forward).", "",
              f"Launch counts measured by `{result.get('counts_command') or COMMAND}` (eager) and "
@@ -511,14 +563,14 @@ def render(result: dict, hw: Hardware, argv) -> str:
     if cc:
         cm = result["compiled_model"]
         cd = result["compiled_depths"]
-        lines += ["", "## Compiled launches per round (torch.compile, Inductor's output code: kernels + GEMMs + "
-                      "custom ops + fallbacks)", "",
+        lines += ["", "## Compiled launches per round (Inductor's Triton code as for CUDA: kernels + GEMMs + "
+                      "custom ops + fallbacks; at XL / 7B with the multi-kernel ops' extra launches)", "",
                   "| method | round kind | " + " | ".join(f"depth {d}" for d in cd) + " | slope / layer | fixed | " +
                   " | ".join(tables) + " |", "|---|---|" + "---|" * len(cd) + "---|---|" + "---|" * len(tables)]
         for row, kinds in cc.items():
             for kind, per_depth in kinds.items():
                 k0 = cm[next(iter(cm))]["rows"][row]["kinds"][kind]
-                lines.append(f"| {row} | {kind} | " + " | ".join(str(per_depth.get(str(d), '')) for d in cd) +
+                lines.append(f"| {row} | {kind} | " + " | ".join(str(_total(per_depth.get(str(d), ''))) for d in cd) +
                              f" | {k0['slope']:.1f} | {k0['fixed']:.0f} | " +
                              " | ".join(f"{t['rows'][row]['kinds'][kind]['launches']:.0f}" for t in cm.values()) + " |")
         how = ("launches as counted eagerly (this code) or compiled (counted above, fitted on "
@@ -655,7 +707,8 @@ def main(argv=None):
     result = dict(command=f"{COMMAND} {shlex.join(argv)}".strip(), label="MODEL (not measured)", depths=depths,
                   hardware=dataclasses.asdict(hw), measured=MEASURED, counts=counts,
                   model=compiled_tables if compiled_counts else tables, eager_model=tables,
-                  detail_launches="compiled (torch.compile, counted)" if compiled_counts else "eager kernels-as-ops",
+                  detail_launches="compiled (Inductor's Triton code, counted on the CPU, + multi-kernel ops at the shape)"
+                  if compiled_counts else "eager kernels-as-ops",
                   calibration=calib,
                   scenarios=scenarios, verify_over_ar=verify_over_ar, compiled_counts=compiled_counts,
                   compiled_depths=list(COMPILED_DEPTHS) if compiled_counts else None,

@@ -71,3 +71,23 @@ def test_committed_table_is_labelled_a_model_and_consistent():
         # speed-up = tokens x AR step / time per image = TPF x AR step / time per forward
         assert r["speedup"] == pytest.approx(r["tpf"] * xl["ar_step_ms"] / r["ms_per_forward"])
     assert ar["launch_ms"] == pytest.approx(ar["launches"] * hw.gap_us * 1e-3)
+
+
+def test_multi_kernel_ops_at_real_shapes():
+    """At the Zoo every engine op is one launch; at LlamaGen-XL's cache tree attention splits its keys
+    (a merge kernel more) and draft_topk over 16384 head rows runs its four chunked kernels."""
+    zoo, xl, seven_b = rc.shapes()
+    assert rc.extra_launches(zoo, "EAGLE-2", "verify") == {"vvs.tree_attention": 0, "vvs.draft_topk": 0}
+    assert rc.extra_launches(xl, "EAGLE-2", "verify") == {"vvs.tree_attention": 1, "vvs.draft_topk": 3}
+    assert rc.extra_launches(xl, "AR", "ar_step")["vvs.tree_attention"] == 1
+    assert rc.extra_launches(seven_b, "VVS-U i=2", "skip") == {"vvs.tree_attention": 0, "vvs.draft_topk": 3}
+    # the model adds them per call: counts that name their ops grow by calls x extra at XL, not at the Zoo
+    counts = {row: {kind: {"2": {"total": 30, "vvs.tree_attention": 2, "vvs.draft_topk": 5},
+                           "6": {"total": 70, "vvs.tree_attention": 6, "vvs.draft_topk": 5}} for kind in kinds}
+              for row, _, _, kinds in rc.METHODS}
+    acc = {row: dict(tpf=2.0, skip_per_forward=0.0, source="test") for row, *_ in rc.METHODS}
+    out = rc.model(counts, rc.Hardware(), acc, qk_norm_extra=0)
+    zoo_v = out["Zoo"]["rows"]["EAGLE-2"]["kinds"]["verify"]
+    xl_v = out["LlamaGen-XL"]["rows"]["EAGLE-2"]["kinds"]["verify"]
+    assert zoo_v["launches"] == 70 and zoo_v["multi_launch_extra"] == 0
+    assert xl_v["launches"] == 10 * 36 + 10 + 36 * 1 + 5 * 3  # slope 10, fixed 10, + merge kernels + chunks
