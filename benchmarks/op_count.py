@@ -252,6 +252,44 @@ def compiled_table(rows) -> list:
     return lines
 
 
+# The issue's budgets, in compiled AR steps: a dynamic-tree verify round 2.0, a VVS skip round 1.2, a
+# Jacobi iteration 1.1 (docs/launches.md).
+BUDGETS = {"verify": 2.0, "skip": 1.2, "jacobi": 1.1}
+DOC = os.path.join(ROOT, "docs", "launches.md")
+DOC_MARKERS = ("<!-- op_count:begin -->", "<!-- op_count:end -->")
+
+
+def budget_table(rows) -> list:
+    """Compiled launches of every round kind against the budgets (docs/launches.md's summary)."""
+    unit = rows["AR"]["compiled_launches_by_kind"]["ar_step"]["total"]
+    lines = [f"Written by `{COMMAND}` (Zoo, 6 layers, batch 1; Triton code as for CUDA, counted on the CPU). "
+             f"Unit: the compiled AR step, {unit} launches.", "",
+             "| method | round kind | launches (kernels + GEMMs + custom ops + other) | x AR step | budget | meets it |",
+             "|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        for kind, v in sorted(r.get("compiled_launches_by_kind", {}).items(),
+                              key=lambda kv: KIND_ORDER.index(kv[0]) if kv[0] in KIND_ORDER else 99):
+            ratio = v["total"] / unit
+            budget = BUDGETS.get(kind) if not (kind == "verify" and r["method"] in ("lantern++", "cascade")) else None
+            meets = "-" if budget is None else ("yes" if ratio <= budget + 1e-9 else "**no**")
+            lines.append(f"| {name} | {kind} | {v['total']} ({v['kernels']} + {v['gemms']} + {v['custom_ops']} + "
+                         f"{v['other']}) | {ratio:.2f} | {'-' if budget is None else budget} | {meets} |")
+    lines += ["", "The budget of 2.0 is the dynamic tree's (EAGLE-2, LANTERN, VVS); LANTERN++ and CASCADE draft a "
+                  "static 58-node tree and have none."]
+    return lines
+
+
+def write_doc(rows) -> None:
+    if not os.path.exists(DOC) or "AR" not in rows or "compiled_launches_by_kind" not in rows["AR"]:
+        return
+    text = open(DOC).read()
+    a, b = text.find(DOC_MARKERS[0]), text.find(DOC_MARKERS[1])
+    if a < 0 or b < a:
+        return
+    with open(DOC, "w") as f:
+        f.write(text[: a + len(DOC_MARKERS[0])] + "\n" + "\n".join(budget_table(rows)) + "\n" + text[b:])
+
+
 def write(out_dir, results, verify_rows, batch_sizes, note, meta) -> str:
     os.makedirs(out_dir, exist_ok=True)
     md = render(results, verify_rows, batch_sizes, note)
@@ -296,6 +334,8 @@ def main(argv=None, engine=None):
                      if "compiled_launches_per_round" in r else ""), flush=True)
             write(args.out, results, verify_rows, batch_sizes, note, meta)  # partial tables survive a stop
     print(write(args.out, results, verify_rows, batch_sizes, note, meta))
+    if os.path.abspath(args.out) == os.path.join(ROOT, "benchmarks", "results") and 1 in results:
+        write_doc(results[1])
     return results
 
 

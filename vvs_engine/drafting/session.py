@@ -187,10 +187,10 @@ class DraftSession:
             frontiers.append(best)
         # Selection of the best total - 1 candidates, their parents, tokens and log-probs, and the tree
         # structure (ancestor mask, depths, paths, leaves, children): one op.
-        tokens, parents, mask, dep, paths, leaf, children, logp = kernels.tree_select(
+        tokens, parents, tree_mask, dep, paths, leaf, children, logp = kernels.tree_select(
             torch.cat(cand_score, 1), t["penalty"], torch.cat(frontiers, 1), t["frontier_offset"], t["parent_col"],
             torch.cat(cand_tok, 1), torch.cat(cand_lp, 1), total, depth + 1, K)
-        return DraftTree(tokens, parents, mask, dep, paths, leaf, children, draft_logp=logp)
+        return DraftTree(tokens, parents, tree_mask, dep, paths, leaf, children, draft_logp=logp)
 
     def _static_levels(self):
         """Per depth level of the static layout, the index pieces a build needs (made once): the
