@@ -610,8 +610,12 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
                 rows.append({"name": name, "method": method, "options": opts, "error": str(e)})
                 continue
         token_digest = hashlib.sha1(np.ascontiguousarray(gen["tokens"]).tobytes()).hexdigest()
-        feats = work.get("features", [token_digest, list(labels), inception],
-                         lambda: image_features(eng, gen["tokens"], labels, inception))
+        def features(gen=gen, name=name):
+            # minutes per setting on a CPU (VQ decode + classifier + Inception): say what is running
+            print(f"[quality_speed] {name}: image features of {len(labels)} images", flush=True)
+            return image_features(eng, gen["tokens"], labels, inception)
+
+        feats = work.get("features", [token_digest, list(labels), inception], features)
         draws = work.get("draws", [token_digest, gen["forwards"].tolist(), reps, inception_reps, seed, inception],
                          lambda: metric_draws(feats, gen["forwards"], eng.tokens_per_image, ref, idx, inception_reps))
         if method == "ar":

@@ -258,15 +258,16 @@ def count_round_launches(engine, method: str, opts: dict, kinds, calls: int = 3)
             raise _Enough
         return out
 
-    from vvs_engine.methods import ar, ar_method
+    from vvs_engine.methods import ar, ar_method, sjd_pac
 
     orig = (runner.RoundGraphs.__call__, runner.StaticCall.__call__, jacobi.JacobiDecoder.jacobi_iteration,
-            ar_method.generate)
+            ar_method.generate, sjd_pac.PACDecoder.jacobi_iteration)
     # AR: the runner's static-buffer step (the function a GPU captures; eager on the CPU), not the CPU loop
     ar_method.generate = lambda session, params, rng, use_graphs=False, **kw: ar.generate(session, params, rng, True, **kw)
     runner.RoundGraphs.__call__ = lambda self, name: record(name, orig[0], self, name)
     runner.StaticCall.__call__ = lambda self, *a, **k: record(self.name, orig[1], self, *a, **k)
     jacobi.JacobiDecoder.jacobi_iteration = lambda self, st: record("jacobi_iteration", orig[2], self, st)
+    sjd_pac.PACDecoder.jacobi_iteration = lambda self, st: record("jacobi_iteration", orig[4], self, st)
     previous = os.environ.get(ENV)
     os.environ[ENV] = "reference"
     try:
@@ -275,7 +276,7 @@ def count_round_launches(engine, method: str, opts: dict, kinds, calls: int = 3)
         pass
     finally:
         (runner.RoundGraphs.__call__, runner.StaticCall.__call__, jacobi.JacobiDecoder.jacobi_iteration,
-         ar_method.generate) = orig
+         ar_method.generate, sjd_pac.PACDecoder.jacobi_iteration) = orig
         if previous is None:
             os.environ.pop(ENV)
         else:

@@ -301,11 +301,17 @@ def test_gpu_compiled_graph_replays_never_sync():
     assert tokens.shape == (1, e.tokens_per_image) and r.compiled() == {"ar_step": True}
 
 
-def test_cpu_compiled_norm_and_softmax_are_atens():
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_cpu_compiled_norm_and_softmax_are_atens(vectorized, tmp_path, monkeypatch):
     """Inside a CPU compile, RMSNorm's mean and the sampling softmax are ATen's kernels: bit-equal to
     eager (what keeps compiled CPU tokens equal to eager ones in fp32). Negative control: Inductor's
-    own C++ reductions sum in another order and differ in the last bit."""
+    own C++ reductions (vectorized or scalar) sum in another order and differ in the last bit.
+
+    Compiled fresh, in a private cache and without the FX graph cache: a cached graph's C++ written for
+    another machine's vector ISA does not build on one whose ISA check fails (seen on a CI machine)."""
     from unittest import mock
+
+    import torch._inductor.config as inductor_config
 
     from vvs_engine import sampling
     from vvs_engine.models.gpt import RMSNorm
@@ -319,7 +325,9 @@ def test_cpu_compiled_norm_and_softmax_are_atens():
     def fn(x, logits):
         return norm(x), sampling.softmax_last(logits)
 
-    with torch.no_grad():
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    fresh = inductor_config.patch({"fx_graph_cache": False, "cpp.vec_isa_ok": None if vectorized else False})
+    with torch.no_grad(), fresh:
         want = fn(x, logits)
         torch._dynamo.reset()
         got = torch.compile(fn, fullgraph=True, options=dict(INDUCTOR_OPTIONS))(x, logits)
