@@ -390,8 +390,14 @@ def extra_launches(shape: "Shape", row: str, kind: str) -> dict:
     chunked kernels (triton_kernels/tree_attention.py, draft_topk.py decide this on the host)."""
     import importlib
 
-    tree_attention = importlib.import_module("vvs_engine.triton_kernels.tree_attention")
-    draft_topk = importlib.import_module("vvs_engine.triton_kernels.draft_topk")
+    from vvs_engine.kernels.backends import triton_module
+
+    package = triton_module()  # this checkout's triton_kernels (an installed copy may be another's)
+    if package is None:
+        raise SystemExit("round_cost needs Triton installed (the kernels' launch configurations decide the "
+                         "extra launches)")
+    tree_attention = importlib.import_module(package.__name__ + ".tree_attention")
+    draft_topk = importlib.import_module(package.__name__ + ".draft_topk")
     work = work_for(row, kind)
     extra = {"vvs.tree_attention": 0, "vvs.draft_topk": 3 if shape.head_rows >= draft_topk.CHUNKED_FROM else 0}
     if work.target_tokens:

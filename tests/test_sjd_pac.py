@@ -12,11 +12,32 @@ from test_scd import (LABELS, chi2_joint, eng, exact_joint, greedy_ar, toy_engin
                       two_sample_chi2)
 from test_speculative import _chi2_crit
 from vvs_engine.errors import VVSError
-from vvs_engine.methods.sjd_pac import ProductTree, tree_size
+from vvs_engine.methods.sjd_pac import ProductTree, top_few, tree_size
 
 
 
 # --- layout ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 6])
+def test_top_few_selects_what_topk_selects(k):
+    """The alternatives' top-k as k max/arg-max rounds (one fused kernel compiled): the indices and
+    values of topk for distinct values, in topk's order; rows with fewer than k finite values give
+    -inf values past them (callers drop those); the lowest index wins a tie."""
+    torch.manual_seed(k)
+    x = torch.randn(3, 5, 37)
+    x[0, 0, 5:] = float("-inf")  # 5 finite values
+    x[1, 2, :] = float("-inf")
+    x[1, 2, 7] = 0.5  # one finite value
+    got_i, got_v = top_few(x, k)
+    want = x.topk(k, dim=-1)
+    assert torch.equal(got_v, want.values)
+    finite = want.values > float("-inf")
+    assert torch.equal(got_i[finite], want.indices[finite])
+    assert k == 1 or not finite.all()  # the short rows ran out of finite values
+    assert top_few(torch.zeros(1, 9), min(k, 4))[0].tolist() == [list(range(min(k, 4)))]
+    if k > 1:  # fewer rounds: a prefix of the picks, as topk's
+        assert torch.equal(top_few(x, k - 1)[0][finite[..., : k - 1]], got_i[..., : k - 1][finite[..., : k - 1]])
+
+
 @pytest.mark.parametrize("L,W,D,M", [(64, 3, 3, 54), (64, 4, 3, 46), (16, 3, 3, 6), (16, 2, 2, 15), (8, 1, 3, 8)])
 def test_product_tree_layout(L, W, D, M):
     """The released layout (M = D + L - (W^D - 1)/(W - 1): 54 main-chain nodes at 64/3/3, 46 at 64/4/3):

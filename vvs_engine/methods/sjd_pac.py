@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+from torch import Tensor
 
 from .. import kernels
 from ..acceptance.verify import ExactRule, verify_tree
@@ -204,6 +205,28 @@ class _Forest:
     sampled: bool = True
 
 
+def top_few(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``x.topk(k, dim=-1)`` -> (indices, values) for a small k, as k rounds of max + arg-max, each
+    masking the winner. Compiled, the rounds are reductions Inductor fuses into one kernel with their
+    producer and consumers; ``topk`` is an aten fallback of its own (one more launch per Jacobi
+    iteration). The same selection as ``topk`` for distinct values (Gumbel-perturbed logits: ties have
+    probability zero); among equal values the lowest index wins, and a row of -inf gives -inf values
+    (which callers treat as no candidate)."""
+    if k > 4:  # k reductions in a row stop paying for themselves
+        top = x.topk(k, dim=-1)
+        return top.indices, top.values
+    lanes = torch.arange(x.shape[-1], device=x.device)
+    indices, values = [], []
+    for round_ in range(k):
+        best = x.amax(-1, keepdim=True)
+        index = x.argmax(-1, keepdim=True)
+        indices.append(index)
+        values.append(best)
+        if round_ + 1 < k:
+            x = torch.where(lanes == index, float("-inf"), x)
+    return torch.cat(indices, -1), torch.cat(values, -1)
+
+
 class PACDecoder(JacobiDecoder):
     """SJD-PAC on the Jacobi decoder's session, KV layout and counters; :meth:`jacobi_iteration` is the
     round function (static shapes, no host read)."""
@@ -284,8 +307,8 @@ class PACDecoder(JacobiDecoder):
         (Gumbel top-k) -> (tokens [B, W - 1, nd], valid: drawn from positive mass)."""
         logits = P.clamp(min=0).log() + noise
         logits = logits.masked_fill(one_hot(c0, self.V) > 0, float("-inf"))
-        top = logits.topk(self.W - 1, dim=-1)
-        return top.indices.permute(0, 2, 1), (top.values > float("-inf")).permute(0, 2, 1)
+        indices, values = top_few(logits, self.W - 1)
+        return indices.permute(0, 2, 1), (values > float("-inf")).permute(0, 2, 1)
 
     # --- prefill (eager) ----------------------------------------------------------------------------
     def prefill(self) -> PACState:
