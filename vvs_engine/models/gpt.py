@@ -200,8 +200,15 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H = self.n_head
         qkv = self.wqkv(x).view(B, T, 3 * H, self.head_dim)
-        qk = apply_rope(qkv[:, :, : 2 * H], rope)  # q and k rotated in one op
-        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+        if torch.compiler.is_compiling():
+            # q and k rotated separately: the rotated k then has the shape of the cache writes and
+            # Inductor computes it inside their kernel, q's rotation joining it (one kernel for RoPE and
+            # the K/V writes, where the joint rotation was a kernel of its own). The same arithmetic.
+            q = apply_rope(qkv[:, :, :H], rope).transpose(1, 2)
+            k = apply_rope(qkv[:, :, H : 2 * H], rope).transpose(1, 2)
+        else:
+            qk = apply_rope(qkv[:, :, : 2 * H], rope)  # q and k rotated in one op
+            q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
         v = qkv[:, :, 2 * H :].transpose(1, 2)
         if kv is not None:
             # Static cache: write the new K/V at their slots, attend over the whole buffer; the mask
