@@ -66,7 +66,10 @@ def test_committed_table_is_labelled_a_model_and_consistent():
     hw = rc.Hardware(**res["hardware"])
     xl = res["model"]["LlamaGen-XL"]
     ar = xl["rows"]["AR"]["kinds"]["ar_step"]
-    assert ar["launches"] == pytest.approx(ar["slope"] * 36 + ar["fixed"])
+    # the fitted count at 36 layers plus the launches the multi-kernel ops add at XL (the AR step's
+    # tree attention splits its keys: one merge kernel per layer)
+    assert ar["launches"] == pytest.approx(ar["slope"] * 36 + ar["fixed"] + ar.get("multi_launch_extra", 0.0))
+    assert ar.get("multi_launch_extra", 0.0) in (0.0, 36.0)
     for row, r in xl["rows"].items():
         # speed-up = tokens x AR step / time per image = TPF x AR step / time per forward
         assert r["speedup"] == pytest.approx(r["tpf"] * xl["ar_step_ms"] / r["ms_per_forward"])
