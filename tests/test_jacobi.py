@@ -12,7 +12,7 @@ from spec_models import tiny_engine
 from test_speculative import _chi2, _chi2_crit
 from vvs_engine.acceptance.verify import ExactRule, make_rule
 from vvs_engine.errors import VVSError
-from vvs_engine.acceptance.gsd import GroupedRule, _static_neighbors, unit_codebook
+from vvs_engine.acceptance.gsd import GroupedRule, _static_neighbors, rank_window_by_reductions, unit_codebook
 from vvs_engine.methods import get_method, jacobi
 
 LABELS = [0, 3, 4]
@@ -178,6 +178,38 @@ def test_vectorised_cluster_matches_slow_loop(eng, G, prob_thr, dist_thr):
     for m in range(M):
         row = [int(t) for t in got[m] if t >= 0]
         assert len(row) == len(set(row)) and set(row) == want[m], m
+
+
+@pytest.mark.parametrize("G", [1, 3, 8, 14])
+def test_rank_window_without_a_sort_picks_the_sorts_tokens(G):
+    """The compiled rank window (reductions, no argsort) gives the argsort's tokens at every existing
+    rank, ties ordered by id, for drafts anywhere in the order (the ends included), on rows with many
+    equal values (zeros of a top-k filter, coarsely quantised masses). Negative control: ordering ties
+    the other way changes the picks."""
+    torch.manual_seed(G)
+    V = 23
+    p = torch.rand(12, V)
+    p[:4] = (p[:4] * 4).floor() / 4  # a few distinct values, many ties
+    p[4:8] = torch.where(torch.rand(4, V) < 0.6, 0.0, p[4:8])  # zeros
+    p = p / p.sum(1, keepdim=True)
+    rule = GroupedRule(group=G, prob_threshold=math.inf, dist_threshold=math.inf)
+    xs = torch.cat([torch.arange(V), torch.randint(0, V, (12 * 3 - V,))])[: 12 * 3].view(3, 12)
+    xs[0, :2] = p.argmax(1)[:2]  # the most likely token: nothing above it
+    xs[1, :2] = p.argmin(1)[:2]
+    edges = 0
+    for x in xs:
+        want_cand, want_inside = rule._rank_window(p, x)
+        got_cand, got_inside = rank_window_by_reductions(p, x, G)
+        assert torch.equal(got_inside, want_inside)
+        assert torch.equal(got_cand[got_inside], want_cand[want_inside])
+        edges += int((~want_inside).sum())
+    assert edges > 0 or G == 1  # windows cut by the ends of the order were compared
+    # the ties' order matters: reverse the ids and the picks differ somewhere
+    flipped = p.flip(1)
+    x = xs[2]
+    if G > 1:
+        got = rank_window_by_reductions(flipped, V - 1 - x, G)[0]
+        assert not torch.equal(V - 1 - got, rule._rank_window(p, x)[0])
 
 
 def test_static_clusters_match_slow_loop(eng):
