@@ -65,16 +65,6 @@ def _(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("vvs::aten_sum_last", mutates_args=())
-def _aten_sum_last(x: torch.Tensor) -> torch.Tensor:
-    return x.sum(-1, keepdim=True)
-
-
-@_aten_sum_last.register_fake
-def _(x):
-    return x.new_empty((*x.shape[:-1], 1))
-
-
 @torch.library.custom_op("vvs::aten_mean_last", mutates_args=())
 def _aten_mean_last(x: torch.Tensor) -> torch.Tensor:
     return x.mean(-1, keepdim=True)
@@ -92,11 +82,6 @@ def _eager_exact(x: torch.Tensor) -> bool:
 def softmax_last(x: torch.Tensor) -> torch.Tensor:
     """``x.softmax(-1)``; ATen's kernel inside a CPU compile (see above)."""
     return _aten_softmax(x.contiguous()) if _eager_exact(x) else x.softmax(-1)
-
-
-def sum_last(x: torch.Tensor) -> torch.Tensor:
-    """``x.sum(-1, keepdim=True)``; ATen's kernel inside a CPU compile (see above)."""
-    return _aten_sum_last(x.contiguous()) if _eager_exact(x) else x.sum(-1, keepdim=True)
 
 
 def mean_last(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ device-to-device copy of the same bytes.
 """
 import torch
 
-from common import MODELS, Results, cuda_launchers, device, half_dtype, median_ms, parse_args
+from common import MODELS, Results, copy_ms, cuda_launchers, device, half_dtype, median_ms, parse_args
 
 from vvs_engine.kernels import reference as R
 
@@ -34,9 +34,7 @@ def main():
             res.add(model.name, shape, "reference (index_select+index_copy)", t, GBps=gbps(t))
             if C is not None:
                 t = median_ms(lambda: C.kv_compact(k, v, src, dst), args.quick)
-                buf = torch.empty(moved // 2 // k.element_size(), device=dev, dtype=dtype)
-                out = torch.empty_like(buf)
-                t_copy = median_ms(lambda: out.copy_(buf), args.quick)
+                t_copy = copy_ms(moved // 2, dev, dtype, args.quick)
                 res.add(model.name, shape, "cuda kv_compact", t, GBps=gbps(t), fraction_of_copy_bw=round(t_copy / t, 3))
         x = torch.randn(B, S, model.dim, device=dev, dtype=dtype)
         idx = torch.arange(100, 164, device=dev)

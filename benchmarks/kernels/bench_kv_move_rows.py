@@ -6,7 +6,7 @@ per buffer) and vs a plain device copy of the same bytes (the bandwidth bound).
 """
 import torch
 
-from common import MODELS, Results, device, half_dtype, median_ms, parse_args, triton_launchers
+from common import MODELS, Results, copy_ms, device, half_dtype, median_ms, parse_args, triton_launchers
 
 from vvs_engine.kernels import reference as R
 
@@ -35,9 +35,7 @@ def main():
                 res.add(model.name, shape, "reference (gather + index_put_)", t, GBps=gbps(t))
                 if tk is not None:
                     t = median_ms(lambda: tk.kv_move_rows(k, v, src, dst), args.quick)
-                    buf = torch.empty(moved // 2 // k.element_size(), device=dev, dtype=dtype)
-                    out = torch.empty_like(buf)
-                    t_copy = median_ms(lambda: out.copy_(buf), args.quick)
+                    t_copy = copy_ms(moved // 2, dev, dtype, args.quick)
                     res.add(model.name, shape, "triton kv_move_rows", t, GBps=gbps(t),
                             fraction_of_copy_bw=round(t_copy / t, 3))
     print("wrote", res.save(args.out, plot=not args.no_plot))

@@ -95,6 +95,14 @@ def median_ms(fn, quick: bool = False) -> float:
     return statistics.median(times)
 
 
+def copy_ms(n_bytes: int, dev: torch.device, dtype: torch.dtype, quick: bool = False) -> float:
+    """Median time of a plain device-to-device copy of ``n_bytes`` (read + write counted once each):
+    the bandwidth bound a data-movement kernel is compared with."""
+    src = torch.empty(n_bytes // torch.tensor([], dtype=dtype).element_size(), device=dev, dtype=dtype)
+    dst = torch.empty_like(src)
+    return median_ms(lambda: dst.copy_(src), quick)
+
+
 def triton_launchers():
     """``vvs_engine.triton_kernels`` when the kernels can be benchmarked (a GPU and Triton), else None."""
     if not on_gpu() or os.environ.get("TRITON_INTERPRET") == "1":

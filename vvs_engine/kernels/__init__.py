@@ -151,20 +151,21 @@ def counter_sample(rng, probs, step, stream: int):
 
 def kv_compact(k, v, src, dst) -> None:
     """In place on K and V [L, B, H, S, D]: slots ``dst`` take what slots ``src`` held (overlap-safe).
-    ``src``/``dst`` [n] for every row, or [B, n] per row (``vvs::kv_move_rows``: one launch where torch
-    needs a gather and a scatter). Compiled, per-row moves are the torch code: Inductor's combo kernels
-    already launch its gather and scatter together with the round's other bookkeeping (the op made the
-    Zoo's compiled verify round one launch longer: its index inputs need a kernel of their own)."""
-    if _reference_fast_path(k) or (src.dim() == 2 and torch.compiler.is_compiling()):
-        return reference.kv_compact(k, v, src, dst)
+    ``src``/``dst`` [n] for every row, or [B, n] per row (:func:`kv_move_rows`)."""
     if src.dim() == 2:
-        return ops.kv_move_rows(k, v, src, dst)
+        return kv_move_rows(k, v, src, dst)
+    if _reference_fast_path(k):
+        return reference.kv_compact(k, v, src, dst)
     ops.kv_compact(k, v, src, dst)
 
 
 def kv_move_rows(k, v, src, dst) -> None:
-    """``kv_compact`` with one slot list per row (src, dst [B, n]). See ``reference.kv_move_rows``."""
-    if _reference_fast_path(k):
+    """``kv_compact`` with one slot list per row (src, dst [B, n]): ``vvs::kv_move_rows``, one launch
+    where torch needs a gather and a scatter. See ``reference.kv_move_rows``. Compiled, the torch code:
+    Inductor's combo kernels already launch its gather and scatter together with the round's other
+    bookkeeping (the op made the Zoo's compiled verify round one launch longer: its index inputs need a
+    kernel of their own)."""
+    if _reference_fast_path(k) or torch.compiler.is_compiling():
         return reference.kv_move_rows(k, v, src, dst)
     ops.kv_move_rows(k, v, src, dst)
 
