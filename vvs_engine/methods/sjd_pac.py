@@ -307,7 +307,11 @@ class PACDecoder(JacobiDecoder):
         (Gumbel top-k) -> (tokens [B, W - 1, nd], valid: drawn from positive mass)."""
         logits = P.clamp(min=0).log() + noise
         logits = logits.masked_fill(one_hot(c0, self.V) > 0, float("-inf"))
-        indices, values = top_few(logits, self.W - 1)
+        if torch.compiler.is_compiling():  # fused by Inductor; eagerly topk is one op (top_few: 8 more)
+            indices, values = top_few(logits, self.W - 1)
+        else:
+            top = logits.topk(self.W - 1, dim=-1)
+            indices, values = top.indices, top.values
         return indices.permute(0, 2, 1), (values > float("-inf")).permute(0, 2, 1)
 
     # --- prefill (eager) ----------------------------------------------------------------------------
