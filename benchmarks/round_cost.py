@@ -244,7 +244,6 @@ def count_round_launches(engine, method: str, opts: dict, kinds, calls: int = 3)
     """Launches (kernels as ops) per call of each round function of ``method``: eager, one image,
     ``calls`` calls of each kind after its first (a round has static shapes: every call counts the same)."""
     from vvs_engine.kernels.backends import ENV
-    from vvs_engine.methods import jacobi
     from vvs_engine.runtime import runner
     from vvs_engine.runtime.opcount import OpCounter
 
@@ -258,16 +257,9 @@ def count_round_launches(engine, method: str, opts: dict, kinds, calls: int = 3)
             raise _Enough
         return out
 
-    from vvs_engine.methods import ar, ar_method, sjd_pac
-
-    orig = (runner.RoundGraphs.__call__, runner.StaticCall.__call__, jacobi.JacobiDecoder.jacobi_iteration,
-            ar_method.generate, sjd_pac.PACDecoder.jacobi_iteration)
-    # AR: the runner's static-buffer step (the function a GPU captures; eager on the CPU), not the CPU loop
-    ar_method.generate = lambda session, params, rng, use_graphs=False, **kw: ar.generate(session, params, rng, True, **kw)
-    runner.RoundGraphs.__call__ = lambda self, name: record(name, orig[0], self, name)
-    runner.StaticCall.__call__ = lambda self, *a, **k: record(self.name, orig[1], self, *a, **k)
-    jacobi.JacobiDecoder.jacobi_iteration = lambda self, st: record("jacobi_iteration", orig[2], self, st)
-    sjd_pac.PACDecoder.jacobi_iteration = lambda self, st: record("jacobi_iteration", orig[4], self, st)
+    orig = runner.RoundGraphs.__call__
+    # every round of every method runs through RoundGraphs (runtime.loop); eager on the CPU
+    runner.RoundGraphs.__call__ = lambda self, name: record(ROUND_NAME.get(name, name), orig, self, name)
     previous = os.environ.get(ENV)
     os.environ[ENV] = "reference"
     try:
@@ -275,13 +267,11 @@ def count_round_launches(engine, method: str, opts: dict, kinds, calls: int = 3)
     except _Enough:
         pass
     finally:
-        (runner.RoundGraphs.__call__, runner.StaticCall.__call__, jacobi.JacobiDecoder.jacobi_iteration,
-         ar_method.generate, sjd_pac.PACDecoder.jacobi_iteration) = orig
+        runner.RoundGraphs.__call__ = orig
         if previous is None:
             os.environ.pop(ENV)
         else:
             os.environ[ENV] = previous
-        runner.clear_runners()
     out = {}
     for k, v in seen.items():
         v = v[1:]  # a kind's first call may build cached constants once (not a per-round cost)
@@ -292,6 +282,7 @@ def count_round_launches(engine, method: str, opts: dict, kinds, calls: int = 3)
 
 
 COMPILED_NAME = {"jacobi_iteration": "jacobi"}  # round kinds as runtime/compiled.py names them
+ROUND_NAME = {"jacobi": "jacobi_iteration"}  # and back: this table's names of the loop's round kinds
 
 
 # Custom ops that launch more than one kernel at some shapes (counted once each in the generated code).
@@ -315,9 +306,8 @@ def count_compiled_launches(engine, method: str, opts: dict, kinds) -> dict:
             raise _Enough
         return out
 
-    orig = (runner.RoundGraphs.__call__, runner.StaticCall.__call__)
-    runner.RoundGraphs.__call__ = lambda self, name: note(name, orig[0], self, name)
-    runner.StaticCall.__call__ = lambda self, *a, **k: note(self.name, orig[1], self, *a, **k)
+    orig = runner.RoundGraphs.__call__
+    runner.RoundGraphs.__call__ = lambda self, name: note(ROUND_NAME.get(name, name), orig, self, name)
     try:
         with launches.recording("gpu") as codes:
             try:
@@ -326,8 +316,7 @@ def count_compiled_launches(engine, method: str, opts: dict, kinds) -> dict:
             except _Enough:
                 pass
     finally:
-        runner.RoundGraphs.__call__, runner.StaticCall.__call__ = orig
-        runner.clear_runners()
+        runner.RoundGraphs.__call__ = orig
     out = {}
     for kind in kinds:
         code = codes.get(COMPILED_NAME.get(kind, kind))

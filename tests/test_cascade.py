@@ -257,7 +257,7 @@ def test_redundancy_weights_against_slow_loop():
 
 
 def test_weighted_drafter_training_runs():
-    from vvs_engine.training.cascade import train_cascade_drafter
+    from vvs_engine.training.drafter import train_cascade_drafter
 
     eng = tiny_engine(vocab=16, block=9, dtype=torch.float32, with_vq=False, dim=32, n_layer=1)
     tok = torch.randint(0, 16, (8, 9), generator=torch.Generator().manual_seed(0))

@@ -19,7 +19,6 @@ from vvs_engine.kernels import flash, reference
 from vvs_engine.models import gpt as gpt_module
 from vvs_engine.runtime import launches
 from vvs_engine.runtime.compiled import FORCE_FAIL_ENV
-from vvs_engine.runtime.runner import clear_runners
 
 METHODS = {  # method -> options: small trees, a skip schedule that skips on a 4-token image
     "ar": {},
@@ -120,7 +119,6 @@ def test_compiled_ar_step_has_no_cache_sized_temporaries(runs, monkeypatch):
         cache.v[layer.index].index_copy_(2, slots, v)
 
     monkeypatch.setattr(gpt_module, "write_kv", write_through_view)
-    clear_runners(e.gpt)  # the AR step's runner (and its compiled step) is cached per model
     with _fast_inductor(), launches.recording() as old:
         _generate(e, "ar", True, True)
     assert old["ar_step"] and big(old["ar_step"][0]), "the negative control should allocate cache copies"
@@ -279,26 +277,34 @@ def test_gpu_graph_replay_equals_the_compiled_round(method):
 @gpu
 def test_gpu_compiled_graph_replays_never_sync():
     """Steady state: replays of the compiled AR step inside its graph make no host sync."""
+    from vvs_engine.methods import get_method
+    from vvs_engine.methods.common import DecodeBatch
     from vvs_engine.rng import CounterRNG
-    from vvs_engine.runtime.runner import get_runner
+    from vvs_engine.runtime.loop import LateRead
+    from vvs_engine.runtime.runner import RoundGraphs
     from vvs_engine.sampling import SamplingParams
 
     e = _gpu_engine()
     params = SamplingParams(1.0, 0, 1.0, 4.0)
-    e.generate(class_labels=[1], method="ar", seed=0, decode_images=False, compile=True, cuda_graphs=True)
     with torch.inference_mode():
         cond, km = e.condition_rows([1], None, True)
-        r = get_runner(e.gpt, cond, 1, True, km, params, use_graphs=True, compile=True)
-        keys = CounterRNG(0, torch.zeros(1, dtype=torch.long, device="cuda"))
-        r.session.prefill()
-        first = torch.zeros(1, dtype=torch.long, device="cuda")
+        run, opts = get_method("ar", e, {})
+        dec = run(e, DecodeBatch(cond, km, CounterRNG(0, torch.zeros(1, dtype=torch.long, device="cuda")), 1),
+                  params, opts)
+        graphs = RoundGraphs(dec.round_functions(), dec.round_buffers(), use_graphs=True, compile=True)
+        graphs("ar_step")  # compile and capture
+        late = LateRead(dec.status())
+        late.push()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            tokens = r.ar_decode(first, keys)
+            for _ in range(e.tokens_per_image - 2):
+                late.read()
+                graphs("ar_step")
+                late.push()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    assert tokens.shape == (1, e.tokens_per_image) and r.compiled() == {"ar_step": True}
+    assert graphs.compiled() == {"ar_step": True} and int(dec.state.count.min()) == e.tokens_per_image
 
 
 @pytest.mark.parametrize("vectorized", [True, False])

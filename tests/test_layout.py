@@ -110,3 +110,44 @@ def test_generate_imports_no_training_or_evaluation_module():
     assert "vvs_engine.methods.speculative" in loaded and "vvs_engine.drafting.session" in loaded
     leaked = [m for m in loaded if layer_of(m) in ("training", "evaluation", "cli")]
     assert not leaked, f"inference imported {leaked}"
+
+
+def import_cycles(graph: dict) -> list:
+    """Strongly connected components of more than one module (Tarjan): each is an import cycle."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph.get(module, ()):
+            if target not in graph:
+                continue
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycles():
+    """No module reaches itself through imports (lazy ones included); registries load their plugin
+    modules by name (``methods.registry.METHOD_MODULES``, ``acceptance.registry``)."""
+    assert import_cycles(module_imports()) == []
+    # the check finds a cycle when there is one (negative control)
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

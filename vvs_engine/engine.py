@@ -177,9 +177,6 @@ class Engine:
             self.caption_encoder.to(device)
         self.device, self.dtype = device, dtype
         self._codebook_cache = {}
-        from .runtime.runner import clear_runners
-
-        clear_runners(self.gpt)
         return self
 
     # --- conditions ---------------------------------------------------------------------------
@@ -244,18 +241,22 @@ class Engine:
                  cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
                  batch_size: int = 16, image_indices: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, clean_captions: bool = True, compile: Optional[bool] = None,
-                 **method_opts) -> GenerationOutput:
-        """Generate one image per label (or prompt), ``batch_size`` images per decode. Returns tokens,
+                 static_batches: bool = False, **method_opts) -> GenerationOutput:
+        """Generate one image per label (or prompt), ``batch_size`` images in flight. Returns tokens,
         PIL images (when a tokenizer is loaded) and stats. Image i draws its random numbers from
         (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size or on
         the other images of its batch. ``clean_captions``: clean prompts as LlamaGen does before T5
         (``models.t5.clean_caption``). ``method_opts`` are the method's options (see
         ``vvs_engine.methods``). ``compile``: the decode rounds compiled by torch.compile (Inductor; None
         = on for CUDA, off on the CPU; see docs/compile.md); ``stats["compiled"]`` says, per round kind,
-        whether it ran compiled (a round that fails to compile warns and runs eagerly)."""
+        whether it ran compiled (a round that fails to compile warns and runs eagerly). ``cuda_graphs``:
+        each round kind captured as a CUDA graph (None = on for CUDA; never off CUDA). Continuous
+        batching: a finished image's rows are given to the next pending image between rounds;
+        ``static_batches=True`` decodes ``batch_size`` images at a time to the end instead (for
+        comparison; the tokens are the same)."""
         from .methods import get_method
         from .runtime.compiled import resolve as resolve_compile
-        from .methods.common import DecodeBatch
+        from .methods.common import DecodeBatch, retire_finished
         from .rng import CounterRNG
 
         params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
@@ -284,30 +285,43 @@ class Engine:
                   f"image indices must be non-negative integers, got {idx!r}")
         image_indices = [int(i) for i in image_indices]
         t0 = time.perf_counter()
-        tokens, passes, method_stats, batch_walls = [], [], [], []
+        compile = resolve_compile(compile, self.device)
+        use_graphs = self.device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
         bar = _progress_bar(n, progress, method, self.tokens_per_image)
+
+        def batch_of(images, pad_to):
+            """The DecodeBatch of images (positions in this call's lists), padded by repeating the first."""
+            pick = list(images) + [images[0]] * (pad_to - len(images))
+            cond, key_mask = self.condition_rows([labels[i] for i in pick] if labels is not None else None,
+                                                 [prompts[i] for i in pick] if labels is None else None,
+                                                 params.use_cfg, clean_captions)
+            index = torch.tensor([image_indices[i] for i in pick], dtype=torch.long, device=self.device)
+            return DecodeBatch(cond, key_mask, CounterRNG(seed, index), len(images),
+                               on_tokens=bar.tokens if bar is not None else None, use_graphs=use_graphs,
+                               compile=compile)
+
         with torch.inference_mode():
-            for lo in range(0, n, batch_size):
-                hi = min(n, lo + batch_size)
-                size = batch_bucket(hi - lo)
-                pick = list(range(lo, hi)) + [lo] * (size - (hi - lo))  # bucket padding repeats the first image
-                cond, key_mask = self.condition_rows([labels[i] for i in pick] if labels is not None else None,
-                                                     [prompts[i] for i in pick] if labels is None else None,
-                                                     params.use_cfg, clean_captions)
-                index = torch.tensor([image_indices[i] for i in pick], dtype=torch.long, device=self.device)
-                batch = DecodeBatch(cond, key_mask, CounterRNG(seed, index), hi - lo,
-                                    on_tokens=bar.tokens if bar is not None else None, use_graphs=cuda_graphs,
-                                    compile=resolve_compile(compile, self.device))
-                if bar is not None:
-                    bar.new_batch(hi - lo)
-                batch_t0 = time.perf_counter()
-                res = run(self, batch, params, opts)
-                tokens.append(res.tokens[: hi - lo].cpu())  # one host sync per batch
-                batch_walls.append(time.perf_counter() - batch_t0)  # the batch decodes as one: one time each
-                passes.append(res.image_passes[: hi - lo].double().cpu())
-                method_stats.append(res.stats)
-                if bar is not None:
-                    bar.images(hi - lo)
+            if getattr(run, "decoder", False):  # the one loop (runtime.loop)
+                from .runtime import loop
+
+                out = loop.run(lambda batch: run(self, batch, params, opts), batch_of, n, min(batch_size, n),
+                               self.tokens_per_image, static=static_batches, compile=compile,
+                               use_graphs=use_graphs, retire=retire_finished(),
+                               on_tokens=bar.tokens if bar is not None else None,
+                               on_images=bar.images if bar is not None else None)
+                tokens, passes = [out.tokens], [out.counters["passes"].double()]
+                method_stats = [out.stats]
+            else:  # methods not yet on the one loop: a static batch per call of the method's own loop
+                tokens, passes, method_stats = [], [], []
+                for lo in range(0, n, batch_size):
+                    hi = min(n, lo + batch_size)
+                    batch = batch_of(list(range(lo, hi)), batch_bucket(hi - lo))
+                    res = run(self, batch, params, opts)
+                    tokens.append(res.tokens[: hi - lo].cpu())  # one host sync per batch
+                    passes.append(res.image_passes[: hi - lo].double().cpu())
+                    method_stats.append(res.stats)
+                    if bar is not None:
+                        bar.images(hi - lo)
         if bar is not None:
             bar.close()
         tokens = torch.cat(tokens)
@@ -316,7 +330,7 @@ class Engine:
         raise_if_set(self.device, f"{method} generation")  # bad indices met by a compiled kernel
         wall = time.perf_counter() - t0
         stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image,
-                 "batch_size": batch_size}
+                 "batch_size": batch_size, "static_batches": bool(static_batches)}
         merge = getattr(run, "merge_stats", None)  # a runner may say how its counters combine
         stats.update(merge(method_stats) if merge is not None else _merge_stats(method_stats))
         compiled = {}  # per round kind: compiled in every batch that ran it
@@ -333,11 +347,7 @@ class Engine:
         stats["wall_time_s"] = wall
         all_passes = torch.cat(passes)
         stats["per_image"] = {"target_forward_passes": [int(x) if float(x).is_integer() else float(x)
-                                                        for x in all_passes.tolist()],
-                              "batch": [lo // batch_size for lo in range(n)]}
-        # Images of a batch decode together, so time is a batch's, not an image's.
-        stats["per_batch"] = {"images": [min(batch_size, n - lo) for lo in range(0, n, batch_size)],
-                              "wall_time_s": batch_walls}
+                                                        for x in all_passes.tolist()]}
         from dataclasses import asdict, is_dataclass
 
         stats["options"] = asdict(opts) if is_dataclass(opts) else {}  # the method's options, defaults filled in
@@ -612,7 +622,7 @@ def _merge_stats(per_batch: List[dict]) -> dict:
 
 
 class _progress_bar:
-    """Images finished, and the tokens committed in the running batch, on one tqdm bar."""
+    """Images finished, and the tokens committed over all images, on one tqdm bar."""
 
     def __new__(cls, n, show, method, tokens_per_image):
         if not show:
@@ -623,16 +633,12 @@ class _progress_bar:
         from tqdm import tqdm
 
         self.bar = tqdm(total=n, desc=f"{method} images", unit="img", dynamic_ncols=True, leave=False)
-        self.tokens_per_image = tokens_per_image
-        self.token_count, self.batch_tokens = 0, 0
-
-    def new_batch(self, n_images: int) -> None:
-        self.token_count, self.batch_tokens = 0, n_images * self.tokens_per_image
+        self.token_count, self.total_tokens = 0, n * tokens_per_image
 
     def tokens(self, k: int) -> None:
-        # The batch's total is the ceiling (a guard: the methods' own counts add up to it exactly).
-        self.token_count = min(self.batch_tokens, self.token_count + int(k))
-        self.bar.set_postfix(batch_tokens=f"{self.token_count}/{self.batch_tokens}", refresh=False)
+        # The total is the ceiling (a guard: the methods' own counts add up to it exactly).
+        self.token_count = min(self.total_tokens, self.token_count + int(k))
+        self.bar.set_postfix(tokens=f"{self.token_count}/{self.total_tokens}", refresh=False)
 
     def images(self, k: int) -> None:
         self.bar.update(k)

@@ -90,6 +90,7 @@ class CounterRNG:
         """The generator of rows ``index`` of this batch (same keys, so the same draws)."""
         sub = object.__new__(CounterRNG)
         sub.device, sub.key, sub._lanes = self.device, self.key.index_select(0, index), self._lanes
+        sub._stream_offsets = self._stream_offsets
         return sub
 
     @property

@@ -650,9 +650,6 @@ def main(argv=None) -> int:
 
 
 def _release(engine) -> None:
-    from ..runtime.runner import clear_runners
-
-    clear_runners(engine.gpt)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

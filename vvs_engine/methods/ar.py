@@ -1,72 +1,120 @@
 """Plain autoregressive decoding: the baseline every speed-up is measured against.
 
-Static KV cache, both CFG rows in one batch, one target forward per token, and no host sync in the
-loop: the position is a device tensor advanced in place and sampled tokens stay on the device.
-Token t of image b is drawn with the batch's counter RNG at step t, so an image's tokens do not depend
-on the batch it is decoded in. With ``use_graphs`` the step runs through
-:class:`vvs_engine.runtime.runner.GraphRunner` (one CUDA graph per token on CUDA; the same static-buffer code
-eagerly elsewhere) and gives the same tokens.
+A decoder of the one loop (``runtime.loop``) with one round kind, ``ar_step``: one target forward per
+token for every row, both CFG rows of an image in the same batch, static KV cache. Each row has its
+own position (rows admitted at different times sit at different tokens), so the step runs the target
+with per-row positions and prefix lengths. Token t of an image is drawn with the counter RNG at step
+t, keyed by the image, so its tokens do not depend on its batch or on when it was admitted. A
+finished row keeps running (static shapes) but commits nothing: its count stops and its sampled
+token goes to a spare column.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 
-from ..runtime.masks import causal_local
-from ..runtime.profiling import nvtx_range
 from .. import kernels
-from ..rng import CounterRNG, Streams
-from ..sampling import guided_logits, process_logits
+from ..rng import Streams
+from ..runtime.masks import causal_local
 from ..runtime.target import TargetSession
-from .common import MethodResult
+from ..sampling import guided_logits, process_logits
+from .registry import register
+from .common import DecodeBatch
 
 
-def generate(session: TargetSession, params, rng: CounterRNG, use_graphs: bool = False,
-             compile: bool = False) -> MethodResult:
-    """Decode ``session.n`` images; ``rng`` holds one key per image (``session.n`` of them). With
-    ``use_graphs`` or ``compile`` the step is the runner's round function (captured / compiled)."""
-    if use_graphs or compile:
-        return generate_graphed(session, params, rng, use_graphs, compile)
-    s = session
-    with nvtx_range("prefill"):
-        h = s.prefill()[:, -1]
-        tok = rng.sample(process_logits(guided_logits(s.logits(h), params), params), 0, Streams.SAMPLE)  # [n]
-    out = [tok]
-    pos = torch.full((1,), s.c, dtype=torch.long, device=s.device)
-    one = causal_local(1, s.device)
-    with nvtx_range("decode"):
-        for _ in range(s.T - 1):
-            h = s.forward(tok[:, None], pos, pos, one)[:, -1]
-            # the token at position pos is image token pos - (c - 1): its index is the RNG step
-            tok = kernels.counter_sample(rng, process_logits(guided_logits(s.logits(h), params), params),
-                                         pos - (s.c - 1), Streams.SAMPLE)
-            out.append(tok)
-            pos += 1
-    return _result(torch.stack(out, 1), s)
+@dataclass
+class ARState:
+    tokens: torch.Tensor  # [B, T + 1] committed tokens; column T takes finished rows' samples
+    count: torch.Tensor  # [B] tokens committed (the next token's index: its random-number step)
+    last: torch.Tensor  # [B] the last sampled token (the next forward's input)
+    passes: torch.Tensor  # [B] target forwards while the image was unfinished
+
+    def tensors(self):
+        return [getattr(self, f.name) for f in fields(self)]
 
 
-def generate_graphed(session: TargetSession, params, rng: CounterRNG, use_graphs: bool = True,
-                     compile: bool = False) -> MethodResult:
-    """The same loop on a cached runner's persistent session. ``session`` only supplies the setting
-    (model, conditions, CFG); its own cache is not used."""
-    from ..runtime.runner import get_runner
+class ARDecoder:
+    """Plain AR as a ``runtime.loop`` decoder (the protocol is documented there)."""
 
-    s0 = session
-    key_mask = s0.key_valid[:, : s0.c] if s0.has_key_mask else None
-    runner = get_runner(s0.model, s0.cond_rows, s0.n, s0.use_cfg, key_mask, params, use_graphs=use_graphs,
-                        compile=compile)
-    s = runner.session
-    with nvtx_range("prefill"):
-        h = s.prefill()[:, -1]
-        first = rng.sample(process_logits(guided_logits(s.logits(h), params), params), 0, Streams.SAMPLE)
-    with nvtx_range("decode"):
-        tokens = runner.ar_decode(first, rng)
-    res = _result(tokens, s)
-    res.stats["cuda_graphs"] = runner.use_graphs
-    if compile:
-        res.stats["compiled"] = {"ar_step": runner.compiled().get("ar_step", False)}
-    return res
+    inductor_options: dict = {}
+    RESULTS = ("tokens", "passes")
+
+    def __init__(self, engine, batch: DecodeBatch, params):
+        self.engine, self.params, self.rng = engine, params, batch.rng
+        self.session = s = TargetSession(engine.gpt, batch.cond, batch.size, params.use_cfg, batch.key_mask)
+        self.c, self.T, self.device = s.c, s.T, s.device
+        # The RNG's stream- and lane-offset caches are filled here, eagerly: filled inside a compiled step
+        # they change what Dynamo guards on, and lane offsets made in a traced step overflow Inductor's
+        # index arithmetic.
+        self.rng.stream_offsets([Streams.SAMPLE])
+        self.rng.lane_offsets(1)
+        self._constants(batch.size)
+        logits = self.processed(s.prefill()[:, -1])
+        first = self.rng.sample(logits, 0, Streams.SAMPLE)  # token 0: step 0
+        B = batch.size
+        tokens = torch.zeros(B, self.T + 1, dtype=torch.long, device=self.device)
+        tokens[:, 0] = first
+        self.state = ARState(tokens=tokens, count=torch.ones(B, dtype=torch.long, device=self.device),
+                             last=first.clone(), passes=torch.zeros(B, dtype=torch.long, device=self.device))
+
+    def _constants(self, B: int) -> None:
+        self.image_ids = torch.arange(B, device=self.device)
+        self.one_query = causal_local(1, self.device)[None].expand(B, 1, 1)  # each row sees its prefix + itself
+
+    def processed(self, h: torch.Tensor) -> torch.Tensor:
+        return process_logits(guided_logits(self.session.logits(h), self.params), self.params)
+
+    def ar_step(self) -> None:
+        """One token for every row: static shapes, no host read."""
+        st, s = self.state, self.session
+        active = st.count < self.T
+        position = self.c + st.count - 1  # the last token's position; its K/V go to that slot
+        h = s.forward_per_sequence(st.last[:, None], position[:, None], position, self.one_query)[:, -1]
+        token = kernels.counter_sample(self.rng, self.processed(h), st.count, Streams.SAMPLE)
+        # index_put_ on the base buffer: in place under torch.compile
+        st.tokens.index_put_((self.image_ids, st.count.clamp(max=self.T)), token)
+        st.last.copy_(token)
+        st.passes.add_(active.long())
+        st.count.add_(active.long())
+
+    # --- the decoder protocol of runtime.loop ----------------------------------------------------------
+    def round_functions(self) -> dict:
+        return {"ar_step": self.ar_step}
+
+    def round_buffers(self) -> list:
+        return self.state.tensors()
+
+    def status(self) -> torch.Tensor:
+        return self.state.count
+
+    def next_kind(self, last_kind, late) -> str:
+        return "ar_step"
+
+    def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
+        newcomers = ARDecoder(self.engine, batch, self.params)
+        self.session.admit_rows(rows, newcomers.session)
+        self.rng.key.index_copy_(0, rows, newcomers.rng.key)
+        for name, value in zip(("tokens", "count", "last", "passes"), newcomers.state.tensors()):
+            getattr(self.state, name).index_copy_(0, rows, value)
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        self.session.keep_rows(keep)
+        self.rng = self.rng.rows(keep)
+        self.state = ARState(*(t.index_select(0, keep) for t in self.state.tensors()))
+        self._constants(keep.numel())
+
+    def collect(self, rows: torch.Tensor) -> dict:
+        return {"tokens": self.state.tokens.index_select(0, rows)[:, : self.T],
+                "passes": self.state.passes.index_select(0, rows)}
+
+    def summarize(self, counters: dict, loop_stats: dict) -> dict:
+        return {"target_forward_passes": int(counters["passes"].sum())}
 
 
-def _result(tokens, s) -> MethodResult:
-    passes = torch.full((s.n,), s.T - 1, dtype=torch.long, device=tokens.device)
-    return MethodResult(tokens=tokens, stats={"target_forward_passes": (s.T - 1) * s.n}, image_passes=passes)
+@register("ar")
+def run_ar(engine, batch: DecodeBatch, params, opts) -> ARDecoder:
+    return ARDecoder(engine, batch, params)
+
+
+run_ar.decoder = True  # the registered function builds a runtime.loop decoder

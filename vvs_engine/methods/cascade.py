@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..acceptance.cascade import DEFAULTS, DRAFTER_SOURCES, check_options, variant_options
-from . import register
+from .registry import register
 from .options import option
 from .speculative import SpecOptions, run
 

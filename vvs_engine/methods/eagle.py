@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import register
+from .registry import register
 from .speculative import SpecOptions, run
 
 

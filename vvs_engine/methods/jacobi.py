@@ -52,11 +52,10 @@ from ..acceptance.gsd import (DEFAULT_DIST_THRESHOLD, DEFAULT_GROUP, DEFAULT_PRO
 from ..acceptance.verify import AcceptanceRule, ExactRule
 from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf_one_pass
-from ..runtime.compiled import maybe_compiled, status as compiled_status
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
-from . import register
-from .common import DecodeBatch, LateCounter, MethodResult, retire_finished, rows_to_keep
+from .registry import register
+from .common import DecodeBatch
 from .options import option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
@@ -146,8 +145,8 @@ def _grid_width(T: int) -> int:
 
 
 @register("sjd", SJDOptions)
-def run_sjd(engine, batch: DecodeBatch, params, opts: SJDOptions) -> MethodResult:
-    return decode(engine, batch, params, opts, ExactRule(), _graphs_for(engine, batch))
+def run_sjd(engine, batch: DecodeBatch, params, opts: SJDOptions) -> "JacobiDecoder":
+    return JacobiDecoder.start(engine, batch, params, opts, ExactRule())
 
 
 @dataclass
@@ -169,13 +168,8 @@ class SCDOptions(SJDOptions):
 
 
 @register("gsd", GSDOptions)
-def run_gsd(engine, batch: DecodeBatch, params, opts: GSDOptions) -> MethodResult:
-    return decode(engine, batch, params, opts, opts.rule(engine), _graphs_for(engine, batch))
-
-
-def _graphs_for(engine, batch: DecodeBatch) -> bool:
-    """The caller's explicit choice (``Engine.generate(cuda_graphs=...)``), else on for CUDA."""
-    return engine.device.type == "cuda" and (batch.use_graphs is None or bool(batch.use_graphs))
+def run_gsd(engine, batch: DecodeBatch, params, opts: GSDOptions) -> "JacobiDecoder":
+    return JacobiDecoder.start(engine, batch, params, opts, opts.rule(engine))
 
 
 @dataclass
@@ -207,14 +201,25 @@ class JacobiState:
 
 
 class JacobiDecoder:
-    """Constants and buffers of one batched decode; :meth:`jacobi_iteration` is the round function."""
+    """Constants and buffers of one batched decode; :meth:`jacobi_iteration` is the round function.
+    A decoder of ``runtime.loop`` (its protocol is at the end of the class): :meth:`start` builds and
+    prefills one."""
+
+    inductor_options = JACOBI_INDUCTOR_OPTIONS
+    RESULTS = ("tokens", "passes", "accepted_hist", "accepted_carried")  # what collect() hands the loop per row
+
+    @classmethod
+    def start(cls, engine, batch: DecodeBatch, params, opts: SJDOptions, rule) -> "JacobiDecoder":
+        decoder = cls(engine, batch, params, opts, rule)
+        decoder.state = decoder.prefill()
+        return decoder
 
     def __init__(self, engine, batch: DecodeBatch, params, opts: SJDOptions, rule):
-        self.engine, self.params, self.rule, self.rng = engine, params, rule, batch.rng
+        self.engine, self.params, self.opts, self.rule, self.rng = engine, params, opts, rule, batch.rng
         self.policy = opts.jacobi_init
         self.coupling = getattr(opts, "coupling", "none")
         self.declare_old_q = bool(getattr(opts, "coupling_declares_old_q", False))
-        self.B, self.n_real = batch.size, batch.n_real
+        self.B = batch.size
         self.L = L = opts.jacobi_window
         # slots [0, c + T + 2L): prefix and overshoot of every row; then the window's scratch slots
         self.session = s = TargetSession(engine.gpt, batch.cond, self.B, params.use_cfg, batch.key_mask,
@@ -396,17 +401,42 @@ class JacobiDecoder:
         u = u[:, 0].view(B, n, V)
         return gumbel(u)
 
-    def retire(self, st, keep: torch.Tensor, n_real: int):
-        """Go on with rows ``keep`` [B'] only (their first ``n_real`` are real images): the per-row
-        buffers, both CFG halves of the KV cache and the RNG keys are gathered. Every row decodes on
-        its own, so the kept rows' tokens do not change; the rest stop costing compute."""
-        s, rows = self.session, torch.cat([keep, keep + self.B]) if self.params.use_cfg else keep
-        s.kv.k, s.kv.v = s.kv.k.index_select(1, rows), s.kv.v.index_select(1, rows)
-        s.key_valid, s.cond_rows = s.key_valid.index_select(0, rows), s.cond_rows.index_select(0, rows)
-        s.n, s.rows = keep.numel(), rows.numel()
+    # --- the decoder protocol of runtime.loop ----------------------------------------------------------
+    def round_functions(self) -> dict:
+        return {"jacobi": lambda: self.jacobi_iteration(self.state)}
+
+    def status(self) -> torch.Tensor:
+        return self.state.n_committed  # the loop's one read: each row's committed count
+
+    def next_kind(self, last_kind, late) -> str:
+        return "jacobi"
+
+    def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
+        """Rows ``rows`` take ``batch``'s images: their prefill runs on a decoder of their own, whose
+        caches, keys and state are then copied in (in place: compiled, captured rounds stay valid)."""
+        newcomers = self.start(self.engine, batch, self.params, self.opts, self.rule)
+        self.session.admit_rows(rows, newcomers.session)
+        self.rng.key.index_copy_(0, rows, newcomers.rng.key)
+        for f in fields(self.state):
+            getattr(self.state, f.name).index_copy_(0, rows, getattr(newcomers.state, f.name))
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Go on with rows ``keep`` only: per-row buffers, both CFG halves of the KV cache and the RNG
+        keys are gathered. Every row decodes on its own, so the kept rows' tokens do not change."""
+        self.session.keep_rows(keep)
         self.rng = self.rng.rows(keep)
-        self.B, self.n_real = keep.numel(), n_real
-        return type(st)(**{f.name: getattr(st, f.name).index_select(0, keep) for f in fields(st)})
+        self.B = keep.numel()
+        st = self.state
+        self.state = type(st)(**{f.name: getattr(st, f.name).index_select(0, keep) for f in fields(st)})
+
+    def collect(self, rows: torch.Tensor) -> dict:
+        out = {name: getattr(self.state, name).index_select(0, rows) for name in self.RESULTS}
+        out["tokens"] = out["tokens"][:, : self.T]
+        return out
+
+    def summarize(self, counters: dict, loop_stats: dict) -> dict:
+        return summary(counters["accepted_hist"].sum(0).tolist(), int(counters["accepted_carried"].sum()),
+                       loop_stats["batch_rounds"], self.L)
 
     def place_last_window_kv(self, st) -> None:
         """Copy the last forward's window K/V from the scratch slots to the row's slots
@@ -418,12 +448,12 @@ class JacobiDecoder:
         dst = self.rows(st.window_start)[:, None] + self.lanes
         self.session.kv.move(self.scratch_slots.expand_as(dst), dst)  # index_put_: in place when compiled
 
-    def round_buffers(self, st) -> list:
+    def round_buffers(self) -> list:
         """What a rerun of an iteration (the warm-up runs of a CUDA graph capture, a failed compile)
         must restore: the state and the scratch slots' K/V (views), which an iteration first copies to
         the rows."""
         kv, window = self.session.kv, slice(self.scratch, self.scratch + self.L)
-        return st.tensors() + [kv.k[:, :, :, window], kv.v[:, :, :, window]]
+        return self.state.tensors() + [kv.k[:, :, :, window], kv.v[:, :, :, window]]
 
     def fill_fresh(self, window, n_kept, left_dist, tokens, n_committed, u_init):
         """Fill window positions ``i >= n_kept[b]`` with fresh drafts. ``left_dist`` [B, V] is the
@@ -474,90 +504,6 @@ def gumbel(u: torch.Tensor) -> torch.Tensor:
     return -torch.log((-torch.log(u)).clamp(min=2.0 ** -30))
 
 
-def capture(fn, buffers):
-    """``fn()`` captured as one CUDA graph; returns its replay. Warm-up runs (autotuning, allocator
-    caching) restore ``buffers`` afterwards (the state and the scratch K/V,
-    :meth:`JacobiDecoder.round_buffers`), and their other KV writes are repeated identically by the
-    first replay, so capturing changes nothing observable."""
-    buffers = list(buffers)
-    saved = [t.clone() for t in buffers]
-
-    def restore():
-        for t, v in zip(buffers, saved):
-            t.copy_(v)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-            restore()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    restore()
-    return graph.replay
-
-
-def decode(engine, batch: DecodeBatch, params, opts: SJDOptions, rule, use_graphs: bool,
-           decoder_cls=None) -> MethodResult:
-    """Decode the batch: eager prefill, then one :meth:`JacobiDecoder.jacobi_iteration` (or its graph
-    replay) per iteration until every image has its tokens. ``decoder_cls`` (default
-    :class:`JacobiDecoder`) may be any decoder with the same prefill / jacobi_iteration / retire
-    interface (SJD-PAC's product-tree decoder)."""
-    dec = (decoder_cls or JacobiDecoder)(engine, batch, params, opts, rule)
-    st = full = dec.prefill()
-    origin = torch.arange(dec.B, device=dec.device)  # the batch row each current row decodes
-
-    compiled_rounds = []
-
-    def round_fn(state):
-        buffers = dec.round_buffers(state)
-        iteration = maybe_compiled("jacobi", lambda: dec.jacobi_iteration(state), batch.compile, buffers,
-                                   JACOBI_INDUCTOR_OPTIONS)
-        compiled_rounds.append(iteration)
-        return capture(iteration, buffers) if use_graphs else iteration
-
-    iteration = round_fn(st)
-    # The one host read: the rows' committed counts (one iteration late on CUDA); the stop and retire
-    # flags are derived here, so the iteration has no reduction over the batch to launch.
-    counts = LateCounter(dec.device, dec.B)
-    n_iterations, reported, retire = 0, 1, retire_finished()
-    while min(counts.push(st.n_committed)) < dec.T:
-        iteration()
-        n_iterations += 1
-        slowest, unfinished = min(counts.value), sum(n < dec.T for n in counts.value[: dec.n_real])
-        if batch.on_tokens is not None and slowest > reported:
-            batch.on_tokens((min(slowest, dec.T) - reported) * batch.n_real)
-            reported = slowest
-        if retire and 0 < unfinished <= dec.B // 2:
-            # at most log2(B) times per batch: one host read of which rows are still decoding
-            keep, n_real = rows_to_keep(st.n_committed < dec.T, dec.n_real)
-            if n_real:  # none left: the batch is about to stop anyway
-                _store_rows(full, st, origin)
-                st, origin = dec.retire(st, keep, n_real), origin[keep]
-                iteration = round_fn(st)
-                counts = LateCounter(dec.device, dec.B, st.n_committed)  # the kept rows, read now
-    _store_rows(full, st, origin)
-    n = batch.n_real
-    stats = summary(full.accepted_hist[:n].sum(0).tolist(), int(full.accepted_carried[:n].sum()), n_iterations, dec.L)
-    stats["cuda_graphs"] = use_graphs
-    stats.update(dec.extra_stats(full, n) if hasattr(dec, "extra_stats") else {})
-    if batch.compile:
-        stats["compiled"] = {"jacobi": all(compiled_status({"jacobi": r})["jacobi"] for r in compiled_rounds)}
-    return MethodResult(tokens=full.tokens[:, : dec.T], stats=stats, image_passes=full.passes.clone())
-
-
-def _store_rows(full: JacobiState, st: JacobiState, origin: torch.Tensor) -> None:
-    """Copy the results of the current rows back to their batch rows (no-op before any retirement)."""
-    if st is full:
-        return
-    for name in ("tokens", "passes", "accepted_hist", "accepted_carried", "accepted_alternatives"):
-        if hasattr(full, name):
-            getattr(full, name).index_copy_(0, origin, getattr(st, name))
-
-
 def summary(hist, carried: int, batch_iterations: int, window: int) -> dict:
     """Stats from the per-iteration counts of real images: ``hist[k]`` iterations accepted k drafts."""
     rounds = sum(hist)
@@ -577,22 +523,5 @@ def summary(hist, carried: int, batch_iterations: int, window: int) -> dict:
     }
 
 
-def merge_stats(per_batch: list) -> dict:
-    """Stats of several batches of one generation (counts add up; rates are recomputed)."""
-    window = per_batch[0]["jacobi_window"]
-    hist = [sum(b["accepted_drafts_histogram"][k] for b in per_batch) for k in range(window)]
-    out = summary(hist, sum(b["accepted_drafts_carried"] for b in per_batch),
-                  sum(b["batch_iterations"] for b in per_batch), window)
-    out["cuda_graphs"] = per_batch[0]["cuda_graphs"]
-    for key in SUMMED_EXTRA:
-        if key in per_batch[0]:
-            out[key] = sum(b[key] for b in per_batch)
-    return out
-
-
-SUMMED_EXTRA = ("accepted_alternatives",)  # SJD-PAC: accepted tree candidates other than candidate 0
-
-
 for _runner in (run_sjd, run_gsd):
-    _runner.batched = True
-    _runner.merge_stats = merge_stats
+    _runner.decoder = True  # the registered function builds a runtime.loop decoder

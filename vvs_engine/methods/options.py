@@ -48,7 +48,7 @@ def _help(options_cls, name: str) -> Optional[str]:
 
 def method_flags() -> List[Flag]:
     """Every user option of every registered method, in declaration order, first help text wins."""
-    from . import _REGISTRY, _load_all
+    from .registry import _REGISTRY, _load_all
 
     _load_all()
     flags: Dict[str, Flag] = {}

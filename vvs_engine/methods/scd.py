@@ -21,15 +21,14 @@ converged tail stays the same and becomes acceptable.
 from __future__ import annotations
 
 from ..acceptance.verify import ExactRule
-from . import register
-from .common import DecodeBatch, MethodResult
-from .jacobi import SCDOptions, _graphs_for, decode, merge_stats
+from .registry import register
+from .common import DecodeBatch
+from .jacobi import JacobiDecoder, SCDOptions
 
 
 @register("scd", SCDOptions)
-def run_scd(engine, batch: DecodeBatch, params, opts: SCDOptions) -> MethodResult:
-    return decode(engine, batch, params, opts, ExactRule(), _graphs_for(engine, batch))
+def run_scd(engine, batch: DecodeBatch, params, opts: SCDOptions) -> JacobiDecoder:
+    return JacobiDecoder.start(engine, batch, params, opts, ExactRule())
 
 
-run_scd.batched = True
-run_scd.merge_stats = merge_stats
+run_scd.decoder = True

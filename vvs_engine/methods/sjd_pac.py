@@ -48,9 +48,9 @@ from ..acceptance.verify import ExactRule, verify_tree
 from ..errors import VVSError
 from ..rng import sample_inverse_cdf_one_pass
 from ..sampling import value_at
-from . import register
-from .common import DecodeBatch, MethodResult
-from .jacobi import JacobiDecoder, SJDOptions, _graphs_for, decode, gumbel, merge_stats, one_hot, random_step
+from .registry import register
+from .common import DecodeBatch
+from .jacobi import JacobiDecoder, SJDOptions, gumbel, one_hot, random_step
 from .options import option
 
 PAC_VARIANTS = ("exact", "released")
@@ -230,6 +230,8 @@ def top_few(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 class PACDecoder(JacobiDecoder):
     """SJD-PAC on the Jacobi decoder's session, KV layout and counters; :meth:`jacobi_iteration` is the
     round function (static shapes, no host read)."""
+
+    RESULTS = JacobiDecoder.RESULTS + ("accepted_alternatives",)
 
     def __init__(self, engine, batch: DecodeBatch, params, opts: SJDPACOptions, rule):
         super().__init__(engine, batch, params, opts, rule)
@@ -484,15 +486,15 @@ class PACDecoder(JacobiDecoder):
         root = self.sample(dist, u_next)
         return path, A, root, parent, passed, r
 
-    def extra_stats(self, full: PACState, n: int) -> dict:
-        return {"accepted_alternatives": int(full.accepted_alternatives[:n].sum()), "pac_width": self.W,
+    def summarize(self, counters: dict, loop_stats: dict) -> dict:
+        return {**super().summarize(counters, loop_stats),
+                "accepted_alternatives": int(counters["accepted_alternatives"].sum()), "pac_width": self.W,
                 "pac_depth": self.D, "pac_main_chain": self.M, "pac_variant": self.variant}
 
 
 @register("sjd-pac", SJDPACOptions)
-def run_sjd_pac(engine, batch: DecodeBatch, params, opts: SJDPACOptions) -> MethodResult:
-    return decode(engine, batch, params, opts, ExactRule(), _graphs_for(engine, batch), decoder_cls=PACDecoder)
+def run_sjd_pac(engine, batch: DecodeBatch, params, opts: SJDPACOptions) -> PACDecoder:
+    return PACDecoder.start(engine, batch, params, opts, ExactRule())
 
 
-run_sjd_pac.batched = True
-run_sjd_pac.merge_stats = merge_stats
+run_sjd_pac.decoder = True

@@ -33,6 +33,7 @@ from ..drafting.session import DraftSession, TreeSpec
 from ..drafting.tree import STATIC_TREES, DraftTree
 from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
+from ..runtime.loop import LateRead
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .common import DecodeBatch, MethodResult, retire_finished, rows_to_keep
@@ -528,42 +529,6 @@ def post_verify_mask(tree_mask: torch.Tensor, chain_len: torch.Tensor, width: in
     top = torch.cat([chain, torch.zeros(B, width, N, dtype=torch.bool, device=dev)], 2)
     bottom = torch.cat([valid[:, None, :].expand(B, N, width), tree_mask], 2)
     return torch.cat([top, bottom], 1)
-
-
-class LateRead:
-    """Host view of the device flags, always one round late (on every device, so CPU and CUDA make the
-    same decisions): the flags written by round r are read before round r + 2, by then long copied
-    (pinned memory + event on CUDA), so the host never waits for the device."""
-
-    def __init__(self, flags: torch.Tensor):
-        self.flags = flags
-        self.cuda = flags.device.type == "cuda"
-        self.slots = [torch.zeros_like(flags, device="cpu").pin_memory() if self.cuda
-                      else torch.zeros_like(flags, device="cpu") for _ in range(2)]
-        self.events = [None, None]
-        self.pushes = 0
-
-    def push(self) -> None:
-        i = self.pushes % 2
-        self.slots[i].copy_(self.flags, non_blocking=self.cuda)
-        if self.cuda:
-            self.events[i] = torch.cuda.Event()
-            self.events[i].record()
-        self.pushes += 1
-
-    @property
-    def read_index(self) -> int:
-        """The number (from 0) of the push whose flags :meth:`read` returns."""
-        return self.pushes - 2
-
-    def read(self) -> Optional[list]:
-        """The flags of the push before the latest one, or None while there is none."""
-        if self.pushes < 2:
-            return None
-        i = self.pushes % 2  # the older of the two slots: push number self.pushes - 2 (see read_index)
-        if self.events[i] is not None:
-            self.events[i].synchronize()
-        return self.slots[i].tolist()
 
 
 def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: Optional[bool] = None) -> MethodResult:

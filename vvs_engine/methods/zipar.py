@@ -68,7 +68,7 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.runner import RoundGraphs
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
-from . import register
+from .registry import register
 from .common import DecodeBatch, LateCounter, MethodResult
 from .options import option
 

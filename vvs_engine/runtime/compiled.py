@@ -10,7 +10,8 @@ and writes only device buffers and never the host. :class:`CompiledRound` wraps 
 bucket, retire size), no graph breaks allowed. The graph runner calls the compiled function in its
 warm-up runs (that is where Inductor compiles) and captures it afterwards, so a replay is compiled
 kernels inside one CUDA graph. Any method gets this by naming its round functions in a
-``RoundGraphs`` (``runtime.runner``); nothing here knows a method.
+``RoundGraphs`` (``runtime.runner``), which the decode loop (``runtime.loop``) builds; nothing here knows a
+method.
 
 * Fallback: if compiling fails (a graph break under ``fullgraph=True`` is an error, an Inductor
   error, a stride assertion on the first run), the round warns once, restores the buffers it may have
@@ -61,10 +62,14 @@ def resolve(compile: Optional[bool], device) -> bool:
     return compile_default(device) if compile is None else bool(compile)
 
 
-def recompile_limit() -> int:
-    from .runner import BATCH_BUCKETS
+# Row counts a decoder is compiled for: the rows in flight (any batch size up to MAX_ROWS) and the powers
+# of two the tail of a run shrinks to.
+MAX_ROWS = 64
 
-    return ROUND_KINDS * len(BATCH_BUCKETS) * max(BATCH_BUCKETS).bit_length()
+
+def recompile_limit() -> int:
+    shapes = 2 * MAX_ROWS.bit_length()  # the rows in flight and every power of two below them, twice over
+    return ROUND_KINDS * shapes * MAX_ROWS.bit_length()
 
 
 _CONFIGURED = False

@@ -77,6 +77,28 @@ class TargetSession:
         self.last_positions = positions  # [n, Q]: the layout rules of each image's logits
         return self.model.forward_hidden(x, self.rows_of(positions), self.kv, self.rows_of(slots), mask)
 
+    # --- row selection: the decode loop's admission and retirement ---------------------------------
+    def cfg_rows(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [n] -> their model rows: the conditional rows, then (CFG) the unconditional ones."""
+        return torch.cat([images, images + self.n]) if self.use_cfg else images
+
+    def admit_rows(self, images: torch.Tensor, newcomers: "TargetSession") -> None:
+        """Images ``images`` [n] of this session take the n images of ``newcomers`` (a session of the
+        same model and slots, prefilled with their conditions): KV cache, condition rows, key mask.
+        In place, so round functions compiled and captured over this session stay valid."""
+        rows = self.cfg_rows(images)
+        self.kv.k.index_copy_(1, rows, newcomers.kv.k)
+        self.kv.v.index_copy_(1, rows, newcomers.kv.v)
+        self.key_valid.index_copy_(0, rows, newcomers.key_valid)
+        self.cond_rows = self.cond_rows.index_copy(0, rows, newcomers.cond_rows)
+
+    def keep_rows(self, images: torch.Tensor) -> None:
+        """Go on with images ``images`` [n'] only (both CFG rows of each): the caches are gathered."""
+        rows = self.cfg_rows(images)
+        self.kv.k, self.kv.v = self.kv.k.index_select(1, rows), self.kv.v.index_select(1, rows)
+        self.key_valid, self.cond_rows = self.key_valid.index_select(0, rows), self.cond_rows.index_select(0, rows)
+        self.n, self.rows = images.numel(), rows.numel()
+
     # --- prefill ------------------------------------------------------------------------------
     def prefill(self) -> torch.Tensor:
         """Run the condition; returns the features of every condition position [rows, c, D] (the

@@ -112,6 +112,15 @@ def train_drafter(target, tokens: torch.Tensor, labels, steps: int = 600, batch_
 
 
 # --- command line -------------------------------------------------------------------------------
+
+def train_cascade_drafter(target, tokens: torch.Tensor, labels: torch.Tensor, source: str = "logits",
+                          threshold: float = 0.625, weight: float = 2.0, **train_kw):
+    """``train_drafter`` with CASCADE's redundancy re-weighting of the classification loss."""
+    from .cascade import cascade_loss_weights
+
+    return train_drafter(target, tokens, labels, loss_weights=cascade_loss_weights(source, threshold, weight),
+                         **train_kw)
+
 def cli_train(argv) -> int:
     """``vvs-engine train-drafter``: train an EAGLE drafter on a target's teacher-forced features.
 
@@ -256,7 +265,7 @@ def c2i_training_data(eng, a):
         if eng.vq is None:
             raise VVSError("no tokenizer loaded: pass --vq-ckpt or --tokens")
         from ..zoo.data import folder_sources, make_crops
-        from .zoo import encode_crops
+        from .family_images import encode_crops
 
         sources = folder_sources(a.data_root)[0] if a.data_root else None
         crops, labels = make_crops(a.per_class, seed=a.seed, split="train", sources=sources)

@@ -101,3 +101,20 @@ def encode_images(eng, model_dir: str, paths: List[str], batch: int = 8) -> torc
             codes = torch.cat([codes, eol], 2)
         rows.append(codes.reshape(px.shape[0], -1))
     return torch.cat(rows)
+
+
+@torch.no_grad()
+def encode_crops(vq, crops: np.ndarray, batch: int = 128, desc: str = "encode") -> torch.Tensor:
+    """Zoo image crops (uint8 [n, H, W, 3]) -> VQ codes [n, T], ``batch`` crops per encoder call."""
+    import sys
+
+    from tqdm import tqdm
+
+    from ..zoo import data as zdata
+
+    out = []
+    # mininterval keeps background logs short; the one-line summaries carry the figures.
+    for i in tqdm(range((len(crops) + batch - 1) // batch), desc=desc, mininterval=15, dynamic_ncols=True,
+                  file=sys.stderr):
+        out.append(vq.encode(zdata.to_tensor(crops[i * batch:(i + 1) * batch])))
+    return torch.cat(out)

@@ -33,6 +33,7 @@ from ..checkpoint import save_safetensors
 from ..models.gpt import GPT, GPTConfig
 from ..models.vq import VQConfig, VQModel
 from ..zoo import data as zdata
+from .family_images import encode_crops
 
 # The shipped configurations. 64x64 crops -> 16x16 = 256 tokens (LlamaGen's 256-px grid).
 IMAGE_SIZE = 64
@@ -128,14 +129,6 @@ def train_vq(crops: np.ndarray, steps: int, batch: int, lr: float, seed: int, lo
             used.zero_()
     log(f"vq: {steps} steps, last train-batch PSNR {run[-1] if run else float('nan'):.2f} dB")
     return vq.eval()
-
-
-@torch.no_grad()
-def encode_crops(vq: VQModel, crops: np.ndarray, batch: int = 128, desc: str = "encode") -> torch.Tensor:
-    out = []
-    for i in _bar((len(crops) + batch - 1) // batch, desc):
-        out.append(vq.encode(zdata.to_tensor(crops[i * batch:(i + 1) * batch])))
-    return torch.cat(out)
 
 
 @torch.no_grad()

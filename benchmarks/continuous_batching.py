@@ -1,0 +1,207 @@
+"""Continuous batching against static batches: rounds, row utilisation, forwards per image, CPU speed.
+
+Two parts, one run:
+
+1. **Measured** (``--images N --rows R``): every method on the one loop (``runtime.loop``) decodes the
+   same N Zoo images with R rows in flight, static batches and continuous batching side by side in
+   this process (1 thread): batch rounds, row-rounds, row utilisation (row-rounds that commit tokens for
+   a real image / all row-rounds), target forwards per image (must be equal), whether the tokens are
+   equal, and CPU images/s as a ratio (continuous / static, medians of ``--repeats``). The simulator of
+   part 2 is run on the measured per-image forwards and must give the measured rounds exactly.
+2. **512 images** (``--cache``): the loop's policy (admission one round late, tail shrinking) replayed
+   on the per-image forwards of the committed 512-image quality cache
+   (``benchmarks/results/quality_speed_tokens``) at 16 and 64 rows, for every setting whose rounds are
+   its forwards (VVS rows are left out: their skip rounds are not in the cache), with a **modelled**
+   GPU throughput at LlamaGen-XL shape: batch rounds x the modelled compiled round time of
+   ``benchmarks/results/round_cost.json`` (a round costs about the same whatever the live rows: it
+   reads the weights once). A model, not a measurement.
+
+    OMP_NUM_THREADS=1 python benchmarks/continuous_batching.py --images 48 --rows 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LOOP_METHODS = ("ar", "sjd", "gsd", "scd", "sjd-pac")
+# quality cache file -> round_cost row (settings whose rounds are their target forwards)
+CACHE_ROWS = {"AR": "AR", "EAGLE_2": "EAGLE-2", "LANTERN_d_0_2": "LANTERN d=0.2", "LANTERN__": "LANTERN++",
+              "CASCADE": "CASCADE", "SJD": "SJD", "GSD_G_8": "GSD", "SCD": "SCD", "SJD_PAC": "SJD-PAC"}
+
+
+def bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def simulate(passes, rows: int, static: bool) -> dict:
+    """The loop's schedule (``runtime.loop.run``) for images needing ``passes[i]`` rounds each: a row
+    holds an image for its rounds plus one (the finish is read one round late), pending images take
+    freed rows in order; static batches admit only into an empty batch; with nothing pending and at
+    most half the rows live, the batch shrinks to the next power of two. -> rounds, row-rounds."""
+    pending = list(range(len(passes)))
+    rounds = row_rounds = 0
+    while pending:
+        first = pending[:rows]
+        pending = pending[rows:]
+        size = bucket(len(first)) if static or len(first) < rows else rows
+        left = [passes[i] + 1 for i in first] + [None] * (size - len(first))  # rounds until the read shows done
+        while True:
+            # the read before this round: rows whose image is done are freed, the queue admits
+            for r in range(len(left)):
+                if left[r] == 0:
+                    left[r] = None
+            live = sum(x is not None for x in left)
+            if not live and not pending:
+                break
+            free = [r for r, x in enumerate(left) if x is None]
+            if pending and free and (not static or live == 0):
+                if static:
+                    break
+                for r in free[: len(pending)]:
+                    left[r] = passes[pending.pop(0)] + 1
+            elif not pending and 0 < live <= len(left) // 2:
+                kept = [x for x in left if x is not None]
+                left = kept + [None] * (bucket(live) - live)
+                # the shrink pushes the kept status at once: the next read is one round later again
+            rounds += 1
+            row_rounds += len(left)
+            left = [x - 1 if x is not None else None for x in left]
+        if not static:
+            break
+    return {"rounds": rounds, "row_rounds": row_rounds,
+            "utilisation": sum(passes) / row_rounds if row_rounds else 1.0}
+
+
+def measure(engine, method: str, n: int, rows: int, repeats: int) -> dict:
+    import torch
+
+    labels = [i % 16 for i in range(n)]
+    kw = dict(class_labels=labels, method=method, seed=0, batch_size=rows, decode_images=False)
+    out, walls = {}, {"static": [], "continuous": []}
+    for _ in range(repeats):
+        for mode in ("static", "continuous"):  # interleaved: both see the same machine load
+            t0 = time.perf_counter()
+            out[mode] = engine.generate(static_batches=mode == "static", **kw)
+            walls[mode].append(time.perf_counter() - t0)
+    row = {"method": method}
+    passes = out["static"].stats["per_image"]["target_forward_passes"]
+    for mode in ("static", "continuous"):
+        s = out[mode].stats
+        sim = simulate(passes, rows, mode == "static")
+        row[mode] = {"rounds": s["batch_rounds"], "row_rounds": s["row_rounds"], "utilisation": s["row_utilisation"],
+                     "images_per_s": n / statistics.median(walls[mode]), "simulated_rounds": sim["rounds"],
+                     "simulated_row_rounds": sim["row_rounds"]}
+    row["forwards_per_image_equal"] = out["static"].stats["per_image"] == out["continuous"].stats["per_image"]
+    row["tokens_equal"] = bool(torch.equal(out["static"].tokens, out["continuous"].tokens))
+    row["forwards_per_image"] = sum(passes) / n
+    row["speed_ratio"] = row["continuous"]["images_per_s"] / row["static"]["images_per_s"]
+    return row
+
+
+def from_cache(rows_list) -> list:
+    import numpy as np
+
+    cost = json.load(open(os.path.join(ROOT, "benchmarks/results/round_cost.json")))["compiled_model"]["LlamaGen-XL"]
+    out = []
+    for name, cost_row in CACHE_ROWS.items():
+        path = os.path.join(ROOT, "benchmarks/results/quality_speed_tokens", name + ".npz")
+        if not os.path.exists(path) or cost_row not in cost["rows"]:
+            continue
+        passes = [int(x) for x in np.load(path)["forwards"]]
+        kinds = cost["rows"][cost_row]["kinds"]
+        per_image = cost["rows"][cost_row].get("rounds_per_image") or {k: 1.0 for k in kinds}
+        round_ms = sum(kinds[k]["ms"] * per_image[k] for k in kinds) / sum(per_image[k] for k in kinds)
+        entry = {"setting": cost_row, "images": len(passes), "round_ms": round_ms}
+        for rows in rows_list:
+            for mode in ("static", "continuous"):
+                sim = simulate(passes, rows, mode == "static")
+                sim["modelled_images_per_s"] = len(passes) / (sim["rounds"] * round_ms / 1000)
+                entry[f"{mode}_{rows}"] = sim
+        out.append(entry)
+    return out
+
+
+def write(measured, cached, args, path_md):
+    lines = [f"<!-- written by: python benchmarks/continuous_batching.py {' '.join(sys.argv[1:])} -->",
+             "# Continuous batching vs static batches", "",
+             f"Command: `OMP_NUM_THREADS=1 python benchmarks/continuous_batching.py {' '.join(sys.argv[1:])}` "
+             f"({time.strftime('%Y-%m-%d')}).", ""]
+    if measured:
+        lines += [f"## Measured on the Zoo: {args.images} images, {args.rows} rows in flight, CPU, 1 thread", "",
+                  "Rounds and row-rounds as run; utilisation = row-rounds committing tokens for a real image / all "
+                  "row-rounds; images/s on this CPU as a ratio (median of "
+                  f"{args.repeats}, interleaved). `sim` = the schedule replayed by `simulate()` on the measured "
+                  "per-image forwards (it must equal the run).", "",
+                  "| method | rounds static -> continuous (sim) | utilisation static -> continuous | forwards / image "
+                  "| forwards equal | tokens equal | CPU images/s continuous / static |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in measured:
+            s, c = r["static"], r["continuous"]
+            lines.append(f"| {r['method']} | {s['rounds']} -> {c['rounds']} ({s['simulated_rounds']} -> "
+                         f"{c['simulated_rounds']}) | {s['utilisation']:.3f} -> {c['utilisation']:.3f} | "
+                         f"{r['forwards_per_image']:.1f} | {r['forwards_per_image_equal']} | {r['tokens_equal']} | "
+                         f"{r['speed_ratio']:.2f} |")
+        lines.append("")
+    if cached:
+        lines += ["## 512 Zoo images (the committed quality cache), the loop's schedule replayed", "",
+                  "Per-image forwards from `benchmarks/results/quality_speed_tokens/*.npz`; rounds and utilisation "
+                  "from `simulate()` (validated against the measured runs above). Modelled GPU images/s at "
+                  "LlamaGen-XL shape = images / (rounds x the modelled compiled round time of "
+                  "`benchmarks/results/round_cost.json`, batch-1 figure): a MODEL (a round is taken to cost the "
+                  "same at any batch; no GPU measurement). VVS settings are left out (their skip rounds are "
+                  "not in the cache); ZipAR is not on the loop.", ""]
+        for rows in args.cache_rows:
+            lines += [f"### {rows} rows", "",
+                      "| setting | rounds static -> continuous | x fewer | utilisation static -> continuous "
+                      "| modelled XL images/s static -> continuous |", "|---|---|---|---|---|"]
+            for e in cached:
+                s, c = e[f"static_{rows}"], e[f"continuous_{rows}"]
+                lines.append(f"| {e['setting']} | {s['rounds']} -> {c['rounds']} | {s['rounds'] / c['rounds']:.2f} | "
+                             f"{s['utilisation']:.3f} -> {c['utilisation']:.3f} | {s['modelled_images_per_s']:.1f} -> "
+                             f"{c['modelled_images_per_s']:.1f} |")
+            lines.append("")
+    with open(path_md, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv=None, engine=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--images", type=int, default=48)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--methods", default=",".join(LOOP_METHODS))
+    p.add_argument("--cache-rows", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
+    p.add_argument("--no-measure", action="store_true")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks/results"))
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    measured = []
+    if not args.no_measure:
+        if engine is None:
+            from vvs_engine import Engine
+
+            engine = Engine.load()
+        for method in args.methods.split(","):
+            row = measure(engine, method, args.images, args.rows, args.repeats)
+            print(json.dumps(row), flush=True)
+            measured.append(row)
+    cached = from_cache(args.cache_rows) if args.cache_rows else []
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "continuous_batching.json"), "w") as f:
+        json.dump({"command": "python benchmarks/continuous_batching.py " + " ".join(sys.argv[1:]),
+                   "measured": measured, "cache": cached}, f, indent=1)
+    write(measured, cached, args, os.path.join(args.out, "continuous_batching.md"))
+    return measured, cached
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""The one decode loop (``runtime.loop``): continuous batching changes no token.
+
+An image's tokens must not depend on when it was admitted or on its batch-mates: the same images are
+decoded alone (one row), in static batches, and with fewer rows than images so that most of them are
+admitted mid-run into rows freed by finished images; every method on the loop, greedy and sampled,
+fp64 (where a batch shape cannot change rounding). Also: padding rows, the late-read bookkeeping of
+admitted rows, session row admission with caption key masks, and the GPU's sync-free steady state.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spec_models import tiny_engine
+from vvs_engine.methods import get_method
+from vvs_engine.runtime.loop import LateRead, batch_bucket
+from vvs_engine.runtime.target import TargetSession
+from vvs_engine.sampling import SamplingParams
+
+GPU = torch.cuda.is_available()
+NO_GPU = "no CUDA device: CUDA-graph replay of the loop's rounds needs a GPU (benchmarks/gpu_suite.sh)"
+if not GPU:
+    print(f"\n[test_loop] GPU tests skipped: {NO_GPU}")
+
+LOOP_METHODS = [("ar", {}), ("sjd", {"jacobi_window": 6}), ("gsd", {"gsd_group": 4, "jacobi_window": 6}),
+                ("scd", {"jacobi_window": 6}), ("sjd-pac", {"jacobi_window": 12, "pac_width": 2, "pac_depth": 3})]
+LABELS = [0, 3, 4, 1, 2, 0, 3]  # 7 images: with 2 or 3 rows, most are admitted into a running batch
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return tiny_engine(vocab=64, block=36, peak=8.0)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=20, cfg_scale=3.0), dict(temperature=0.0)],
+                         ids=["sampled", "greedy"])
+@pytest.mark.parametrize("method,opts", LOOP_METHODS, ids=[m for m, _ in LOOP_METHODS])
+def test_tokens_do_not_depend_on_admission_or_batch_mates(eng, method, opts, sampling):
+    kw = dict(class_labels=LABELS, method=method, seed=7, decode_images=False, **opts, **sampling)
+    static = eng.generate(batch_size=4, static_batches=True, **kw)
+    continuous = eng.generate(batch_size=3, **kw)
+    assert continuous.stats["admissions"] >= 2  # images joined a running batch, at several rounds
+    alone = [eng.generate(**{**kw, "class_labels": [label], "image_indices": [i]}, batch_size=1).tokens
+             for i, label in enumerate(LABELS[:3])]
+    assert torch.equal(continuous.tokens, static.tokens)
+    assert torch.equal(continuous.tokens[:3], torch.cat(alone))
+    # the same work per image, whichever way it was batched
+    assert continuous.stats["per_image"] == static.stats["per_image"]
+    assert continuous.stats["target_forward_passes"] == static.stats["target_forward_passes"]
+
+
+def test_continuous_batching_keeps_rows_busy(eng):
+    """SJD images finish at different iterations: with continuous batching fewer rounds are run and a
+    larger share of row-rounds does real work than with static batches; forwards per image are equal."""
+    kw = dict(class_labels=[i % 5 for i in range(12)], method="sjd", seed=1, temperature=1.0, cfg_scale=3.0,
+              decode_images=False)
+    static = eng.generate(batch_size=4, static_batches=True, **kw)
+    continuous = eng.generate(batch_size=4, **kw)
+    assert continuous.stats["batch_rounds"] < static.stats["batch_rounds"]
+    assert continuous.stats["row_utilisation"] > static.stats["row_utilisation"]
+    assert continuous.stats["target_forward_passes"] == static.stats["target_forward_passes"]
+    assert 0 < static.stats["row_utilisation"] <= 1 and continuous.stats["row_utilisation"] <= 1
+
+
+def test_padding_rows_are_dropped(eng):
+    """3 images in a static batch of 4 rows (the pad repeats image 0): tokens and counts as 3 alone."""
+    kw = dict(class_labels=[1, 2, 4], method="sjd", seed=2, decode_images=False)
+    assert batch_bucket(3) == 4
+    padded = eng.generate(batch_size=4, static_batches=True, **kw)
+    single = eng.generate(batch_size=1, **kw)
+    assert padded.tokens.shape == (3, eng.tokens_per_image)
+    assert torch.equal(padded.tokens, single.tokens)
+    assert padded.stats["per_image"] == single.stats["per_image"]
+
+
+def test_greedy_ar_is_the_argmax_of_teacher_forced_logits(eng):
+    """The loop's AR decoder, with admission, against the model scored independently (Engine.score):
+    every greedy token is the argmax of the guided logits of its prefix."""
+    labels = [0, 1, 2, 3, 4]
+    out = eng.generate(class_labels=labels, temperature=0.0, cfg_scale=3.0, batch_size=2, decode_images=False)
+    logits = eng.score(class_labels=labels, tokens=out.tokens, cfg_scale=3.0)
+    assert torch.equal(logits.argmax(-1), out.tokens)
+
+
+def test_admitted_rows_take_the_newcomers_caches_and_caption_masks():
+    """TargetSession.admit_rows: rows of a running session take a newcomer session's KV cache, condition
+    rows and caption key mask (both CFG halves); the other rows keep theirs."""
+    from vvs_engine.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    g = GPT(GPTConfig(dim=32, n_layer=2, n_head=4, vocab_size=64, block_size=16, multiple_of=32, model_type="t2i",
+                      cls_token_num=6, caption_dim=12)).double().eval()
+    unc = g.cls_embedding.uncond_embedding.double()
+
+    def session(emb, mask):
+        cond = torch.cat([emb, unc[None].expand_as(emb)])
+        s = TargetSession(g, cond, emb.shape[0], True, torch.cat([mask, mask]))
+        s.prefill()
+        return s
+
+    emb = torch.randn(3, 6, 12, dtype=torch.float64)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    running = session(emb, mask)
+    new_emb, new_mask = torch.randn(1, 6, 12, dtype=torch.float64), torch.ones(1, 6, dtype=torch.bool)
+    new_mask[0, 3:] = False
+    newcomer = session(new_emb, new_mask)
+    before = running.kv.k.clone()
+    with torch.inference_mode():
+        running.admit_rows(torch.tensor([1]), newcomer)
+    for row, source in ((1, 0), (4, 1)):  # image 1's conditional and unconditional rows
+        assert torch.equal(running.kv.k[:, row], newcomer.kv.k[:, source])
+        assert torch.equal(running.key_valid[row], newcomer.key_valid[source])
+        assert torch.equal(running.cond_rows[row], newcomer.cond_rows[source])
+    for row in (0, 2, 3, 5):
+        assert torch.equal(running.kv.k[:, row], before[:, row])
+    assert not running.key_valid[1, 3:6].any() and running.key_valid[0, :6].all()
+
+
+def test_late_read_is_one_push_behind():
+    status = torch.zeros(3, dtype=torch.long)
+    late = LateRead(status)
+    late.push()
+    assert late.read() is None
+    status.fill_(5)
+    late.push()
+    assert late.read() == [0, 0, 0] and late.read_index == 0
+    late.push()
+    assert late.read() == [5, 5, 5]
+
+
+def test_every_registered_method_says_whether_it_runs_on_the_loop(eng):
+    """Methods on the loop build decoders with the whole protocol; the others (not yet moved) run their
+    own loops through the static-batch path. The list of loop methods is checked explicitly."""
+    from vvs_engine.methods import method_names
+
+    loop_methods = {name for name in method_names() if getattr(get_method(name, eng, {})[0], "decoder", False)}
+    assert {m for m, _ in LOOP_METHODS} <= loop_methods
+
+
+# --- GPU only ---------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not GPU, reason=NO_GPU)
+
+
+@gpu
+@pytest.mark.parametrize("method", ["ar", "sjd", "sjd-pac"])
+def test_gpu_graphs_equal_eager_with_admission(method):
+    e = tiny_engine(vocab=64, block=36, peak=8.0).to("cuda", torch.float32)
+    kw = dict(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=1, method=method, batch_size=3,
+              decode_images=False)
+    eager = e.generate(cuda_graphs=False, **kw)
+    graphed = e.generate(cuda_graphs=True, **kw)
+    assert graphed.stats["cuda_graphs"] and not eager.stats["cuda_graphs"]
+    assert torch.equal(eager.tokens, graphed.tokens)
+
+
+@gpu
+def test_gpu_ar_steady_state_never_syncs():
+    """Replays and the late status read between admissions run under sync-debug 'error'."""
+    from vvs_engine.methods.common import DecodeBatch
+    from vvs_engine.rng import CounterRNG
+    from vvs_engine.runtime.runner import RoundGraphs
+
+    e = tiny_engine(vocab=64, block=36, peak=8.0).to("cuda", torch.float32)
+    params = SamplingParams(1.0, 0, 1.0, 4.0)
+    with torch.inference_mode():
+        cond, km = e.condition_rows([1, 2], None, True)
+        run, opts = get_method("ar", e, {})
+        dec = run(e, DecodeBatch(cond, km, CounterRNG(0, torch.arange(2, device="cuda")), 2), params, opts)
+        graphs = RoundGraphs(dec.round_functions(), dec.round_buffers(), use_graphs=True)
+        graphs("ar_step")  # capture (capture itself synchronises)
+        late = LateRead(dec.status())
+        late.push()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(10):
+                late.read()
+                graphs("ar_step")
+                late.push()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert int(dec.state.count.min()) > 10
+
+
+def test_negative_control_admission_without_the_newcomers_cache_changes_tokens(eng, monkeypatch):
+    """If admission left the previous image's KV cache in the rows (only the rest of the state copied),
+    admitted images would decode from the wrong condition: the identity check above would see it."""
+    kw = dict(class_labels=LABELS, method="sjd", seed=7, temperature=1.0, cfg_scale=3.0, decode_images=False)
+    good = eng.generate(batch_size=2, **kw)
+
+    def admit_without_cache(self, images, newcomers):
+        self.cond_rows = self.cond_rows.index_copy(0, self.cfg_rows(images), newcomers.cond_rows)
+
+    monkeypatch.setattr(TargetSession, "admit_rows", admit_without_cache)
+    bad = eng.generate(batch_size=2, **kw)
+    assert torch.equal(bad.tokens[:2], good.tokens[:2])  # the first rows were never admitted into
+    assert not torch.equal(bad.tokens[2:], good.tokens[2:])

@@ -1,0 +1,248 @@
+"""The one decode loop: every method is a *decoder* driven here, and images join the running batch
+between rounds (continuous batching).
+
+A decoder owns its caches and ``[rows, ...]`` device state and knows its rounds; this loop owns
+everything between rounds, once for every method:
+
+* the one-round-late read of the decoder's status (:class:`LateRead`: the host never waits for the
+  device on CUDA, and the CPU makes the same decisions one round late too);
+* admission and retirement: a row whose image has finished is collected and freed, and the next
+  pending images are admitted into free rows (their condition prefill runs for those rows only, then
+  they join the next round of the same compiled, captured function); ``static=True`` admits only when
+  every row is free (today's static batches, kept for comparison); when nothing is pending and at most
+  half the rows still decode, the batch shrinks to the next power of two (fewer rows to compute);
+* ``torch.compile`` and CUDA-graph capture of each round kind (:class:`~vvs_engine.runtime.runner.
+  RoundGraphs`: one capture path, one pool);
+* progress, the stuck guard, and the loop's statistics (rounds by kind, row utilisation).
+
+An image's tokens never depend on when it was admitted or on its batch-mates: every random draw is
+keyed by (seed, image index, the row's own step), and a row's state is its own.
+
+The decoder protocol (duck-typed; :class:`Decoder` documents it):
+
+==========================  ==========================================================================
+``rows``                    images in flight (CFG rows are the decoder's business)
+``round_functions()``       {round kind: function of no arguments} updating device state in place,
+                            static shapes, no host read
+``round_buffers()``         every tensor a round writes that a rerun must restore (capture warm-up)
+``inductor_options``        Inductor options of its compiled rounds (dict, may be empty)
+``status()``                int64 device tensor ``[rows + k]``: tokens committed per row (>= the
+                            image's tokens: finished), then k flags of the decoder's own; the same
+                            tensor object until ``keep_rows``
+``next_kind(last, late)``   the next round kind from the last kind and the late status (a list)
+``admit(rows, batch)``      prefill ``batch``'s images into ``rows`` (a [n] device tensor)
+``keep_rows(keep)``         go on with rows ``keep`` only (the tail of a run)
+``collect(rows)``           {name: [n, ...] tensor} per-row results: ``tokens`` [n, T] and ``passes``
+                            [n] (target forwards while unfinished) at least
+``summarize(counters, loop)`` the method's stats from the finished images' collected counters
+==========================  ==========================================================================
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+
+from ..errors import VVSError
+from .runner import RoundGraphs
+
+
+class Decoder(Protocol):  # pragma: no cover - documentation of the protocol above
+    rows: int
+    inductor_options: dict
+
+    def round_functions(self) -> dict: ...
+    def round_buffers(self) -> list: ...
+    def status(self) -> torch.Tensor: ...
+    def next_kind(self, last_kind: Optional[str], late: list) -> str: ...
+    def admit(self, rows: torch.Tensor, batch) -> None: ...
+    def keep_rows(self, keep: torch.Tensor) -> None: ...
+    def collect(self, rows: torch.Tensor) -> dict: ...
+    def summarize(self, counters: dict, loop_stats: dict) -> dict: ...
+
+
+class LateRead:
+    """Host view of a device status tensor, always one round late (on every device, so the CPU and
+    CUDA make the same decisions): the status written by round r is read before round r + 2, by then
+    long copied (pinned memory + event on CUDA), so the host never waits for the device."""
+
+    def __init__(self, status: torch.Tensor):
+        self.status = status
+        self.cuda = status.device.type == "cuda"
+        self.slots = [torch.zeros_like(status, device="cpu").pin_memory() if self.cuda
+                      else torch.zeros_like(status, device="cpu") for _ in range(2)]
+        self.events = [None, None]
+        self.pushes = 0
+
+    def push(self) -> None:
+        i = self.pushes % 2
+        self.slots[i].copy_(self.status, non_blocking=self.cuda)
+        if self.cuda:
+            self.events[i] = torch.cuda.Event()
+            self.events[i].record()
+        self.pushes += 1
+
+    @property
+    def read_index(self) -> int:
+        """The number (from 0) of the push whose values :meth:`read` returns."""
+        return self.pushes - 2
+
+    def read(self) -> Optional[list]:
+        """The values of the push before the latest one, or None while there is none."""
+        if self.pushes < 2:
+            return None
+        i = self.pushes % 2  # the older of the two slots: push number self.pushes - 2
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        return self.slots[i].tolist()
+
+
+@dataclass
+class LoopResult:
+    """What the loop hands back: per image (in the caller's order) its tokens [n, T] and collected
+    counters (CPU tensors), the method's stats and the loop's own."""
+
+    tokens: torch.Tensor
+    counters: dict
+    stats: dict = field(default_factory=dict)
+
+
+def batch_bucket(n: int) -> int:
+    """Rows in flight for n images: the next power of two (few shapes to compile and capture)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def run(make_decoder: Callable, make_batch: Callable, n_images: int, rows: int, tokens_per_image: int, *,
+        static: bool = False, compile: bool = False, use_graphs: bool = False, retire: bool = True,
+        on_tokens: Optional[Callable[[int], None]] = None, on_images: Optional[Callable[[int], None]] = None,
+        on_round: Optional[Callable[[int], None]] = None) -> LoopResult:
+    """Decode ``n_images`` images with at most ``rows`` in flight.
+
+    ``make_batch(images, pad_to)`` -> the method's batch of those images (positions in the caller's
+    list), padded to ``pad_to`` rows by repeating the first; ``make_decoder(batch)`` -> a decoder
+    prefilled with it. ``on_tokens(k)``/``on_images(k)``: progress (k more tokens committed / images
+    finished). ``on_round(round_index)``: called before every round (tests admit or inspect there)."""
+    T = tokens_per_image
+    pending = deque(range(n_images))
+    results: dict = {}  # image -> {name: tensor}
+    stats = {"batch_rounds": 0, "rounds_by_kind": {}, "row_rounds": 0, "admissions": 0, "compiled": {}}
+    decoder = None
+    while pending:  # one pass per static batch; continuous batching needs one pass in all
+        first = [pending.popleft() for _ in range(min(rows, len(pending)))]
+        size = batch_bucket(len(first)) if static or len(first) < rows else rows
+        decoder = make_decoder(make_batch(first, size))
+        _drive(decoder, first + [None] * (size - len(first)), pending, make_batch, T, results, stats,
+               static, compile, use_graphs, retire, on_tokens, on_images, on_round)
+    names = sorted(results[0]) if results else []
+    counters = {name: torch.stack([results[i][name] for i in range(n_images)]) for name in names}
+    stats["row_utilisation"] = (float(counters["passes"].sum()) / stats["row_rounds"]) if stats["row_rounds"] else 1.0
+    stats["cuda_graphs"] = bool(use_graphs)
+    method_stats = decoder.summarize(counters, stats) if decoder is not None else {}
+    return LoopResult(counters.pop("tokens"), counters, {**stats, **method_stats})
+
+
+def _drive(decoder, row_image: list, pending: deque, make_batch, T: int, results: dict, stats: dict, static: bool,
+           compile: bool, use_graphs: bool, retire: bool, on_tokens, on_images, on_round) -> None:
+    """Run ``decoder`` until its rows are all finished and (continuous batching) nothing is pending."""
+    graphs = _graphs(decoder, compile, use_graphs)
+    late = LateRead(decoder.status())
+    late.push()
+    # A row's late status is about its current image only from the push after it was admitted.
+    valid_from = [0] * len(row_image)
+    reported = [0] * len(row_image)  # tokens of each row's image counted for progress
+    last_kind, stalled, last_total = None, 0, -1
+    while True:
+        status = late.read()
+        if status is not None:
+            counts = [status[r] if late.read_index >= valid_from[r] else 0 for r in range(len(row_image))]
+            _report_tokens(counts, row_image, reported, T, on_tokens)
+            done = [r for r, image in enumerate(row_image) if image is not None and counts[r] >= T]
+            if done:
+                _collect(decoder, done, row_image, results)
+                for r in done:
+                    row_image[r], reported[r] = None, 0
+                if on_images is not None:
+                    on_images(len(done))
+            live = sum(image is not None for image in row_image)
+            if not live and not pending:
+                break
+            free = [r for r, image in enumerate(row_image) if image is None]
+            if pending and free and (not static or live == 0):
+                if static:  # the next static batch is a new decoder (the caller's next pass)
+                    break
+                _admit(decoder, free, row_image, pending, make_batch, late, valid_from)
+                stats["admissions"] += 1
+            elif retire and not pending and 0 < live <= len(row_image) // 2:
+                # the tail: at most log2(rows) times; go on with the live rows and as few idle ones as
+                # the next power of two needs
+                keep = [r for r, image in enumerate(row_image) if image is not None]
+                keep += [r for r, image in enumerate(row_image) if image is None][: batch_bucket(live) - live]
+                _merge_compiled(stats, graphs)
+                decoder.keep_rows(torch.tensor(keep, dtype=torch.long, device=decoder.status().device))
+                row_image[:] = [row_image[r] for r in keep]
+                reported[:] = [reported[r] for r in keep]
+                graphs = _graphs(decoder, compile, use_graphs)
+                late = LateRead(decoder.status())
+                late.push()  # the kept rows' status as it is now
+                valid_from = [0] * len(row_image)
+                continue
+            # every round of an unfinished image commits at least one token
+            total = sum(counts[r] for r, image in enumerate(row_image) if image is not None)
+            stalled = stalled + 1 if total == last_total else 0
+            last_total = total
+            if stalled > 3:
+                raise VVSError("decoding made no progress for 4 rounds (internal error)")
+        if on_round is not None:
+            on_round(stats["batch_rounds"])
+        kind = decoder.next_kind(last_kind, status)
+        graphs(kind)
+        late.push()
+        last_kind = kind
+        stats["batch_rounds"] += 1
+        stats["rounds_by_kind"][kind] = stats["rounds_by_kind"].get(kind, 0) + 1
+        stats["row_rounds"] += len(row_image)
+    _merge_compiled(stats, graphs)
+
+
+def _graphs(decoder, compile: bool, use_graphs: bool) -> RoundGraphs:
+    return RoundGraphs(decoder.round_functions(), decoder.round_buffers(), use_graphs=use_graphs, compile=compile,
+                       options=getattr(decoder, "inductor_options", None))
+
+
+def _merge_compiled(stats: dict, graphs: RoundGraphs) -> None:
+    """``stats["compiled"]``: per round kind, compiled in every decoder shape that ran it."""
+    for kind, ok in graphs.compiled().items():
+        stats["compiled"][kind] = stats["compiled"].get(kind, True) and bool(ok)
+
+
+def _report_tokens(counts: list, row_image: list, reported: list, T: int, on_tokens) -> None:
+    if on_tokens is None:
+        return
+    new = 0
+    for r, image in enumerate(row_image):
+        if image is not None:
+            now = min(counts[r], T)
+            new += max(0, now - reported[r])
+            reported[r] = max(reported[r], now)
+    if new:
+        on_tokens(new)
+
+
+def _collect(decoder, rows: Sequence[int], row_image: list, results: dict) -> None:
+    """Move finished rows' results to the host (one read per batch of finished rows)."""
+    index = torch.tensor(rows, dtype=torch.long, device=decoder.status().device)
+    out = {name: value.cpu() for name, value in decoder.collect(index).items()}
+    for j, r in enumerate(rows):
+        results[row_image[r]] = {name: value[j] for name, value in out.items()}
+
+
+def _admit(decoder, free: list, row_image: list, pending: deque, make_batch, late: LateRead, valid_from: list) -> None:
+    images = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+    rows = free[: len(images)]
+    decoder.admit(torch.tensor(rows, dtype=torch.long, device=decoder.status().device),
+                  make_batch(images, len(images)))
+    for r, image in zip(rows, images):
+        row_image[r] = image
+        valid_from[r] = late.pushes  # pushes before this one still show the row's previous image
