@@ -5,11 +5,13 @@ the GPU-style count of ``vvs_engine.runtime.launches``).
     python benchmarks/gpu_launches.py --out benchmarks/results/gpu_launches.md         # on a GPU
     python benchmarks/gpu_launches.py --device cpu --out /tmp/gl.md --methods ar       # CPU smoke run
 
-Per method on the Zoo model (one image, batch 1, compiled rounds in CUDA graphs, the engine's defaults): a
-warm-up image compiles and captures every round kind, then one more image runs under
-``torch.profiler`` and each replay's GPU kernels are counted (CUPTI reports the kernels inside a graph
-launch one by one; memcpy/memset activities are listed apart). On the CPU nothing is a GPU launch: the
-smoke run counts the CPU ops of the same replays so that the script's plumbing is tested.
+Per method on the Zoo model (one image, batch 1, compiled rounds in CUDA graphs, the engine's
+defaults): a warm-up image compiles every round kind, then one more image runs, and each of its round
+calls that replays a graph (``RoundGraphs.__call__``, the one path of every method's rounds; the call
+that captures is not profiled) runs under ``torch.profiler`` and its GPU kernels are counted (CUPTI
+reports the kernels inside a graph launch one by one; memcpy/memset activities are listed apart). On
+the CPU nothing is a GPU launch: the smoke run counts the CPU ops of the same round calls (eager
+there) so that the script's plumbing is tested.
 """
 from __future__ import annotations
 
@@ -54,39 +56,28 @@ def count_method(engine, method, opts, cuda):
     from vvs_engine.runtime import runner
 
     kw = dict(class_labels=[1], method=method, decode_images=False, batch_size=1, **opts)
-    engine.generate(seed=100, **kw)  # compiles (Inductor) and captures every round kind
+    engine.generate(seed=100, **kw)  # compiles (Inductor) every round kind; each image captures its own graphs
     per_kind: dict = {}
-    RG, SC = runner.RoundGraphs.__call__, runner.StaticCall.__call__
+    RG = runner.RoundGraphs.__call__
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
 
-    def counted(fn, kind_of, replaying=lambda obj, *args: True):
-        def call(obj, *args, **kwargs):
-            if not replaying(obj, *args):  # a first call that warms up and captures: not a replay
-                return fn(obj, *args, **kwargs)
-            with profile(activities=activities) as prof:
-                out = fn(obj, *args, **kwargs)
-                if cuda:
-                    torch.cuda.synchronize()
-            per_kind.setdefault(kind_of(obj, *args), []).append(kernel_events(prof, cuda))
-            return out
-        return call
+    def counted(g, name):
+        if g.use_graphs and name not in g.graphs:  # a first call that warms up and captures: not a replay
+            return RG(g, name)
+        with profile(activities=activities) as prof:
+            out = RG(g, name)
+            if cuda:
+                torch.cuda.synchronize()
+        per_kind.setdefault(name, []).append(kernel_events(prof, cuda))
+        return out
 
-    from vvs_engine.methods import jacobi
-
-    capture, maybe_compiled = jacobi.capture, jacobi.maybe_compiled
-    runner.RoundGraphs.__call__ = counted(RG, lambda g, name: name, lambda g, name: not g.use_graphs or name in g.graphs)
-    runner.StaticCall.__call__ = counted(SC, lambda c, *a: c.name, lambda c, *a: not c.use_graph or c.graph is not None)
-    # Jacobi iterations are a graph replay (CUDA) or the round function itself (CPU)
-    as_jacobi = lambda fn: (lambda: counted(lambda _obj: fn(), lambda _obj: "jacobi")(None))  # noqa: E731
-    if cuda:
-        jacobi.capture = lambda fn, state: as_jacobi(capture(fn, state))
-    else:
-        jacobi.maybe_compiled = lambda *a, **k: as_jacobi(maybe_compiled(*a, **k))
+    # every round of every method (AR's ar_step, the Jacobi methods' jacobi, the speculative rounds)
+    # runs through RoundGraphs: a graph replay on CUDA, the round function itself on the CPU
+    runner.RoundGraphs.__call__ = counted
     try:
         engine.generate(seed=0, **kw)
     finally:
-        runner.RoundGraphs.__call__, runner.StaticCall.__call__ = RG, SC
-        jacobi.capture, jacobi.maybe_compiled = capture, maybe_compiled
+        runner.RoundGraphs.__call__ = RG
     return per_kind
 
 
@@ -98,7 +89,6 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="Markdown path; JSON goes next to it")
     args = ap.parse_args(argv)
     from vvs_engine import Engine
-    from vvs_engine.runtime import runner
 
     cuda = args.device == "cuda"
     engine = Engine.load(device=args.device, threads=4)
@@ -121,7 +111,6 @@ def main(argv=None):
                              kernels_min=min(kernels), kernels_max=max(kernels),
                              copies_median=statistics.median(c for _, c in counts),
                              cpu_gpu_style=cpu_counts.get(name, {}).get(kind)))
-        runner.clear_runners()
         print(name, {r["kind"]: r["kernels_median"] for r in rows if r["method"] == name}, flush=True)
     device = torch.cuda.get_device_name() if cuda else "cpu (smoke run: CPU ops, not GPU launches)"
     res = dict(benchmark="gpu_launches", device=device, rows=rows,

@@ -10,7 +10,7 @@
 # fails or times out is recorded while the suite goes on. Tables first, in order of importance:
 #   build   the CUDA extension (vvs_engine._C, nvcc, sm_90a) compiles IN THE BACKGROUND from the start,
 #           with few jobs, and the tests wait for it; whether it built is in the summary
-#   1. ar_graph    AR step, LlamaGen-XL shape, bf16, CFG batch 2, CUDA-graph runner (target <= 0.5 ms)
+#   1. ar_graph    AR step, LlamaGen-XL shape, bf16, CFG batch 2, ar_step as a CUDA graph (target <= 0.5 ms)
 #   2. ar_eager    the same step eagerly (benchmarks/ar_decode.py)
 #   3. tree_attention  Triton vs SDPA with a mask (flash-attn / FlashInfer where they import)
 #   4. draft_topk  fused sampling vs torch's sort-based path, V = 16384 first
@@ -148,9 +148,9 @@ BUILT=$(python -c "import vvs_engine._C; print('yes')" 2>/dev/null || echo no)
 echo "- CUDA extension built: $BUILT (see build.log in results.tar.gz)" >> "$STEPS"
 python -c "import torch, vvs_engine.kernels as k; print('kernels after the build:', k.describe('cuda' if torch.cuda.is_available() else 'cpu'))" >> "$LOG" 2>&1
 cat "$BUILD_LOG" >> "$LOG" 2>/dev/null
-TEST_FILES="$(ls tests/kernels/test_*.py) tests/test_runner.py tests/test_batched_speculative.py tests/test_jacobi_batch.py"
+TEST_FILES="$(ls tests/kernels/test_*.py) tests/test_loop.py tests/test_batched_speculative.py tests/test_jacobi_batch.py"
 # The dry run keeps the CPU-cheap files (CI runs the rest on the CPU anyway).
-[ "$DRY" = 1 ] && TEST_FILES="tests/kernels/test_bounds.py tests/test_runner.py tests/test_batched_speculative.py tests/test_jacobi_batch.py"
+[ "$DRY" = 1 ] && TEST_FILES="tests/kernels/test_bounds.py tests/test_loop.py tests/test_batched_speculative.py tests/test_jacobi_batch.py"
 step tests 150 env TEST_JOBS=${TEST_JOBS:-6} bash benchmarks/gpu_tests.sh "$RES/tests" 140 $TEST_FILES
 cat "$RES/tests/summary.txt" >> "$LOG" 2>/dev/null
 

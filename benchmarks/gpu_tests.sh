@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests, one pytest process per file (a CUDA device-side assert poisons only its own process),
-# TEST_JOBS files at a time. Files outside tests/kernels and tests/test_runner.py run only their GPU
+# TEST_JOBS files at a time. Files outside tests/kernels and tests/test_loop.py run only their GPU
 # tests (-k gpu): their CPU tests are CI's job. Used by benchmarks/gpu_suite.sh.
 #
 #   bash benchmarks/gpu_tests.sh OUT_DIR PER_FILE_LIMIT_S FILE...
@@ -15,7 +15,7 @@ one() {
   local f=$1 name rc last
   local select=()
   name=$(basename "$f" .py)
-  case "$f" in *tests/kernels/*|*tests/test_runner.py) ;; *) select=(-k gpu) ;; esac
+  case "$f" in *tests/kernels/*|*tests/test_loop.py) ;; *) select=(-k gpu) ;; esac
   timeout --signal=INT --kill-after=5 "$per_file" "${PYTHON:-python}" -m pytest -q -rs -p no:cacheprovider "${select[@]}" "$f" \
     > "$out/$name.log" 2>&1
   rc=$?

@@ -5,11 +5,12 @@ second at batch sizes 1 and 16, side by side in one run.
     OMP_NUM_THREADS=1 python benchmarks/jacobi_batch.py --tiny     # a tiny random model (smoke run)
 
 Compute ops are the aten ops a ``TorchDispatchMode`` sees, excluding those whose every output shares
-storage with an input (views, no-op ``to``): per AR step (the runner's static-buffer step) and per
-Jacobi iteration (``JacobiDecoder.jacobi_iteration``), eager on the CPU in fp32, averaged over
-iterations 2-9 of the decode. TPF per image is image tokens / target forwards while the image was
-unfinished (prefill excluded); images/s is the wall time of ``Engine.generate`` over all images, one
-warm-up image first; the share of images identical to their decode at the first batch size is
+storage with an input (views, no-op ``to``): per AR step (``ARDecoder``'s ``ar_step`` round) and per
+Jacobi iteration (``JacobiDecoder``'s ``jacobi`` round), each run through ``RoundGraphs`` eagerly on
+the CPU in fp32, averaged over rounds 2-9 of the decode. TPF per image is image tokens / target
+forwards while the image was unfinished (prefill excluded); images/s is the wall time of
+``Engine.generate`` over all images, one warm-up image first; batched forwards are the decode loop's
+rounds (``batch_rounds``); the share of images identical to their decode at the first batch size is
 reported (fp32). The thread count is set explicitly (``--threads``).
 """
 from __future__ import annotations
@@ -31,10 +32,10 @@ sys.path.insert(0, ROOT)  # run from a checkout
 
 from vvs_engine import Engine  # noqa: E402
 from vvs_engine.acceptance.verify import ExactRule  # noqa: E402
-from vvs_engine.methods import jacobi  # noqa: E402
+from vvs_engine.methods import get_method, jacobi  # noqa: E402
 from vvs_engine.methods.common import DecodeBatch  # noqa: E402
 from vvs_engine.rng import CounterRNG  # noqa: E402
-from vvs_engine.runtime.runner import get_runner  # noqa: E402
+from vvs_engine.runtime.runner import RoundGraphs  # noqa: E402
 from vvs_engine.sampling import SamplingParams  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -57,34 +58,33 @@ class ComputeOps(TorchDispatchMode):
         return out
 
 
-def ops_per_ar_step(engine, labels, params) -> float:
-    cond, key_mask = engine.condition_rows(labels, None, params.use_cfg)
-    runner = get_runner(engine.gpt, cond, len(labels), params.use_cfg, key_mask, params, use_graphs=False)
-    rng = CounterRNG(0, torch.arange(len(labels)))
-    runner.session.prefill()
-    runner.ar_decode(torch.zeros(len(labels), dtype=torch.long), rng)  # builds the step
-    step = runner.calls["ar_step"]
-    step.inputs[1].fill_(runner.session.c + 10)
+def ops_per_round(dec, kind: str) -> float:
+    """Compute ops per round of a prefilled decoder, eager (``RoundGraphs`` without graphs), rounds 2-9."""
+    graphs = RoundGraphs(dec.round_functions(), dec.round_buffers(), use_graphs=False,
+                         options=dec.inductor_options)
+    graphs(kind)  # round 1: may fill cached constants once
     counter = ComputeOps()
     with counter:
         for _ in range(8):
-            step()
+            graphs(kind)
     return counter.count / 8
+
+
+def decode_batch(engine, labels, params) -> DecodeBatch:
+    cond, key_mask = engine.condition_rows(labels, None, params.use_cfg)
+    return DecodeBatch(cond, key_mask, CounterRNG(0, torch.arange(len(labels))), len(labels))
+
+
+def ops_per_ar_step(engine, labels, params) -> float:
+    run, opts = get_method("ar", engine, {})
+    return ops_per_round(run(engine, decode_batch(engine, labels, params), params, opts), "ar_step")
 
 
 def ops_per_jacobi_iteration(engine, method, labels, params) -> float:
     opts = jacobi.GSDOptions() if method == "gsd" else jacobi.SJDOptions()
     rule = opts.rule(engine) if method == "gsd" else ExactRule()
-    cond, key_mask = engine.condition_rows(labels, None, params.use_cfg)
-    batch = DecodeBatch(cond, key_mask, CounterRNG(0, torch.arange(len(labels))), len(labels))
-    dec = jacobi.JacobiDecoder(engine, batch, params, opts, rule)
-    state = dec.prefill()
-    dec.jacobi_iteration(state)
-    counter = ComputeOps()
-    with counter:
-        for _ in range(8):
-            dec.jacobi_iteration(state)
-    return counter.count / 8
+    dec = jacobi.JacobiDecoder.start(engine, decode_batch(engine, labels, params), params, opts, rule)
+    return ops_per_round(dec, "jacobi")
 
 
 def main(argv=None):
@@ -130,7 +130,7 @@ def main(argv=None):
             tpf = st["tpf_per_image"]
             rows.append({"method": method, "batch_size": bs, "images_per_s": len(labels) / wall, "wall_s": wall,
                          "tpf": st["tpf"], "tpf_min": tpf["min"], "tpf_median": tpf["median"], "tpf_max": tpf["max"],
-                         "batched_forwards": st.get("batch_iterations", (eng.tokens_per_image - 1) * -(-len(labels) // bs)),
+                         "batched_forwards": st.get("batch_iterations", st.get("batch_rounds")),
                          "ops_per_round_b1": ops[method], f"ops_per_round_b{len(big)}": ops_big[method],
                          "tokens": out.tokens.tolist()})
             print(f"{method:4} B={bs:<3} {rows[-1]['images_per_s']:7.3f} img/s  TPF {st['tpf']:.3f}", flush=True)

@@ -7,9 +7,9 @@ bf16, CFG batch 2, one image).
 
 The decode loop's round calls (``RoundGraphs.__call__``) are wrapped with CUDA events (a timer on the
 CPU); capture calls are not timed. A warm-up image captures every graph first, then one timed image
-per method. On CUDA the AR step (one graph replay per token) is timed the same way for scale (on the
-CPU plain AR runs no runner call, so it has no row). Writes a
-Markdown table that carries its command and date, and JSON next to it.
+per method. Every method's rounds go through ``RoundGraphs``, plain AR's too: its ``ar_step`` round
+(one graph replay per token) is timed the same way for scale, on every device. Writes a Markdown
+table that carries its command and date, and JSON next to it.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ SETTINGS = [("eagle", {}), ("lantern", {"lantern_delta": 0.2}), ("lantern++", {}
 
 
 class RoundTimer:
-    """Times every non-capturing call of ``RoundGraphs`` and ``StaticCall`` (the AR step) while on."""
+    """Times every non-capturing call of ``RoundGraphs`` (every method's rounds, the AR step's too) while on."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -91,12 +91,10 @@ def main(argv=None):
     eng = random_engine(a.shape, device, dtype, tokens=a.tokens)
     neighbor_stub(eng, lantern_k(eng))
     timer = RoundTimer(device)
-    RG, SC = runner_mod.RoundGraphs, runner_mod.StaticCall
+    RG = runner_mod.RoundGraphs
     # A call is timed when it replays (graphs) or runs eagerly on the CPU; a capturing call is not.
     RG.__call__ = timer.wrap(RG.__call__, lambda g, name: name,
                              lambda g, name: not g.use_graphs or name in g.graphs)
-    SC.__call__ = timer.wrap(SC.__call__, lambda c, *args: f"AR {c.name}",
-                             lambda c, *args: not c.use_graph or c.graph is not None)
     rows = []
     for method, opts in [("ar", {})] + SETTINGS:
         kw = dict(class_labels=[1], temperature=1.0, cfg_scale=4.0, method=method, decode_images=False,

@@ -115,8 +115,10 @@ def test_compiled_ar_step_has_no_cache_sized_temporaries(runs, monkeypatch):
 
     def write_through_view(layer, slots, k, v):  # the write before this change: through the layer view
         cache = layer.cache
-        cache.k[layer.index].index_copy_(2, slots, k)
-        cache.v[layer.index].index_copy_(2, slots, v)
+        B, H, T, _ = k.shape
+        index = (torch.arange(B).view(B, 1, 1), torch.arange(H).view(1, H, 1), slots.view(-1, 1, T))
+        cache.k[layer.index].index_put_(index, k)
+        cache.v[layer.index].index_put_(index, v)
 
     monkeypatch.setattr(gpt_module, "write_kv", write_through_view)
     with _fast_inductor(), launches.recording() as old:

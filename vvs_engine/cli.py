@@ -96,7 +96,12 @@ def build_parser() -> Parser:
     s.add_argument("--top-p", type=float, default=1.0, help="top-p (nucleus) filter in (0, 1] (default 1.0 = off)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     s.add_argument("--batch-size", type=int, default=16, metavar="N",
-                   help="images decoded together, every method (default 16); tokens do not depend on it")
+                   help="images in flight, every method (default 16): a finished image's rows go to the next "
+                        "image between rounds (ar, sjd, gsd, scd, sjd-pac; the drafter methods and zipar still "
+                        "decode static batches); tokens do not depend on it in fp64, in fp32 a near-tie can "
+                        "flip (docs/batching.md)")
+    s.add_argument("--static-batches", action="store_true",
+                   help="decode --batch-size images at a time to the end instead (for comparison)")
     s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode rounds with torch.compile (default: on for CUDA, off on the CPU; "
                         "the same tokens either way)")
@@ -288,7 +293,8 @@ def cmd_generate(args) -> int:
                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                    cfg_scale=args.cfg_scale, seed=args.seed, decode_images=not args.no_images,
                                    progress=not args.quiet, clean_captions=not args.no_clean_captions,
-                                   batch_size=args.batch_size, compile=args.compile, **method_options(args))
+                                   batch_size=args.batch_size, compile=args.compile,
+                                   static_batches=getattr(args, "static_batches", False), **method_options(args))
         except VVSError as e:
             raise VVSError(flag_names(str(e))) from None
 

@@ -13,7 +13,8 @@ from .errors import VVSError
 
 
 # generate's flags that generate-dataset does not take (or defines its own way).
-OWN_FLAGS = {"help", "class_labels", "prompts", "out", "no_images", "profile", "quiet", "threads", "batch_size"}
+OWN_FLAGS = {"help", "class_labels", "prompts", "out", "no_images", "profile", "quiet", "threads", "batch_size",
+             "static_batches"}
 
 
 def add_dataset_parser(sub, generate_parser) -> None:
