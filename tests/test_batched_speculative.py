@@ -8,7 +8,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spec_models import tiny_engine
-from vvs_engine.methods import schedule as sched
 from vvs_engine.methods import speculative
 from vvs_engine.methods.common import DecodeBatch
 from vvs_engine.rng import CounterRNG
@@ -87,27 +86,33 @@ def test_image_indices_select_the_random_stream(eng):
     assert not torch.equal(full[0], full[1])
 
 
-def test_vvs_dynamic_batch_policy(eng):
-    """VVS-D: the batch skips only when every unfinished real sequence wants to (similar paths and
-    more than 5 tokens); finished sequences and bucket padding do not vote."""
+def test_vvs_dynamic_per_sequence_choice(eng):
+    """VVS-D: each sequence decides for itself (similar paths, more than 5 tokens, unfinished, no chain
+    pending from a skip); the status tells the loop how many want to skip."""
     params = SamplingParams(temperature=1.0, cfg_scale=3.0)
     T = eng.tokens_per_image
     with torch.inference_mode():
         rounds, _, _ = _rounds(eng, [0, 3, 4], params, skip_policy="dynamic", skip_threshold=-1.0)
-        rounds.n_real = 2  # row 2 is bucket padding
         st = rounds.state
 
-        def flags(n_out):
+        def wants(n_out, chain=(0, 0, 0)):
             st.n_out.copy_(torch.tensor(n_out))
-            rounds._update_flags(st)
-            return st.flags.tolist()
+            st.chain_len.copy_(torch.tensor(chain))
+            rounds._update_status(st)
+            return rounds.wants_skip(st).tolist(), st.status.tolist()[-1]
 
-        assert flags([10, 10, 1]) == [0, 1, 20, 2]  # everyone wants to skip (threshold -1); padding ignored
-        assert flags([10, 3, 1]) == [0, 0, 13, 2]  # sequence 1 has too few tokens: the batch verifies
-        assert flags([T, 10, 1]) == [0, 1, T + 10, 1]  # a finished sequence does not vote
-        assert flags([T, T + 2, 1]) == [1, 0, 2 * T, 0]  # all done: nobody left to skip
+        assert wants([10, 10, 1]) == ([True, True, False], 2)  # sequence 2 has too few tokens
+        assert wants([T, 10, 10]) == ([False, True, True], 2)  # a finished sequence does not skip
+        assert wants([10, 10, 10], chain=(0, 2, 0)) == ([True, False, True], 2)  # never two skips in a row
         rounds.opts.skip_threshold = 1.0  # paths never agree perfectly in a random tree
-        assert flags([10, 10, 1])[1] == 0
+        assert wants([10, 10, 10]) == ([False, False, False], 0)
+
+
+def _decode(rounds, batch, retire=False):
+    """Decode ``rounds`` (a prefilled decoder of ``batch``) on the one loop, no admission."""
+    from vvs_engine.runtime import loop
+
+    return loop.run(lambda b: rounds, lambda images, pad: batch, batch.size, batch.size, rounds.T, retire=retire)
 
 
 def _rounds(eng, labels, params, seed=0, **opts):
@@ -141,8 +146,8 @@ def test_early_finisher_in_a_batch_keeps_its_tokens(eng, monkeypatch):
     params = SamplingParams(temperature=1.0, cfg_scale=3.0)
     with torch.inference_mode():
         rounds, o, batch = _rounds(eng, [1, 1], params, seed=3, tree="chain", tree_depth=4, accept="exact")
-        result = speculative.decode(rounds, sched.make(o, eng), batch)
-    passes = result.image_passes.tolist()
+        result = _decode(rounds, batch)
+    passes = result.counters["passes"].tolist()
     assert passes == [-(-(T - 1) // 5), T - 1], passes
     assert int(rounds.state.n_out[0]) < T + 5  # stopped committing long before the batch ended
     assert result.stats["batch_rounds"] >= T - 1
@@ -156,13 +161,13 @@ def test_retiring_finished_sequences_changes_no_token(eng, monkeypatch, method, 
     forward counts and statistics as keeping every row to the end (VVS-D's batch decisions included:
     finished sequences never vote), and the batch really shrinks."""
     sizes = []
-    original = speculative.SpeculativeRounds.retire
+    original = speculative.SpeculativeRounds.keep_rows
 
-    def logged(self, keep, n_real):
-        sizes.append((keep.numel(), n_real))
-        return original(self, keep, n_real)
+    def logged(self, keep):
+        sizes.append(keep.numel())
+        return original(self, keep)
 
-    monkeypatch.setattr(speculative.SpeculativeRounds, "retire", logged)
+    monkeypatch.setattr(speculative.SpeculativeRounds, "keep_rows", logged)
     kw = dict(class_labels=[i % 5 for i in range(7)], temperature=1.0, top_k=20, cfg_scale=3.0, method=method,
               seed=4, batch_size=8, decode_images=False, **opts)
     monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")
@@ -170,32 +175,34 @@ def test_retiring_finished_sequences_changes_no_token(eng, monkeypatch, method, 
     assert sizes == []
     monkeypatch.setenv("VVS_RETIRE_FINISHED", "1")
     retired = eng.generate(**kw)
-    assert sizes and sizes[0][0] <= 4 and all(n <= b for b, n in sizes), sizes
+    assert sizes and sizes[0] <= 4 and sizes == sorted(sizes, reverse=True), sizes
     assert torch.equal(retired.tokens, kept.tokens)
     for key in ("tpf_per_image", "target_forward_passes", "skip_steps", "acceptance_rate_by_depth",
-                "post_verify_rollbacks", "batch_rounds"):
+                "post_verify_rollbacks"):
         assert retired.stats.get(key) == kept.stats.get(key), key
+    # a shrink reads the kept rows' status afresh (not one round late), so the run may end a round sooner
+    assert kept.stats["batch_rounds"] - 1 <= retired.stats["batch_rounds"] <= kept.stats["batch_rounds"]
 
 
 @pytest.mark.parametrize("method,opts", [("eagle", {}), ("vvs", {"skip_interval": 2})], ids=str)
 def test_progress_counts_each_token_once_across_retirements(eng, monkeypatch, method, opts):
-    """The tokens a decode reports to the progress bar add up to exactly the batch's tokens, with rows
-    retired mid-batch (the one-round-late flags still count a retirement's rows, which were counted twice)."""
+    """The tokens a decode reports to the progress bar add up to exactly the images' tokens, with rows
+    retired mid-batch (the one-round-late status still shows a retirement's rows: none is counted twice)."""
     import vvs_engine.engine as engine_mod
 
     reports, retirements = [], []
-    original_tokens, original_retire = engine_mod._progress_bar.tokens, speculative.SpeculativeRounds.retire
+    original_tokens, original_retire = engine_mod._progress_bar.tokens, speculative.SpeculativeRounds.keep_rows
 
     def record(self, k):
         reports.append(int(k))
         return original_tokens(self, k)
 
-    def logged(self, keep, n_real):
-        retirements.append(n_real)
-        return original_retire(self, keep, n_real)
+    def logged(self, keep):
+        retirements.append(keep.numel())
+        return original_retire(self, keep)
 
     monkeypatch.setattr(engine_mod._progress_bar, "tokens", record)
-    monkeypatch.setattr(speculative.SpeculativeRounds, "retire", logged)
+    monkeypatch.setattr(speculative.SpeculativeRounds, "keep_rows", logged)
     monkeypatch.setenv("VVS_RETIRE_FINISHED", "1")
     eng.generate(class_labels=[i % 5 for i in range(7)], temperature=1.0, top_k=20, cfg_scale=3.0, method=method,
                  seed=4, batch_size=8, decode_images=False, progress=True, **opts)
@@ -273,7 +280,7 @@ def test_rounds_never_touch_the_host(eng, method, opts, temperature):
         batch = DecodeBatch(cond, km, CounterRNG(0, torch.arange(2)), 2)
         rounds = Watched(eng, batch, params, o, speculative.make_rule_for(eng, o))
         with mode:
-            result = speculative.decode(rounds, sched.make(o, eng), batch)
+            result = _decode(rounds, batch)
     assert result.stats["verified_steps"] > 0
     assert mode.seen == [], sorted(set(mode.seen))
 
@@ -301,9 +308,10 @@ class _OpsBetweenRounds(TorchDispatchMode):
 @pytest.mark.parametrize("opts", [dict(accept="lantern"), dict(accept="lantern", skip_policy="uniform"),
                                   dict(accept="lantern", skip_policy="dynamic", skip_threshold=0.0)], ids=str)
 def test_no_compute_op_between_round_calls(eng, opts, monkeypatch):
-    """Steady state on the runner path: from the first round to the last, every compute op runs inside
-    a round function; the host loop only copies the flags it reads late. (Retiring finished sequences,
-    at most log2(B) gathers per batch between two rounds, is off here.)"""
+    """Steady state on the loop: from the first round to the last, every compute op runs inside a round
+    function; the loop only copies the status it reads late. (Retiring finished sequences, at most
+    log2(B) gathers per run between two rounds, is off here; collecting a finished image's results,
+    once per image, is allowed.)"""
     monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")
     params = SamplingParams(temperature=1.0, cfg_scale=3.0)
     mode = _OpsBetweenRounds()
@@ -316,15 +324,23 @@ def test_no_compute_op_between_round_calls(eng, opts, monkeypatch):
         cond, km = eng.condition_rows([0, 3], None, True)
         batch = DecodeBatch(cond, km, CounterRNG(0, torch.arange(2)), 2)
         rounds = Watched(eng, batch, params, o, speculative.make_rule_for(eng, o))
-        real_result = rounds.result
-        rounds.result = lambda: (setattr(mode, "started", False), real_result())[1]  # results: after the loop
+        real_collect = rounds.collect
+
+        def collect(rows):  # once per finished image: its results to the host
+            mode.in_round = True
+            try:
+                return real_collect(rows)
+            finally:
+                mode.in_round = False
+
+        rounds.collect = collect
         with mode:
-            result = speculative.decode(rounds, sched.make(o, eng), batch)
+            result = _decode(rounds, batch)
     assert mode.outside == [], mode.outside[:10]
     assert result.stats["verified_steps"] > 0
 
 
-# GPU-only extras: VVS-D (its skip decision read one round late), GSD's rule on a dynamic tree, greedy.
+# GPU-only extras: VVS-D (decided per sequence on the device), GSD's rule on a dynamic tree, greedy.
 GPU_METHODS = METHODS + [
     ("vvs", {"skip_policy": "dynamic", "skip_threshold": -1.0}),
     ("vvs", {"skip_policy": "dynamic", "skip_threshold": -1.0, "post_verify": "reject"}),
@@ -349,7 +365,7 @@ def test_gpu_round_graphs_replay_equals_eager():
 
 # Option sets whose verify / skip rounds differ: relaxed acceptance with a skip schedule, exact
 # acceptance, and post-verification rollback (reject) with confidence selection and repeated features.
-# Also: CASCADE's torch walk, GSD's rule, VVS-D (path agreement in the flags), a sampled static tree, greedy.
+# Also: CASCADE's torch walk, GSD's rule, VVS-D (path agreement in the status), a sampled static tree, greedy.
 ROUND_OPTIONS = [dict(accept="lantern", skip_policy="uniform"), dict(accept="exact", skip_policy="uniform"),
                  dict(skip_policy="uniform", post_verify="reject", select="confidence", feature_reuse="repeat"),
                  dict(accept="cascade"), dict(accept="gsd"), dict(skip_policy="dynamic", skip_threshold=-1.0),
@@ -369,7 +385,9 @@ def _replay_every_round_kind(e, use_graphs, sync_check, temperature=1.0, **opts)
                               "skip": rounds.skip_round}, rounds.state.buffers(), use_graphs=use_graphs)
         for kind in ("verify", "skip", "verify_after_skip"):  # capture each kind
             graphs(kind)
-        counters = speculative.LateRead(rounds.state.flags)
+        from vvs_engine.runtime.loop import LateRead
+
+        counters = LateRead(rounds.state.status)
         counters.push()
         if sync_check:
             torch.cuda.synchronize()

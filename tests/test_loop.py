@@ -22,8 +22,15 @@ NO_GPU = "no CUDA device: CUDA-graph replay of the loop's rounds needs a GPU (be
 if not GPU:
     print(f"\n[test_loop] GPU tests skipped: {NO_GPU}")
 
+TREE = dict(tree_total=8, tree_depth=3, tree_topk=3)
 LOOP_METHODS = [("ar", {}), ("sjd", {"jacobi_window": 6}), ("gsd", {"gsd_group": 4, "jacobi_window": 6}),
-                ("scd", {"jacobi_window": 6}), ("sjd-pac", {"jacobi_window": 12, "pac_width": 2, "pac_depth": 3})]
+                ("scd", {"jacobi_window": 6}), ("sjd-pac", {"jacobi_window": 12, "pac_width": 2, "pac_depth": 3}),
+                ("eagle", TREE), ("lantern", TREE), ("lantern++", {}), ("cascade", {}),
+                ("vvs", dict(TREE, skip_policy="uniform", skip_interval=2)),
+                ("vvs", dict(TREE, skip_policy="dynamic", skip_threshold=0.0, post_verify="reject")),
+                ("zipar", {"zipar_window": 2}), ("zipar", {"zipar_window": 2, "zipar_verify": "sjd"})]
+IDS = [f"vvs-{o['skip_policy']}" if m == "vvs" else f"zipar-{o.get('zipar_verify', 'none')}" if m == "zipar" else m
+       for m, o in LOOP_METHODS]
 LABELS = [0, 3, 4, 1, 2, 0, 3]  # 7 images: with 2 or 3 rows, most are admitted into a running batch
 
 
@@ -34,7 +41,7 @@ def eng():
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=20, cfg_scale=3.0), dict(temperature=0.0)],
                          ids=["sampled", "greedy"])
-@pytest.mark.parametrize("method,opts", LOOP_METHODS, ids=[m for m, _ in LOOP_METHODS])
+@pytest.mark.parametrize("method,opts", LOOP_METHODS, ids=IDS)
 def test_tokens_do_not_depend_on_admission_or_batch_mates(eng, method, opts, sampling):
     kw = dict(class_labels=LABELS, method=method, seed=7, decode_images=False, **opts, **sampling)
     static = eng.generate(batch_size=4, static_batches=True, **kw)
@@ -47,6 +54,8 @@ def test_tokens_do_not_depend_on_admission_or_batch_mates(eng, method, opts, sam
     # the same work per image, whichever way it was batched
     assert continuous.stats["per_image"] == static.stats["per_image"]
     assert continuous.stats["target_forward_passes"] == static.stats["target_forward_passes"]
+    if method == "vvs":  # skips decided per sequence: some happened, and the same ones either way
+        assert continuous.stats["skip_steps"] == static.stats["skip_steps"] > 0
 
 
 def test_continuous_batching_keeps_rows_busy(eng):
@@ -128,13 +137,23 @@ def test_late_read_is_one_push_behind():
     assert late.read() == [5, 5, 5]
 
 
-def test_every_registered_method_says_whether_it_runs_on_the_loop(eng):
-    """Methods on the loop build decoders with the whole protocol; the others (not yet moved) run their
-    own loops through the static-batch path. The list of loop methods is checked explicitly."""
+def test_every_registered_method_is_a_decoder_of_the_loop(eng):
+    """Every registered method builds a decoder with the whole protocol, and this file's identity test
+    covers every one of them."""
     from vvs_engine.methods import method_names
+    from vvs_engine.methods.common import DecodeBatch
+    from vvs_engine.rng import CounterRNG
 
-    loop_methods = {name for name in method_names() if getattr(get_method(name, eng, {})[0], "decoder", False)}
-    assert {m for m, _ in LOOP_METHODS} <= loop_methods
+    protocol = ("round_functions", "round_buffers", "status", "next_kind", "admit", "keep_rows", "collect",
+                "summarize")
+    params = SamplingParams(1.0, 0, 1.0, 3.0)
+    cond, km = eng.condition_rows([1], None, True)
+    for name in method_names():
+        make, opts = get_method(name, eng, {})
+        with torch.inference_mode():
+            decoder = make(eng, DecodeBatch(cond, km, CounterRNG(0, torch.zeros(1, dtype=torch.long)), 1), params, opts)
+        assert all(callable(getattr(decoder, attr, None)) for attr in protocol), name
+    assert set(method_names()) == {m for m, _ in LOOP_METHODS}
 
 
 # --- GPU only ---------------------------------------------------------------------------------------

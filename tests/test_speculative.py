@@ -291,18 +291,20 @@ def test_kv_after_compaction_equals_fresh_forward(eng):
 
 
 def decode_rounds(eng, labels, params, seed=0, **opts):
-    """Run the speculative loop on one batch and return its rounds object (caches and state)."""
+    """Run the speculative decoder on one batch on the one loop (every row kept to the end) and return
+    it (caches and state) with the loop's result."""
     from vvs_engine.methods import get_method
-    from vvs_engine.methods import schedule as sched
     from vvs_engine.methods.common import DecodeBatch
     from vvs_engine.rng import CounterRNG
+    from vvs_engine.runtime import loop
 
     _, o = get_method("eagle", eng, opts)
     with torch.inference_mode():
         cond, km = eng.condition_rows(labels, None, params.use_cfg)
         batch = DecodeBatch(cond, km, CounterRNG(seed, torch.arange(len(labels))), len(labels))
         rounds = speculative.SpeculativeRounds(eng, batch, params, o, speculative.make_rule_for(eng, o))
-        result = speculative.decode(rounds, sched.make(o, eng), batch)
+        result = loop.run(lambda b: rounds, lambda images, pad: batch, len(labels), len(labels), rounds.T,
+                          retire=False)
     return rounds, result
 
 

@@ -165,9 +165,10 @@ def test_mask_matches_the_reference_and_slots_are_written_once(eng, monkeypatch,
     assert all(torch.equal(e["mask"][:2], e["mask"][2:]) for e in rounds)  # both CFG rows see the same
     if verify == "none":  # the device serves the plan's rows and columns (positions: raster, start = predecessor)
         plan = fixed_window_plan(row_geometry(eng.gpt), s)
-        assert len(rounds) == len(plan)
-        for e, lanes in zip(rounds, plan):
-            assert e["positions"][0].tolist() == [c + l.row * 6 + l.fed_column for l in lanes]
+        # one forward per plan step, and one more: the loop reads the images' progress one round late
+        assert len(rounds) == len(plan) + 1
+        for e, lanes in zip(rounds, plan):  # the round serves R lanes; the plan's rows come first
+            assert e["positions"][0].tolist()[: len(lanes)] == [c + l.row * 6 + l.fed_column for l in lanes]
 
 
 @pytest.mark.parametrize("verify", ["none", "sjd"])
@@ -296,8 +297,8 @@ def committed_scores(eng, opts, n_images, seed, rule=None):
     batch = DecodeBatch(cond, key_mask, CounterRNG(seed, torch.arange(n_images)), n_images)
     scores = []
     with torch.inference_mode():
-        dec = ZipARDecoder(eng, batch, params, o, rule)
-        st = dec.prefill()
+        dec = ZipARDecoder.start(eng, batch, params, o, rule)
+        st = dec.state
         seen = {}
         processed = dec.processed
 

@@ -258,9 +258,10 @@ class Engine:
         from .runtime.compiled import resolve as resolve_compile
         from .methods.common import DecodeBatch, retire_finished
         from .rng import CounterRNG
+        from .runtime import loop
 
         params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
-        run, opts = get_method(method, self, method_opts)
+        make_decoder, opts = get_method(method, self, method_opts)
         check_seed(seed)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise VVSError(f"batch-size must be an integer >= 1, got {batch_size!r}")
@@ -296,56 +297,30 @@ class Engine:
                                                  [prompts[i] for i in pick] if labels is None else None,
                                                  params.use_cfg, clean_captions)
             index = torch.tensor([image_indices[i] for i in pick], dtype=torch.long, device=self.device)
-            return DecodeBatch(cond, key_mask, CounterRNG(seed, index), len(images),
-                               on_tokens=bar.tokens if bar is not None else None, use_graphs=use_graphs,
-                               compile=compile)
+            return DecodeBatch(cond, key_mask, CounterRNG(seed, index), len(images))
 
-        with torch.inference_mode():
-            if getattr(run, "decoder", False):  # the one loop (runtime.loop)
-                from .runtime import loop
-
-                out = loop.run(lambda batch: run(self, batch, params, opts), batch_of, n, min(batch_size, n),
-                               self.tokens_per_image, static=static_batches, compile=compile,
-                               use_graphs=use_graphs, retire=retire_finished(),
-                               on_tokens=bar.tokens if bar is not None else None,
-                               on_images=bar.images if bar is not None else None)
-                tokens, passes = [out.tokens], [out.counters["passes"].double()]
-                method_stats = [out.stats]
-            else:  # methods not yet on the one loop: a static batch per call of the method's own loop
-                tokens, passes, method_stats = [], [], []
-                for lo in range(0, n, batch_size):
-                    hi = min(n, lo + batch_size)
-                    batch = batch_of(list(range(lo, hi)), batch_bucket(hi - lo))
-                    res = run(self, batch, params, opts)
-                    tokens.append(res.tokens[: hi - lo].cpu())  # one host sync per batch
-                    passes.append(res.image_passes[: hi - lo].double().cpu())
-                    method_stats.append(res.stats)
-                    if bar is not None:
-                        bar.images(hi - lo)
+        with torch.inference_mode():  # the one loop (runtime.loop): every method is a decoder on it
+            out = loop.run(lambda batch: make_decoder(self, batch, params, opts), batch_of, n, min(batch_size, n),
+                           self.tokens_per_image, static=static_batches, compile=compile, use_graphs=use_graphs,
+                           retire=retire_finished(), on_tokens=bar.tokens if bar is not None else None,
+                           on_images=bar.images if bar is not None else None)
         if bar is not None:
             bar.close()
-        tokens = torch.cat(tokens)
+        tokens = out.tokens
         from .kernels.bounds import raise_if_set
 
         raise_if_set(self.device, f"{method} generation")  # bad indices met by a compiled kernel
         wall = time.perf_counter() - t0
         stats = {"method": method, "n_images": n, "tokens_per_image": self.tokens_per_image,
-                 "batch_size": batch_size, "static_batches": bool(static_batches)}
-        merge = getattr(run, "merge_stats", None)  # a runner may say how its counters combine
-        stats.update(merge(method_stats) if merge is not None else _merge_stats(method_stats))
-        compiled = {}  # per round kind: compiled in every batch that ran it
-        for st in method_stats:
-            for kind, ok in st.get("compiled", {}).items():
-                compiled[kind] = compiled.get(kind, True) and bool(ok)
-        stats["compiled"] = compiled
+                 "batch_size": batch_size, "static_batches": bool(static_batches), **out.stats}
         stats["tokens_generated"] = n * self.tokens_per_image
         f = stats["target_forward_passes"]
         stats["tpf"] = stats["tokens_generated"] / f if f else float("inf")
-        per_image = self.tokens_per_image / torch.cat(passes).clamp(min=1e-9)  # TPF of each image
+        all_passes = out.counters["passes"].double()
+        per_image = self.tokens_per_image / all_passes.clamp(min=1e-9)  # TPF of each image
         stats["tpf_per_image"] = {"min": float(per_image.min()), "median": float(per_image.median()),
                                   "max": float(per_image.max())}
         stats["wall_time_s"] = wall
-        all_passes = torch.cat(passes)
         stats["per_image"] = {"target_forward_passes": [int(x) if float(x).is_integer() else float(x)
                                                         for x in all_passes.tolist()]}
         from dataclasses import asdict, is_dataclass
@@ -354,7 +329,6 @@ class Engine:
         stats["sampling"] = params.to_dict()
         stats["seed"] = seed
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
-        stats.setdefault("cuda_graphs", False)
         from .kernels.flash import describe
 
         # prompts are the conditions that carry a caption key mask
@@ -521,7 +495,9 @@ def decode_bytes(shape: ModelShape, opts, batch: int, use_cfg: bool, dtype) -> i
     caches (target and drafter), the logits of one verification forward (fp32, a few working copies),
     its attention scores and masks, and LANTERN's neighbour table."""
     elt = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
-    rows = batch_bucket(batch) * (2 if use_cfg else 1)
+    from .runtime.loop import batch_bucket
+
+    rows = batch_bucket(batch) * (2 if use_cfg else 1)  # at most: the rows in flight, or a padded static batch
     T, V = shape.tokens_per_image, shape.vocab_size
     queries, extra, drafter = 1, 8, False
     spec = opts.tree_spec() if hasattr(opts, "tree_spec") else None
@@ -586,41 +562,6 @@ def check_batch_fits(shape: ModelShape, opts, n_images: int, batch_size: int, us
 
 
 # --- batching -----------------------------------------------------------------------------------
-def batch_bucket(n: int) -> int:
-    """Static batch shapes: a batch of n images is padded to the next power of two."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _merge_stats(per_batch: List[dict]) -> dict:
-    """Counters summed over batches; other entries (options, flags) taken from the first batch."""
-    out = {}
-    for st in per_batch:
-        for k, v in st.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float, dict)):
-                out.setdefault(k, v)
-            elif isinstance(v, dict):
-                d = out.setdefault(k, {})
-                if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()):
-                    for kk, vv in v.items():
-                        d[kk] = d.get(kk, 0) + vv
-            elif k in ("mean_accepted_length",):  # a mean over verified rounds: weighted by their count
-                rounds = st.get("verified_steps", st.get("target_forward_passes", 1))
-                out.setdefault("_" + k, []).append((v, rounds))
-            else:
-                out[k] = out.get(k, 0) + v
-    if "_mean_accepted_length" in out:
-        pairs = out.pop("_mean_accepted_length")
-        w = sum(n for _, n in pairs)
-        out["mean_accepted_length"] = sum(v * n for v, n in pairs) / w if w else 0.0
-    rates = out.get("acceptance_rate_by_depth")
-    if rates and len(per_batch) > 1:  # averaged over verified rounds, like one batch reports it
-        w = sum(st.get("verified_steps", 0) for st in per_batch)
-        out["acceptance_rate_by_depth"] = {
-            k: sum(st["acceptance_rate_by_depth"].get(k, 0.0) * st.get("verified_steps", 0) for st in per_batch)
-            / w if w else 0.0 for k in rates}
-    return out
-
-
 class _progress_bar:
     """Images finished, and the tokens committed over all images, on one tqdm bar."""
 

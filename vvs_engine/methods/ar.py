@@ -115,6 +115,3 @@ class ARDecoder:
 @register("ar")
 def run_ar(engine, batch: DecodeBatch, params, opts) -> ARDecoder:
     return ARDecoder(engine, batch, params)
-
-
-run_ar.decoder = True  # the registered function builds a runtime.loop decoder

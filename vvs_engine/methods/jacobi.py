@@ -521,7 +521,3 @@ def summary(hist, carried: int, batch_iterations: int, window: int) -> dict:
         "accepted_drafts_carried": carried,
         "accepted_drafts_fresh": accepted - carried,
     }
-
-
-for _runner in (run_sjd, run_gsd):
-    _runner.decoder = True  # the registered function builds a runtime.loop decoder

@@ -29,6 +29,3 @@ from .jacobi import JacobiDecoder, SCDOptions
 @register("scd", SCDOptions)
 def run_scd(engine, batch: DecodeBatch, params, opts: SCDOptions) -> JacobiDecoder:
     return JacobiDecoder.start(engine, batch, params, opts, ExactRule())
-
-
-run_scd.decoder = True

@@ -1,20 +1,21 @@
-"""When a batch skips verification (VVS module 3).
+"""When a sequence skips verification (VVS module 3).
 
-Rules common to every policy: never two skips in a row; never while 5 or fewer tokens are committed
-(the feature cache must hold enough target features to reuse). A skip round saves the target forward
-only if no sequence of the batch verifies in it, so the whole batch skips or verifies together.
+Every sequence follows its own schedule (``SpeculativeRounds.wants_skip``, on the device): a round
+kind is run for the batch, and a sequence takes part only if it is the kind it wants; the others sit
+it out (their state is restored), so a sequence's rounds depend on nothing but itself — not on its
+batch-mates, not on when it was admitted. Rules common to every policy: never two skips in a row;
+never while 5 or fewer tokens are committed (the feature cache must hold enough target features to
+reuse).
 
-* ``uniform`` (VVS-U, a shared schedule): skip on rounds ``r >= 5`` with ``r % interval == 1``
-  (interval 2 = every other round, 4 = one in four, 1 = never). Every round of an unfinished sequence
-  commits at least one token, so after 5 rounds every sequence has more than 5; the schedule is a
-  function of the round number alone, hence the same for an image at any batch size.
-* ``dynamic`` (VVS-D): each sequence wants to skip when its draft tree's paths agree: keep every other
+* ``uniform`` (VVS-U): skip on the sequence's own rounds ``r >= 5`` with ``r % interval == 1``
+  (interval 2 = every other round, 4 = one in four, 1 = never), counting the rounds it took part in.
+  The host follows each sequence's schedule exactly and runs the kind most of them want.
+* ``dynamic`` (VVS-D): a sequence wants to skip when its draft tree's paths agree: keep every other
   root-to-leaf path, map tokens (root excluded) to L2-normalised VQ codebook vectors, per-depth cosine
-  similarity of every pair of paths (0 where one is shorter), weighted by ``0.9^l / Σ 0.9^l``, averaged
-  over pairs; it wants to skip iff that mean >= threshold (and it has more than 5 tokens). The batch
-  skips only when every unfinished sequence wants to. The decision is computed on the device and read
-  one round late: round r + 1 is decided from the tree that round r consumed. An image's tokens then
-  depend on its batch-mates (they can veto its skips): VVS-D is not batch-invariant; VVS-U is.
+  similarity of every pair of paths (0 where one is shorter), weighted by ``0.9^l / sum 0.9^l``,
+  averaged over pairs; it wants to skip iff that mean >= threshold. Decided on the device from the tree
+  the round consumes; the host picks the kind from the count of sequences wanting to skip, read one
+  round late (that choice only decides who waits, never a token).
 """
 from __future__ import annotations
 
@@ -23,26 +24,6 @@ import torch
 MIN_TOKENS_BEFORE_SKIP = 5
 FIRST_SKIP_ROUND = MIN_TOKENS_BEFORE_SKIP  # rounds 0..4 commit >= 5 tokens after the root
 DEPTH_DECAY = 0.9
-
-
-class Never:
-    def skip(self, round_index: int, last_skip: bool, batch_wants_skip: bool) -> bool:
-        return False
-
-
-class Uniform:
-    def __init__(self, interval: int):
-        self.interval = interval
-
-    def skip(self, round_index: int, last_skip: bool, batch_wants_skip: bool) -> bool:
-        if last_skip or round_index < FIRST_SKIP_ROUND or self.interval == 1:
-            return False
-        return round_index % self.interval == 1
-
-
-class Dynamic:
-    def skip(self, round_index: int, last_skip: bool, batch_wants_skip: bool) -> bool:
-        return batch_wants_skip and not last_skip
 
 
 def path_similarity(tree, codebook: torch.Tensor) -> torch.Tensor:
@@ -66,11 +47,3 @@ def path_similarity(tree, codebook: torch.Tensor) -> torch.Tensor:
     n_pairs = pairs.sum((1, 2))
     mean = (per_pair * pairs).sum((1, 2)) / n_pairs.clamp(min=1)
     return torch.where(n_pairs > 0, mean, torch.zeros_like(mean))
-
-
-def make(opts, engine):
-    if opts.skip_policy == "uniform":
-        return Uniform(opts.skip_interval)
-    if opts.skip_policy == "dynamic":
-        return Dynamic()
-    return Never()

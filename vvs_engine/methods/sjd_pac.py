@@ -495,6 +495,3 @@ class PACDecoder(JacobiDecoder):
 @register("sjd-pac", SJDPACOptions)
 def run_sjd_pac(engine, batch: DecodeBatch, params, opts: SJDPACOptions) -> PACDecoder:
     return PACDecoder.start(engine, batch, params, opts, ExactRule())
-
-
-run_sjd_pac.decoder = True

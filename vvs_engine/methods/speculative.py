@@ -19,10 +19,8 @@ index and the round number, so an image's tokens do not depend on its batch-mate
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -33,10 +31,9 @@ from ..drafting.session import DraftSession, TreeSpec
 from ..drafting.tree import STATIC_TREES, DraftTree
 from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
-from ..runtime.loop import LateRead
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
-from .common import DecodeBatch, MethodResult, retire_finished, rows_to_keep
+from .common import DecodeBatch
 from .options import option
 from . import schedule as sched
 
@@ -118,16 +115,15 @@ class SpecOptions:
         return TreeSpec(self.tree or "dynamic", self.tree_total, self.tree_depth, self.tree_topk, self.static_tree)
 
 
-def run(engine, batch: DecodeBatch, params, opts: SpecOptions) -> MethodResult:
-    """Decode one batch with the configured tree, rule and skip schedule."""
+def run(engine, batch: DecodeBatch, params, opts: SpecOptions) -> "SpeculativeRounds":
+    """A prefilled decoder of ``runtime.loop`` for the configured tree, rule and skip schedule."""
     gsd_keys = ("gsd_group", "gsd_prob_threshold", "gsd_dist_threshold", "gsd_window_edge")
     if opts.accept == "gsd":
         gsd = {k: getattr(opts, k) for k in gsd_keys if getattr(opts, k) is not None}
         opts.rule_options = {**gsd, **opts.rule_options}
     elif any(getattr(opts, k) is not None for k in gsd_keys):
         raise VVSError("--gsd-* options need --accept gsd (or --method gsd)")
-    rounds = SpeculativeRounds(engine, batch, params, opts, make_rule_for(engine, opts))
-    return decode(rounds, sched.make(opts, engine), batch, batch.use_graphs)
+    return SpeculativeRounds(engine, batch, params, opts, make_rule_for(engine, opts))
 
 
 def make_rule_for(engine, opts: SpecOptions):
@@ -153,8 +149,9 @@ class DecodeState:
     tree: DraftTree  # the tree the next round verifies or skips along
     chain_tokens: torch.Tensor  # [B, Cmax] the skipped chain (old root + drafts) awaiting post-verification
     chain_len: torch.Tensor  # [B] its length (0: nothing pending or the sequence had finished)
-    round: torch.Tensor  # [B] round counter: the random-number step of every draw
-    flags: torch.Tensor  # [4] all real sequences finished, the batch wants to skip, tokens committed, unfinished
+    round: torch.Tensor  # [B] the sequence's own round counter (rounds it took part in): its random-number step
+    status: torch.Tensor  # [B + 1] what the loop reads: tokens committed without a pending chain per sequence
+    #                       (>= T: finished), then how many unfinished sequences want to skip next
     # statistics, per sequence
     target_passes: torch.Tensor  # [B] verify rounds while the sequence was unfinished
     skipped: torch.Tensor  # [B] skip rounds while unfinished
@@ -166,13 +163,16 @@ class DecodeState:
         """Every tensor a round writes (saved and restored around CUDA-graph warm-up)."""
         tree = [getattr(self.tree, f) for f in TREE_BUFFERS]
         own = [self.out, self.n_out, self.target_len, self.draft_len, self.feats, self.chain_tokens, self.chain_len,
-               self.round, self.flags, self.target_passes, self.skipped, self.accepted_hist, self.skip_hist,
-               self.rolled_back]
+               self.round, self.status] + [getattr(self, name) for name in SEQUENCE_STATS]
         return own + [t for t in tree if t is not None]
 
 
-# What result() reads, per sequence.
-RESULT_BUFFERS = ("out", "target_passes", "accepted_hist", "skip_hist", "rolled_back")
+# Per-sequence statistics (collected per image by the loop).
+SEQUENCE_STATS = ("target_passes", "skipped", "accepted_hist", "skip_hist", "rolled_back")
+# Per-sequence state a round restores for the sequences that sit it out (VVS: a sequence takes part
+# only in the round kind it wants); the tree's fields come on top. Slots past a sequence's committed
+# lengths (KV caches, features, out) need no restoring: nothing reads them before they are rewritten.
+SEQUENCE_STATE = ("n_out", "target_len", "draft_len", "chain_tokens", "chain_len", "round") + SEQUENCE_STATS
 
 # The tensors of a DraftTree that rounds rewrite in place (optional ones may be None).
 TREE_BUFFERS = ("tokens", "parents", "mask", "depth", "paths", "is_leaf", "children", "q", "draft_logp",
@@ -198,7 +198,6 @@ class SpeculativeRounds:
 
     def __init__(self, engine, batch: DecodeBatch, params, opts: SpecOptions, rule):
         self.engine, self.params, self.opts, self.rule, self.rng = engine, params, opts, rule, batch.rng
-        self.n_real = batch.n_real
         B = self.batch = batch.size
         spec = opts.tree_spec()
         self.nodes = spec.max_nodes
@@ -218,7 +217,6 @@ class SpeculativeRounds:
         # Constant index vectors of the rounds, made once (a round spends no op on them).
         self.path_slots = torch.arange(self.max_depth + 1, device=self.dev)
         self.chain_slots = torch.arange(self.chain_width, device=self.dev)
-        self.no_skip = torch.zeros((), dtype=torch.long, device=self.dev)
         self.verify_streams = self.rng.stream_offsets([Streams.ACCEPT, Streams.SAMPLE])
         self.skip_stream = self.rng.stream_offsets([Streams.SKIP])
         self.node_lanes = self.rng.lane_offsets(self.nodes)  # made here, outside any compiled round
@@ -228,8 +226,10 @@ class SpeculativeRounds:
         self.seq_ids = torch.arange(B, device=self.dev)  # index vectors of the buffer writes
         self.row_ids = torch.arange(s.rows, device=self.dev)
         self.state = self._prefill()
-        # after a retirement: the batch row of each current sequence, and the results of every row
-        self.origin, self.final, self.batch_n_real = torch.arange(B, device=self.dev), None, batch.n_real
+        # VVS-U's per-sequence schedule, followed on the host (it is a function of each sequence's own
+        # rounds): rounds taken part in, and whether the last one was a skip
+        self.own_rounds, self.own_skipped = [0] * B, [False] * B
+        self.verifies_since_skip = 0
 
     # --- helpers ---------------------------------------------------------------------------------------
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,34 +278,61 @@ class SpeculativeRounds:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
         st = DecodeState(out=out, n_out=torch.ones(B, dtype=torch.long, device=dev), target_len=length.clone(),
                          draft_len=length.clone(), feats=feats, tree=tree, chain_tokens=zeros(B, self.chain_width),
-                         chain_len=zeros(B), round=round0, flags=zeros(4), target_passes=zeros(B), skipped=zeros(B),
+                         chain_len=zeros(B), round=round0, status=zeros(B + 1), target_passes=zeros(B), skipped=zeros(B),
                          accepted_hist=zeros(B, Dmax + 1), skip_hist=zeros(B, Dmax + 1), rolled_back=zeros(B))
-        self._update_flags(st)
+        self._update_status(st)
         return st
 
-    def _update_flags(self, st: DecodeState) -> None:
-        """[all real sequences finished, every unfinished real sequence wants to skip, tokens committed,
-        unfinished real sequences]."""
-        n = self.n_real
-        # A sequence that a skip carried past the end is not finished until post-verification keeps it.
-        uncommitted = (st.n_out - st.chain_len)[:n]
-        finished = (uncommitted.min() >= self.T).long()
-        wants = self.no_skip
-        if self.skip_codebook is not None:  # VVS-D: per-sequence decision, the batch skips only if all agree
-            active = uncommitted < self.T
-            similar = sched.path_similarity(st.tree, self.skip_codebook)[:n] >= self.opts.skip_threshold
-            agree = (similar & (st.n_out[:n] > sched.MIN_TOKENS_BEFORE_SKIP)) | ~active
-            wants = (agree.all() & active.any()).long()
-        flags = torch.stack([finished, wants, st.n_out[:n].clamp(max=self.T).sum(), (uncommitted < self.T).sum()])
-        st.flags.copy_(flags)
+    def _update_status(self, st: DecodeState) -> None:
+        """[committed tokens without a pending chain per sequence, sequences wanting to skip]."""
+        wants = self.wants_skip(st)
+        st.status.copy_(torch.cat([st.n_out - st.chain_len, wants.long().sum()[None]]))
+
+    def wants_skip(self, st: DecodeState) -> torch.Tensor:
+        """[B] bool: the sequence would take part in a skip round now (VVS). Never twice in a row (a
+        pending chain), never before it has more than 5 tokens, never when finished; VVS-U: on its own
+        rounds r >= 5 with r % interval == 1; VVS-D: when its tree's paths agree."""
+        policy = self.opts.skip_policy
+        if policy == "never":
+            return torch.zeros_like(st.chain_len, dtype=torch.bool)
+        can = ((st.n_out - st.chain_len) < self.T) & (st.chain_len == 0) & (st.n_out > sched.MIN_TOKENS_BEFORE_SKIP)
+        if policy == "uniform":
+            interval = self.opts.skip_interval
+            return can & (st.round >= sched.FIRST_SKIP_ROUND) & (st.round % interval == 1) & (interval > 1)
+        return can & (sched.path_similarity(st.tree, self.skip_codebook) >= self.opts.skip_threshold)
 
     # --- rounds ----------------------------------------------------------------------------------------
     def verify_round(self) -> None:
-        self._verify(with_chain=False)
+        self._take_part(lambda: self._verify(with_chain=False), skip=False)
 
     def verify_after_skip(self) -> None:
-        """The verify round right after a skip: the skipped chain rides along, causal, for post-verification."""
-        self._verify(with_chain=True)
+        """The verify round right after a skip: the skipped chain rides along, causal, for post-verification
+        (a sequence without a chain verifies as in a plain verify round)."""
+        self._take_part(lambda: self._verify(with_chain=True), skip=False)
+
+    def skip_round(self) -> None:
+        """VVS: commit a truncated tree path without the target; draft the next tree from stale features."""
+        self._take_part(self._skip, skip=True)
+
+    def _take_part(self, body, skip: bool) -> None:
+        """Run a round for the sequences that want this kind; with a skip schedule the others sit it
+        out: their per-sequence state is restored, so a sequence's rounds depend on its own state alone
+        (not on its batch-mates, nor on when it was admitted)."""
+        st = self.state
+        if self.opts.skip_policy == "never":
+            body()
+            self._update_status(st)
+            return
+        moving = self.wants_skip(st) == skip  # [B]
+        names = list(SEQUENCE_STATE) + [f for f in TREE_BUFFERS if getattr(st.tree, f) is not None]
+        owner = lambda name: st.tree if name in TREE_BUFFERS else st
+        saved = [getattr(owner(name), name).clone() for name in names]
+        body()
+        for name, old in zip(names, saved):
+            buf = getattr(owner(name), name)
+            rows = self.rows_of(moving) if buf.shape[0] != self.batch else moving
+            buf.copy_(torch.where(rows.view(-1, *[1] * (buf.dim() - 1)), buf, old))
+        self._update_status(st)
 
     def _verify(self, with_chain: bool) -> None:
         st, s, tree, params = self.state, self.target, self.state.tree, self.params
@@ -381,7 +408,6 @@ class SpeculativeRounds:
             st.chain_len.zero_()
         st.round.add_(1)
         _copy_tree_(st.tree, self.draft.build(root, h_root, draft_len, self.rng, st.round))
-        self._update_flags(st)
 
     def _check_chain(self, chain_logits, a, active):
         """post_verify=reject: test the a tokens committed unverified (chain[1:a] and the new root)
@@ -406,8 +432,7 @@ class SpeculativeRounds:
         token = residual.argmax(-1) if self.params.greedy else sample_inverse_cdf(residual, u[:, Cmax])
         return rollback, k + 1, token
 
-    def skip_round(self) -> None:
-        """VVS: commit a truncated tree path without the target; draft the next tree from stale features."""
+    def _skip(self) -> None:
         st, tree = self.state, self.state.tree
         B, Dmax = self.batch, self.max_depth
         active = st.n_out < self.T
@@ -435,7 +460,6 @@ class SpeculativeRounds:
         st.draft_len.add_(committed)
         st.round.add_(1)
         _copy_tree_(st.tree, self.draft.build(root, h_root, st.draft_len, self.rng, st.round))
-        self._update_flags(st)
 
     def _select_path(self, tree: DraftTree) -> torch.Tensor:
         """A root-to-leaf path per sequence: uniform over leaves (VVS default), or the most confident."""
@@ -451,52 +475,101 @@ class SpeculativeRounds:
             score = (lp.gather(1, tree.paths.clamp(min=0).flatten(1)).view(B, N, W) * on_path).sum(2)
         return torch.where(leaf, score, torch.full_like(score, -float("inf"))).argmax(1)
 
-    # --- retiring finished sequences ------------------------------------------------------------------
-    def retire(self, keep: torch.Tensor, n_real: int) -> None:
-        """Go on with sequences ``keep`` [B'] only (the first ``n_real`` real ones): per-sequence buffers,
-        both CFG halves of the target and drafter caches and the RNG keys are gathered. Every sequence
-        decodes on its own, so the kept ones' tokens do not change; the rest stop costing compute."""
-        self._store_rows()
-        st, rows = self.state, torch.cat([keep, keep + self.batch]) if self.params.use_cfg else keep
-        for cache in (self.target.kv, self.draft.kv):
-            cache.k, cache.v = cache.k.index_select(1, rows), cache.v.index_select(1, rows)
-        t = self.target
-        t.key_valid, t.cond_rows, t.n, t.rows = t.key_valid.index_select(0, rows), t.cond_rows.index_select(0, rows), \
-            keep.numel(), rows.numel()
-        d = self.draft
-        d.rows, d.batch = rows.numel(), keep.numel()
-        if d._tables is not None:  # constant tables shaped by the batch
-            d._tables = d._dynamic_tables()
-        self.rng, self.batch, self.n_real = self.rng.rows(keep), keep.numel(), n_real
-        self.origin = self.origin.index_select(0, keep)
-        for name in ("out", "n_out", "target_len", "draft_len", "chain_tokens", "chain_len", "round", "target_passes",
-                     "skipped", "accepted_hist", "skip_hist", "rolled_back"):
+    # --- the decoder protocol of runtime.loop ----------------------------------------------------------
+    def round_functions(self) -> dict:
+        rounds = {"verify": self.verify_round}
+        if self.opts.skip_policy != "never":
+            rounds.update(verify_after_skip=self.verify_after_skip, skip=self.skip_round)
+        return rounds
+
+    def round_buffers(self) -> list:
+        return self.state.buffers()
+
+    def status(self) -> torch.Tensor:
+        return self.state.status
+
+    def next_kind(self, last_kind, late) -> str:
+        """Verify, unless the skip schedule says most sequences want to skip. After a skip always a
+        verify round with the chains (post-verification). VVS-U: the host follows each sequence's own
+        schedule exactly; VVS-D: from the late count of sequences wanting to skip (the device decides
+        per sequence whether it takes part, so this choice changes no token, only who waits)."""
+        policy = self.opts.skip_policy
+        if policy == "never":
+            return "verify"
+        if last_kind == "skip":
+            kind = "verify_after_skip"
+        elif policy == "uniform":
+            wants = [self._uniform_wants(r) for r in range(self.batch)]
+            kind = "skip" if 2 * sum(wants) >= self.batch and any(wants) else "verify"
+        else:
+            live = sum(n < self.T for n in late[:-1]) if late is not None else 0
+            wanting = late[-1] if late is not None else 0
+            kind = "skip" if wanting and (2 * wanting >= live or self.verifies_since_skip >= 2) else "verify"
+        if policy == "uniform":  # the sequences that take part advance their own schedule
+            for r in range(self.batch):
+                if self._uniform_wants(r) == (kind == "skip"):
+                    self.own_rounds[r] += 1
+                    self.own_skipped[r] = kind == "skip"
+        self.verifies_since_skip = 0 if kind == "skip" else self.verifies_since_skip + 1
+        return kind
+
+    def _uniform_wants(self, r: int) -> bool:
+        """VVS-U's choice for sequence r (``wants_skip``'s uniform rule, followed on the host)."""
+        n, interval = self.own_rounds[r], self.opts.skip_interval
+        return not self.own_skipped[r] and n >= sched.FIRST_SKIP_ROUND and interval > 1 and n % interval == 1
+
+    def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
+        """Sequences ``rows`` take ``batch``'s images: their prefill runs on a decoder of their own, whose
+        target and drafter caches, keys and state are then copied in (in place)."""
+        newcomers = SpeculativeRounds(self.engine, batch, self.params, self.opts, self.rule)
+        model_rows = self.target.cfg_rows(rows)  # both CFG rows of each sequence
+        self.target.admit_rows(rows, newcomers.target)
+        for mine, theirs in ((self.draft.kv.k, newcomers.draft.kv.k), (self.draft.kv.v, newcomers.draft.kv.v)):
+            mine.index_copy_(1, model_rows, theirs)
+        self.rng.key.index_copy_(0, rows, newcomers.rng.key)
+        st, new = self.state, newcomers.state
+        for name in SEQUENCE_STATE + ("out",):
+            getattr(st, name).index_copy_(0, rows, getattr(new, name))
+        st.feats.index_copy_(0, model_rows, new.feats)
+        for name in TREE_BUFFERS:
+            buf = getattr(st.tree, name)
+            if buf is not None:
+                buf.index_copy_(0, model_rows if buf.shape[0] != self.batch else rows, getattr(new.tree, name))
+        for r in rows.tolist():
+            self.own_rounds[r], self.own_skipped[r] = 0, False
+        self._update_status(st)
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Go on with sequences ``keep`` only: per-sequence buffers, both CFG halves of the target and
+        drafter caches and the RNG keys are gathered. Every sequence decodes on its own, so the kept
+        ones' tokens do not change; the rest stop costing compute."""
+        st, rows = self.state, self.target.cfg_rows(keep)  # both CFG rows of each sequence
+        self.target.keep_rows(keep)
+        self.draft.keep_rows(keep)
+        self.rng, self.batch = self.rng.rows(keep), keep.numel()
+        for name in SEQUENCE_STATE + ("out",):
             setattr(st, name, getattr(st, name).index_select(0, keep))
+        st.status = torch.cat([st.status.index_select(0, keep), st.status[-1:]])
         st.feats = st.feats.index_select(0, rows)
         for name in TREE_BUFFERS:
             buf = getattr(st.tree, name)
             if buf is not None:
                 setattr(st.tree, name, buf.index_select(0, rows if name == "draft_feats" else keep))
+        index = keep.tolist()
+        self.own_rounds = [self.own_rounds[i] for i in index]
+        self.own_skipped = [self.own_skipped[i] for i in index]
 
-    def unfinished(self) -> torch.Tensor:
-        """[B] bool: sequences still decoding (one carried past the end by a skip is not finished yet)."""
-        return (self.state.n_out - self.state.chain_len) < self.T
+    def collect(self, rows: torch.Tensor) -> dict:
+        st = self.state
+        out = {name: getattr(st, name).index_select(0, rows) for name in SEQUENCE_STATS}
+        out["tokens"] = st.out.index_select(0, rows)[:, : self.T]
+        out["passes"] = out.pop("target_passes")
+        out["rounds"] = out["passes"] + out["skipped"]
+        return out
 
-    def _store_rows(self) -> None:
-        """Keep the current sequences' results in their batch rows of :attr:`final` (for :meth:`result`)."""
-        if self.final is None:  # the first retirement: the batch is still whole
-            self.final = SimpleNamespace(**{name: getattr(self.state, name).clone() for name in RESULT_BUFFERS})
-            return
-        for name in RESULT_BUFFERS:
-            getattr(self.final, name).index_copy_(0, self.origin, getattr(self.state, name))
-
-    # --- results ---------------------------------------------------------------------------------------
-    def result(self) -> MethodResult:
-        if self.final is not None:
-            self._store_rows()
-        st, n = self.final or self.state, self.batch_n_real
-        acc_hist = st.accepted_hist[:n].sum(0).cpu()
-        skip_hist = st.skip_hist[:n].sum(0).cpu()
+    def summarize(self, counters: dict, loop_stats: dict) -> dict:
+        acc_hist = counters["accepted_hist"].sum(0)
+        skip_hist = counters["skip_hist"].sum(0)
         verified = int(acc_hist.sum())
         depth_rate = {}
         if verified:
@@ -504,7 +577,7 @@ class SpeculativeRounds:
             for d in range(1, longest + 2):
                 depth_rate[str(d)] = float(acc_hist[d:].sum()) / verified
         lengths = torch.arange(acc_hist.shape[0], dtype=torch.float64)
-        stats = {
+        return {
             "target_forward_passes": verified,
             "verified_steps": verified,
             "skip_steps": int(skip_hist.sum()),
@@ -512,9 +585,8 @@ class SpeculativeRounds:
             "acceptance_rate_by_depth": depth_rate,
             "tokens_committed_unverified": int((skip_hist * torch.arange(skip_hist.shape[0])).sum()),
             "staleness_histogram": {str(i): int(c) for i, c in enumerate(skip_hist.tolist()) if c},
-            "post_verify_rollbacks": int(st.rolled_back[:n].sum()),
+            "post_verify_rollbacks": int(counters["rolled_back"].sum()),
         }
-        return MethodResult(st.out[:, : self.T].clone(), stats, st.target_passes.clone())
 
 
 def post_verify_mask(tree_mask: torch.Tensor, chain_len: torch.Tensor, width: int) -> torch.Tensor:
@@ -529,63 +601,3 @@ def post_verify_mask(tree_mask: torch.Tensor, chain_len: torch.Tensor, width: in
     top = torch.cat([chain, torch.zeros(B, width, N, dtype=torch.bool, device=dev)], 2)
     bottom = torch.cat([valid[:, None, :].expand(B, N, width), tree_mask], 2)
     return torch.cat([top, bottom], 1)
-
-
-def decode(rounds: SpeculativeRounds, schedule, batch: DecodeBatch, use_graphs: Optional[bool] = None) -> MethodResult:
-    """The thin host loop: choose the next round kind, run it (a graph replay on CUDA), read the
-    one-round-late counters. Nothing else happens between rounds."""
-    from ..runtime.compiled import merge_compiled
-    from ..runtime.runner import RoundGraphs
-
-    graphs = rounds.dev.type == "cuda" if use_graphs is None else use_graphs
-    round_graphs = lambda: RoundGraphs({"verify": rounds.verify_round, "verify_after_skip": rounds.verify_after_skip,
-                                        "skip": rounds.skip_round}, rounds.state.buffers(), use_graphs=graphs,
-                                       compile=batch.compile)
-    run_round = round_graphs()
-    counters = LateRead(rounds.state.flags)
-    counters.push()
-    last_kind, reported, retire, compiled, kinds_run = None, 0, retire_finished(), {}, {}
-    # Retired rows leave the state, and with them their committed tokens from the flags' count. Flags
-    # are one round late: flags pushed before a retirement still count its rows, so they get the tokens
-    # retired before it, and only flags pushed after it get its own (adding them to both counted twice).
-    retired_tokens, retired_before, retired_from_push = 0, 0, 0
-    for round_index in itertools.count():
-        flags = counters.read()  # [all finished, wants to skip, tokens committed, unfinished], one round late
-        if flags is not None and flags[0]:
-            break
-        current = flags is not None and counters.read_index >= retired_from_push
-        if current and retire and 0 < flags[3] <= rounds.batch // 2:
-            # at most log2(B) times per batch: one host read of which sequences are still decoding
-            keep, n_real = rows_to_keep(rounds.unfinished(), rounds.n_real)
-            if n_real:  # none left: the batch is about to stop anyway
-                retired_before = retired_tokens
-                retired_tokens += (rounds.n_real - n_real) * rounds.T
-                retired_from_push = counters.pushes  # the next push follows a round on the retired state
-                rounds.retire(keep, n_real)
-                compiled = merge_compiled(compiled, run_round.compiled())
-                run_round = round_graphs()
-                current = False
-        if flags is not None:
-            flags[2] = max(flags[2] + (retired_tokens if current else retired_before), reported)
-        if round_index > 2 * rounds.T + 4:  # every round of an unfinished sequence commits >= 1 token
-            raise VVSError("speculative decoding made no progress (internal error)")
-        if schedule.skip(round_index, last_kind == "skip", flags is not None and bool(flags[1])):
-            kind = "skip"
-        else:
-            kind = "verify_after_skip" if last_kind == "skip" else "verify"
-        run_round(kind)
-        counters.push()
-        last_kind = kind
-        kinds_run[kind] = kinds_run.get(kind, 0) + 1
-        if batch.on_tokens is not None and flags is not None and flags[2] > reported:
-            batch.on_tokens(flags[2] - reported)
-            reported = flags[2]
-    if batch.on_tokens is not None:
-        batch.on_tokens(max(0, rounds.batch_n_real * rounds.T - reported))
-    result = rounds.result()
-    result.stats["cuda_graphs"] = run_round.use_graphs
-    if batch.compile:
-        result.stats["compiled"] = merge_compiled(compiled, run_round.compiled())
-    result.stats["batch_rounds"] = round_index
-    result.stats["rounds_by_kind"] = kinds_run  # batch rounds of each kind (launch budgets per kind)
-    return result

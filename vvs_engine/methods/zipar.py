@@ -32,9 +32,12 @@ forward r * s; every row needs W - 1 more forwards after its first code, so a de
 prefill excluded, as for AR's T - 1). With s >= W the rows run one after the other: the tokens are
 raster AR's (LlamaGen/Janus: T - 1 forwards; Lumina-mGPT/Emu3: H fewer than AR's T - 1, because
 the forced EOL needs no forward of its own). The schedule is the same for every image of a model,
-resolution and window, so :func:`fixed_window_plan` precomputes it on the host (step -> rows and
-columns) and each forward runs the round function of its row count (one CUDA graph each); the
-device state decides the same lanes without any host read.
+resolution and window (:func:`fixed_window_plan` computes it on the host, for the tests and the
+docs); the round function serves ``R`` rows in flight (the most the window allows) and the device
+state decides which lanes commit, without any host read, so images at different steps (admitted at
+different times by the one loop, ``runtime.loop``) share a forward. Lanes past an image's rows in
+flight (the first and last rows of its plan) do nothing: the same tokens and forwards as a plan that
+runs only the rows in flight, at the compute of R lanes per forward.
 
 ``--zipar-verify sjd``: each row in flight feeds a window of L lanes along its row (its last
 committed code, then L - 1 drafts: the previous forward's target samples at those columns, the
@@ -65,11 +68,10 @@ from .. import kernels
 from ..acceptance.verify import ExactRule
 from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
-from ..runtime.runner import RoundGraphs
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .registry import register
-from .common import DecodeBatch, LateCounter, MethodResult
+from .common import DecodeBatch
 from .options import option
 
 VERIFY_MODES = ("none", "sjd")
@@ -214,21 +216,32 @@ class ZipARState:
     passes: torch.Tensor  # [B] forwards while the image was unfinished
     committing_rows: torch.Tensor  # [B] (row, forward) pairs that committed codes
     accepted: torch.Tensor  # [B] drafts accepted
-    progress: torch.Tensor  # [2]: the slowest image's finished rows, unfinished real images (the host's one read)
+    committed: torch.Tensor  # [B] codes committed, T once the image is done: the loop's one read
 
     def tensors(self):
         return [getattr(self, f.name) for f in fields(self)]
 
 
 class ZipARDecoder:
-    """Constants and buffers of one batched decode; :meth:`zipar_round` is the round function."""
+    """Constants and buffers of one batched decode; :meth:`zipar_round` is the round function. A
+    decoder of ``runtime.loop`` (protocol at the end of the class): :meth:`start` builds and prefills one."""
+
+    inductor_options: dict = {}
+    RESULTS = ("passes", "committing_rows", "accepted")
+
+    @classmethod
+    def start(cls, engine, batch: DecodeBatch, params, opts: ZipAROptions, rule=None) -> "ZipARDecoder":
+        decoder = cls(engine, batch, params, opts, rule)
+        decoder.state = decoder.prefill()
+        return decoder
 
     def __init__(self, engine, batch: DecodeBatch, params, opts: ZipAROptions, rule=None):
+        self.engine, self.opts = engine, opts
         self.params, self.rng = params, batch.rng
         self.rule = rule if rule is not None else ExactRule()
         self.geometry = geo = row_geometry(engine.gpt)
         self.window, self.L = opts.zipar_window, opts.lanes
-        self.B, self.n_real = batch.size, batch.n_real
+        self.B = batch.size
         self.H, self.W, self.Wp = geo.rows, geo.codes, geo.width
         self.has_eol = geo.eol is not None
         self.R = rows_in_flight(geo, self.window)  # lanes of the round functions in SJD mode
@@ -293,8 +306,49 @@ class ZipARDecoder:
                           row_rounds=zeros(B, n), draft=first[:, None, None].expand(B, n, L).clone(),  # row 0: copy-left
                           draft_q=torch.zeros(B, n if L > 1 else 1, L if L > 1 else 1, Vq, device=dev),
                           fresh=torch.ones(B, n, L, dtype=torch.bool, device=dev), passes=zeros(B),
-                          committing_rows=zeros(B), accepted=zeros(B),
-                          progress=torch.tensor([0, self.n_real], dtype=torch.long, device=dev))
+                          committing_rows=zeros(B), accepted=zeros(B), committed=zeros(B))
+
+    # --- the decoder protocol of runtime.loop ----------------------------------------------------------
+    def round_functions(self) -> dict:
+        return {"zipar": lambda: self.zipar_round(self.state, self.R)}
+
+    def round_buffers(self) -> list:
+        return self.state.tensors()
+
+    def status(self) -> torch.Tensor:
+        return self.state.committed
+
+    def next_kind(self, last_kind, late) -> str:
+        return "zipar"
+
+    def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
+        """Rows ``rows`` take ``batch``'s images (prefilled on a decoder of their own), in place."""
+        newcomers = self.start(self.engine, batch, self.params, self.opts, self.rule)
+        self.session.admit_rows(rows, newcomers.session)
+        self.cond_visible.copy_((self.session.slot_ids < self.c) & self.session.key_valid)
+        self.rng.key.index_copy_(0, rows, newcomers.rng.key)
+        for f in fields(self.state):
+            getattr(self.state, f.name).index_copy_(0, rows, getattr(newcomers.state, f.name))
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        self.session.keep_rows(keep)
+        self.cond_visible = (self.session.slot_ids < self.c) & self.session.key_valid
+        self.rng, self.B = self.rng.rows(keep), keep.numel()
+        self.batch_ids = torch.arange(self.B, device=self.device)[:, None]
+        st = self.state
+        self.state = type(st)(**{f.name: getattr(st, f.name).index_select(0, keep) for f in fields(st)})
+
+    def collect(self, rows: torch.Tensor) -> dict:
+        out = {name: getattr(self.state, name).index_select(0, rows) for name in self.RESULTS}
+        out["tokens"] = self.state.tokens.index_select(0, rows)[:, : self.T]
+        return out
+
+    def summarize(self, counters: dict, loop_stats: dict) -> dict:
+        passes, rows = int(counters["passes"].sum()), int(counters["committing_rows"].sum())
+        return {"target_forward_passes": passes, "batch_iterations": loop_stats["batch_rounds"],
+                "zipar_window": self.window, "zipar_verify": self.opts.zipar_verify, "zipar_lanes": self.L,
+                "committing_rows": rows, "accepted_drafts": int(counters["accepted"].sum()),
+                "rows_per_forward": rows / passes if passes else 0.0}
 
     # --- one forward: static shapes, no host read ---------------------------------------------------
     def zipar_round(self, st: ZipARState, R: int) -> None:
@@ -452,61 +506,10 @@ class ZipARDecoder:
         if not self.has_eol:
             done = done | ((st.codes[:, rows] == W) & (st.codes[:, rows + 1] == 0))
         st.lo.copy_(done.long().cumprod(1).sum(1))
-        st.progress.copy_(torch.stack([st.lo.min(), (st.lo < H)[: self.n_real].sum()]))
-
-
-def decode(engine, batch: DecodeBatch, params, opts: ZipAROptions, use_graphs: bool, rule=None) -> MethodResult:
-    """Eager prefill, then one round function per forward: plain ZipAR follows the precomputed plan
-    (the round function of each step's row count, no host read at all); with SJD the rows' progress
-    is data-dependent, so every forward serves R rows and the host reads one progress counter per
-    forward (one forward late on CUDA)."""
-    dec = ZipARDecoder(engine, batch, params, opts, rule)
-    st = dec.prefill()
-    if opts.zipar_verify == "none":
-        plan = fixed_window_plan(dec.geometry, dec.window)
-        sizes = sorted({len(lanes) for lanes in plan})
-        assert not sizes or sizes[-1] <= dec.R, (sizes, dec.R)  # the scratch slots cover every lane
-    else:
-        plan, sizes = None, [dec.R]
-    rounds = RoundGraphs({f"rows{R}": (lambda R=R: dec.zipar_round(st, R)) for R in sizes}, st.tensors(), use_graphs)
-    n_forwards = 0
-    if plan is not None:
-        for lanes in plan:
-            rounds(f"rows{len(lanes)}")
-            n_forwards += 1
-            decided = sum(lane.decided_column is not None for lane in lanes)
-            if batch.on_tokens is not None and decided:
-                batch.on_tokens(decided * batch.n_real)
-    else:
-        counters = LateCounter(dec.device, 2)
-        limit = dec.T + dec.H + 2  # every forward commits a code or feeds a tail in each unfinished image
-        while counters.push(st.progress)[0] < dec.H:
-            rounds(f"rows{dec.R}")
-            n_forwards += 1
-            if n_forwards > limit:
-                raise RuntimeError("zipar: a decode made no progress (a bug)")
-    n = batch.n_real
-    passes = int(st.passes[:n].sum())
-    stats = {"target_forward_passes": passes, "batch_iterations": n_forwards, "zipar_window": dec.window,
-             "zipar_verify": opts.zipar_verify, "zipar_lanes": dec.L,
-             "committing_rows": int(st.committing_rows[:n].sum()), "accepted_drafts": int(st.accepted[:n].sum()),
-             "cuda_graphs": bool(use_graphs)}
-    return MethodResult(tokens=st.tokens[:, : dec.T].clone(), stats=stats, image_passes=st.passes.clone())
-
-
-def merge_stats(per_batch: list) -> dict:
-    out = {k: v for k, v in per_batch[0].items()}
-    for key in ("target_forward_passes", "batch_iterations", "committing_rows", "accepted_drafts"):
-        out[key] = sum(b[key] for b in per_batch)
-    out["rows_per_forward"] = out["committing_rows"] / out["target_forward_passes"] if out["target_forward_passes"] else 0.0
-    return out
+        # tokens committed, for the loop: T once every row is done, else the codes so far (< T)
+        st.committed.copy_(torch.where(st.lo >= H, T, st.codes[:, rows].sum(1).clamp(max=T - 1)))
 
 
 @register("zipar", ZipAROptions)
-def run_zipar(engine, batch: DecodeBatch, params, opts: ZipAROptions) -> MethodResult:
-    use_graphs = engine.device.type == "cuda" and (batch.use_graphs is None or bool(batch.use_graphs))
-    return decode(engine, batch, params, opts, use_graphs)
-
-
-run_zipar.batched = True
-run_zipar.merge_stats = merge_stats
+def run_zipar(engine, batch: DecodeBatch, params, opts: ZipAROptions) -> ZipARDecoder:
+    return ZipARDecoder.start(engine, batch, params, opts)

@@ -33,7 +33,8 @@ The decoder protocol (duck-typed; :class:`Decoder` documents it):
 ``admit(rows, batch)``      prefill ``batch``'s images into ``rows`` (a [n] device tensor)
 ``keep_rows(keep)``         go on with rows ``keep`` only (the tail of a run)
 ``collect(rows)``           {name: [n, ...] tensor} per-row results: ``tokens`` [n, T] and ``passes``
-                            [n] (target forwards while unfinished) at least
+                            [n] (target forwards while unfinished) at least; ``rounds`` [n] where
+                            some rounds are no target forward (row utilisation counts those)
 ``summarize(counters, loop)`` the method's stats from the finished images' collected counters
 ==========================  ==========================================================================
 """
@@ -109,6 +110,9 @@ class LoopResult:
     stats: dict = field(default_factory=dict)
 
 
+STALL_ROUNDS = 16  # the stuck guard: rounds in a row that commit nothing in any image in flight
+
+
 def batch_bucket(n: int) -> int:
     """Rows in flight for n images: the next power of two (few shapes to compile and capture)."""
     return 1 << max(0, (n - 1).bit_length())
@@ -137,7 +141,10 @@ def run(make_decoder: Callable, make_batch: Callable, n_images: int, rows: int, 
                static, compile, use_graphs, retire, on_tokens, on_images, on_round)
     names = sorted(results[0]) if results else []
     counters = {name: torch.stack([results[i][name] for i in range(n_images)]) for name in names}
-    stats["row_utilisation"] = (float(counters["passes"].sum()) / stats["row_rounds"]) if stats["row_rounds"] else 1.0
+    # rows busy with a real image: its rounds ("rounds" where a decoder has rounds that are no target
+    # forward, VVS's skips; else its forwards)
+    busy = counters["rounds"] if "rounds" in counters else counters["passes"]
+    stats["row_utilisation"] = float(busy.sum()) / stats["row_rounds"] if stats["row_rounds"] else 1.0
     stats["cuda_graphs"] = bool(use_graphs)
     method_stats = decoder.summarize(counters, stats) if decoder is not None else {}
     return LoopResult(counters.pop("tokens"), counters, {**stats, **method_stats})
@@ -185,15 +192,17 @@ def _drive(decoder, row_image: list, pending: deque, make_batch, T: int, results
                 reported[:] = [reported[r] for r in keep]
                 graphs = _graphs(decoder, compile, use_graphs)
                 late = LateRead(decoder.status())
-                late.push()  # the kept rows' status as it is now
+                late.push()  # the kept rows' status after the last round: read before the next round
+                late.push()  # (one host wait here, at most log2(rows) times a run)
                 valid_from = [0] * len(row_image)
                 continue
-            # every round of an unfinished image commits at least one token
+            # every round of an unfinished image commits a token, or a few in a row feed what a later
+            # commit needs (ZipAR's row ends)
             total = sum(counts[r] for r, image in enumerate(row_image) if image is not None)
             stalled = stalled + 1 if total == last_total else 0
             last_total = total
-            if stalled > 3:
-                raise VVSError("decoding made no progress for 4 rounds (internal error)")
+            if stalled >= STALL_ROUNDS:
+                raise VVSError(f"decoding made no progress for {STALL_ROUNDS} rounds (internal error)")
         if on_round is not None:
             on_round(stats["batch_rounds"])
         kind = decoder.next_kind(last_kind, status)
