@@ -156,15 +156,11 @@ def build_parser() -> Parser:
 
 # --- generate -----------------------------------------------------------------------------------
 def parse_class_labels(text: str) -> List[int]:
-    """"3,141,207" -> [3, 141, 207]. The range is checked later, against the loaded model."""
-    labels = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            labels.append(int(part))
-        except ValueError:
-            raise VVSError(f"class labels must be integers separated by commas, got {part!r}") from None
-    return labels
+    """"3,141,207" -> [3, 141, 207]; "0-3" -> [0, 1, 2, 3]: the syntax of generate-dataset, so both
+    commands read --class-labels alike. The range is checked later, against the model's config."""
+    from .dataset import parse_label_ranges
+
+    return parse_label_ranges(text)
 
 
 def read_prompts(path: str) -> List[str]:
@@ -193,8 +189,23 @@ def method_options(args) -> dict:
     return {fl.name: getattr(args, fl.name) for fl in method_flags()}
 
 
+# Options that the sampling and dataset checks name in words (they serve the Python API too); in the CLI
+# every option is named as its flag. Multi-word names are replaced anywhere, single words only as the
+# subject that starts the message ("seed must be ..."), because elsewhere they are ordinary words.
+SPELLED_OPTIONS = {"shard size": "--shard-size", "batch size": "--batch-size", "per-class": "--per-class",
+                   "max retries": "--max-retries"}
+SUBJECT_OPTIONS = {"temperature": "--temperature", "top-k": "--top-k", "top-p": "--top-p",
+                   "cfg-scale": "--cfg-scale", "seed": "--seed", "workers": "--workers", "threads": "--threads"}
+
+
 def flag_names(message: str) -> str:
-    """An option error in CLI terms: ``lantern_delta`` -> ``--lantern-delta``, ``tree must`` -> ``--tree must``."""
+    """An option error in CLI terms: ``lantern_delta`` -> ``--lantern-delta``, ``tree must`` -> ``--tree must``,
+    ``top-p must`` -> ``--top-p must``, ``shard size 20`` -> ``--shard-size 20``. Flags already spelled
+    as flags are left alone."""
+    for words, flag in SPELLED_OPTIONS.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(words)}(?![\w-])", flag, message)
+    for word, flag in SUBJECT_OPTIONS.items():
+        message = re.sub(rf"^{re.escape(word)}(?= (?:must|is|needs) )", flag, message)
     for fl in method_flags():
         if "_" not in fl.name:
             # one-word options (tree, accept, select) are ordinary words elsewhere in a message: only the
@@ -209,6 +220,8 @@ def flag_names(message: str) -> str:
 def prepare_out_dir(path: str) -> str:
     """Create the output folder (or accept an existing one) and check that it is writable, before any
     model is loaded. A generate-dataset folder is refused: its PNGs share the names of ours."""
+    if not path:
+        raise VVSError("--out is empty: name the output folder")
     if os.path.exists(path) and not os.path.isdir(path):
         raise VVSError(f"--out {path} is a file, not a folder")
     if os.path.isfile(os.path.join(path, "manifest.json")):
@@ -246,10 +259,7 @@ def cmd_generate(args) -> int:
     labels = parse_class_labels(args.class_labels) if args.class_labels is not None else None
     prompts = read_prompts(args.prompts) if args.prompts is not None else None
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
-    try:
-        check_seed(args.seed)
-    except VVSError as e:
-        raise VVSError(str(e).replace("seed", "--seed", 1)) from None
+    check_seed(args.seed)
     if args.batch_size < 1:
         raise VVSError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     device = str(resolve_device(pick_device(args.device)))
@@ -506,17 +516,22 @@ def _exit_code(result) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 user error, 2 bad arguments, 130 interrupted)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    command = None
     try:
         if argv and argv[0] in PASSTHROUGH:
             return PASSTHROUGH[argv[0]](argv[1:])
         args = build_parser().parse_args(argv)
+        command = args.command
         return args.func(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (VVSError, ValueError, OSError) as e:
         # VVSError is a ValueError. OSError covers unwritable output folders, full disks and the like.
-        print(f"error: {_one_line(e)}", file=sys.stderr)
+        message = _one_line(e)
+        if isinstance(e, VVSError) and command in ("generate", "generate-dataset"):
+            message = flag_names(message)  # the checks are shared with the Python API, which names no flags
+        print(f"error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

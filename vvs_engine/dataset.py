@@ -37,11 +37,16 @@ DEFAULT_SHARD_SIZE = 64
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_MAX_RETRIES = 2
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024 ** 2  # the started local cluster only moves tokens and PNG bytes
+# The most images one job may hold. The job's plan (one condition per image group, one entry per
+# shard) lives in memory; ten million images keep it to a few hundred MB, while a typo such as
+# --per-class 1000000000000 would otherwise grow until the machine runs out of memory.
+MAX_IMAGES = 10_000_000
 
 
 # --- conditions ---------------------------------------------------------------------------------
 def parse_label_ranges(text: str) -> List[int]:
-    """"0-3,7,9-10" -> [0, 1, 2, 3, 7, 9, 10] (ranges inclusive; range checks happen against the model)."""
+    """"0-3,7,9-10" -> [0, 1, 2, 3, 7, 9, 10] (ranges inclusive; range checks happen against the model).
+    More than ``MAX_IMAGES`` labels in all is an error, counted before any range is expanded."""
     out = []
     for part in str(text).split(","):
         part = part.strip()
@@ -49,8 +54,11 @@ def parse_label_ranges(text: str) -> List[int]:
         if m:
             a, b = int(m.group(1)), int(m.group(2))
             check(a <= b, f"empty class range {part!r}")
+            check(len(out) + b - a + 1 <= MAX_IMAGES,
+                  f"class labels {part} name {b - a + 1} labels; a job holds at most {MAX_IMAGES} images")
             out += range(a, b + 1)
         elif re.fullmatch(r"-?\d+", part):
+            check(len(out) < MAX_IMAGES, f"more than {MAX_IMAGES} class labels; a job holds at most {MAX_IMAGES} images")
             out.append(int(part))
         else:
             raise VVSError(f"class labels must be integers or ranges like 0-999, got {part!r}")
@@ -387,13 +395,20 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     for name, v, lo in (("per-class", per_condition, 1), ("shard size", shard_size, 1), ("batch size", batch_size, 1),
                         ("max retries", max_retries, 0)):
         check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
+    n_conditions = len(class_labels if class_labels is not None else prompts)
+    check(n_conditions * per_condition <= MAX_IMAGES,
+          f"{n_conditions} conditions x per-class {per_condition} = {n_conditions * per_condition} images; a job "
+          f"holds at most {MAX_IMAGES} images (split it over several output folders)")
     # Decode batch j is images [j*B, (j+1)*B) of the job; a shard of whole batches never splits one, so
     # the shard size and the number of workers cannot change an image's batch-mates (or its tokens).
-    check(shard_size % batch_size == 0,
-          f"shard size {shard_size} must be a multiple of the batch size {batch_size} (a decode batch never spans "
-          f"two shards); e.g. shard size {max(batch_size, shard_size // batch_size * batch_size)} or "
-          f"{-(-shard_size // batch_size) * batch_size}")
-    check(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be an integer, got {seed!r}")
+    if shard_size % batch_size:
+        # the nearest multiples of the batch size either side (only the upper one below one batch)
+        nearest = sorted({max(batch_size, shard_size // batch_size * batch_size), -(-shard_size // batch_size) * batch_size})
+        raise VVSError(f"shard size {shard_size} must be a multiple of the batch size {batch_size} (a decode batch "
+                       f"never spans two shards); e.g. shard size {' or '.join(map(str, nearest))}")
+    from .engine import check_seed
+
+    check_seed(seed)  # an integer that fits in 64 bits, as Engine.generate requires (checked before any worker)
     check(workers is None or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1),
           f"workers must be >= 1, got {workers!r}")
     check(workers is None or ray is not None, "workers are Ray workers: give ray (--ray) too, or leave workers out "
@@ -632,6 +647,7 @@ GENERATE_FILES = ("tokens.npz", "stats.json")  # what `vvs-engine generate` writ
 def check_dataset_folder(out_dir: str) -> None:
     """A dataset folder may be new, empty, or a dataset; a `generate` output folder is refused, because
     a dataset re-run removes PNGs that belong to no finished shard (and theirs have our names)."""
+    check(bool(out_dir), "--out is empty: name the dataset folder")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise VVSError(f"--out {out_dir} is a file, not a folder")
     if os.path.isdir(out_dir) and not is_dataset_dir(out_dir):

@@ -68,6 +68,8 @@ def add_dataset_parser(sub, generate_parser) -> None:
 
 
 def cmd_generate_dataset(args) -> int:
+    if not args.out:
+        raise VVSError("--out is empty: name the dataset folder")
     given = [x for x in (args.class_labels, args.labels_file, args.prompts) if x is not None]
     if len(given) != 1:
         raise VVSError("give exactly one of --class-labels, --labels-file or --prompts")
@@ -103,8 +105,6 @@ def cmd_generate_dataset(args) -> int:
     except KeyboardInterrupt:
         print(resume_hint(args.out), file=sys.stderr)
         raise
-    except VVSError as e:
-        raise VVSError(str(e).replace("shard size", "--shard-size").replace("batch size", "--batch-size")) from None
     print_summary(summary, args.out)
     return 0
 
