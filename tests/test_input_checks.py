@@ -133,3 +133,191 @@ def test_class_label_ranges_read_alike_by_both_commands(tmp_path, monkeypatch, c
     one_line_error(capsys, ["generate", "--class-labels", "0-3", "--out", str(tmp_path / "o"), "--quiet",
                             "--threads", "1"])
     assert seen["labels"] == [0, 1, 2, 3]
+
+
+# --- 2. configs are validated, with the key and the file named ---------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoints(str(tmp_path_factory.mktemp("tiny")))
+
+
+def edited_copy(tmp_path, weights: str, edit) -> str:
+    """A copy of a project checkpoint whose JSON config is ``edit(meta)`` (returns the new JSON value)."""
+    from vvs_engine.checkpoint import config_path
+
+    copy = str(tmp_path / os.path.basename(weights))
+    shutil.copy(weights, copy)
+    with open(config_path(weights)) as f:
+        meta = json.load(f)
+    with open(config_path(copy), "w") as f:
+        json.dump(edit(meta), f)
+    return copy
+
+
+def with_config(**changes):
+    def edit(meta):
+        meta["config"].update(changes)
+        meta["config"] = {k: v for k, v in meta["config"].items() if v is not DROP}
+        return meta
+    return edit
+
+
+DROP = object()
+GPT_CONFIG_CASES = [
+    (lambda m: {k: v for k, v in m.items() if k != "config"}, r'"config" is missing'),
+    (lambda m: [m], r"must be a JSON object with \"kind\" and \"config\", got a list"),
+    (lambda m: {k: v for k, v in m.items() if k != "kind"}, r'"kind" is missing \(expected "gpt"'),
+    (lambda m: dict(m, kind="vq"), r'is a VQ tokenizer checkpoint \("kind": "vq" in .*gpt.json\), not a target model'),
+    (with_config(n_layer="six"), r'"n_layer" must be an integer >= 1, got "six"'),
+    (with_config(n_layer=DROP), r'"n_layer" is missing'),
+    (with_config(n_layer=3), r'"n_layer" is 3 but the weights hold 2 layers'),
+    (with_config(n_layer=0), r'"n_layer" must be an integer >= 1, got 0'),
+    (with_config(vocab_size=128), r'"vocab_size" and "dim" give tok_embeddings.weight the shape \(128, 32\), but the '
+                                  r'weights have \(64, 32\)'),
+    (with_config(num_classes=1000), r'"num_classes".*\(1001, 32\), but the weights have \(11, 32\)'),
+    (with_config(model_type="x2i"), r'"model_type" must be "c2i" or "t2i", got "x2i"'),
+    (with_config(block_size=15), r'"block_size" 15 must be a perfect square'),
+    (with_config(norm_eps=None), r'"norm_eps" must be a number >= 0, got null'),
+    (with_config(multiple_of=64), r'"multiple_of" and "ffn_dim_multiplier" give layers.0.feed_forward.w1.weight'),
+]
+
+
+@pytest.mark.parametrize("edit,match", GPT_CONFIG_CASES)
+def test_gpt_config_checked_with_field_and_file_named(tmp_path, capsys, tiny, edit, match):
+    gpt = edited_copy(tmp_path, tiny["gpt_ckpt"], edit)
+    with pytest.raises(VVSError, match=match) as e:
+        Engine.load(gpt_ckpt=gpt, vq_ckpt=tiny["vq_ckpt"])
+    assert "gpt.json" in str(e.value) and "\n" not in str(e.value)
+    for image_size in ([], ["--image-size", "8"]):  # with the config peeked before loading, and without
+        err = one_line_error(capsys, ["generate", "--gpt-ckpt", gpt, "--vq-ckpt", tiny["vq_ckpt"], "--class-labels",
+                                      "1", "--out", str(tmp_path / "o"), "--quiet", "--threads", "1"] + image_size)
+        assert re.search(match, err), err
+
+
+def test_gpt_config_checked_before_a_dataset_job(tmp_path, capsys, tiny, no_model_loads):
+    gpt = edited_copy(tmp_path, tiny["gpt_ckpt"], with_config(n_layer="six"))
+    err = one_line_error(capsys, ["generate-dataset", "--gpt-ckpt", gpt, "--vq-ckpt", tiny["vq_ckpt"],
+                                  "--class-labels", "1", "--out", str(tmp_path / "d"), "--quiet"])
+    assert '"n_layer" must be an integer >= 1, got "six"' in err
+
+
+@pytest.mark.parametrize("edit,match", [
+    (with_config(codebook_size=128), r'"codebook_size" and "codebook_embed_dim" give quantize.embedding.weight'),
+    (with_config(encoder_ch_mult=[1, 1, 2]), r'"encoder_ch_mult" has 3 levels but the weights hold 2'),
+    (with_config(encoder_ch_mult=[]), r'"encoder_ch_mult" must be a non-empty list of integers'),
+    (with_config(codebook_l2_norm="yes"), r'"codebook_l2_norm" must be true or false, got "yes"'),
+    (with_config(z_channels=DROP), r'"z_channels" is missing'),
+    (lambda m: dict(m, kind="gpt"), r"is a target model checkpoint .* not a VQ tokenizer"),
+])
+def test_vq_config_checked(tmp_path, tiny, edit, match):
+    vq = edited_copy(tmp_path, tiny["vq_ckpt"], edit)
+    with pytest.raises(VVSError, match=match) as e:
+        Engine.load(gpt_ckpt=tiny["gpt_ckpt"], vq_ckpt=vq)
+    assert "vq.json" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tmp_path_factory):
+    from vvs_engine.checkpoint import save_safetensors
+    from vvs_engine.drafting.drafter import Drafter, DrafterConfig
+
+    cfg = DrafterConfig(dim=32, n_head=2)
+    path = str(tmp_path_factory.mktemp("drafter") / "drafter.safetensors")
+    save_safetensors(Drafter(cfg), path, cfg.to_dict(), kind="drafter")
+    return path
+
+
+@pytest.mark.parametrize("edit,match", [
+    (with_config(n_head="two"), r'"n_head" must be an integer >= 1, got "two"'),
+    (with_config(n_layer=2), r'"n_layer" is 2 but the weights hold 1 layers'),
+    (with_config(dim=DROP), r'"dim" is missing'),
+    (with_config(ffn_hidden=7), r'"ffn_hidden" .* give layers.0.mlp.gate_proj.weight the shape \(7, 32\)'),
+])
+def test_drafter_config_checked(tmp_path, tiny, tiny_drafter, edit, match):
+    drafter = edited_copy(tmp_path, tiny_drafter, edit)
+    with pytest.raises(VVSError, match=match) as e:
+        Engine.load(gpt_ckpt=tiny["gpt_ckpt"], drafter=drafter)
+    assert "drafter.json" in str(e.value)
+
+
+def test_lantern_drafter_config_checked(tmp_path, tiny, tiny_drafter):
+    """LANTERN's folder format (pytorch_model.bin + Hugging Face config.json): its field names are named."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "lantern"
+    folder.mkdir()
+    torch.save(load_file(tiny_drafter), folder / "pytorch_model.bin")
+    llama = {"hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1, "rms_norm_eps": 1e-6}
+    (folder / "config.json").write_text(json.dumps(llama))
+    weights = str(folder / "pytorch_model.bin")
+    assert Engine.load(gpt_ckpt=tiny["gpt_ckpt"], drafter=weights).drafter is not None  # the control
+    for change, match in (({"hidden_size": None}, r'"hidden_size" must be an integer >= 1, got null'),
+                          ({"num_attention_heads": "2"}, r'"num_attention_heads" must be an integer'),
+                          ({"num_hidden_layers": 3}, r'"n_layer" is 3 but the weights hold 1 layers')):
+        (folder / "config.json").write_text(json.dumps(dict(llama, **change)))
+        with pytest.raises(VVSError, match=match) as e:
+            Engine.load(gpt_ckpt=tiny["gpt_ckpt"], drafter=weights)
+        assert "config.json" in str(e.value)
+
+
+def test_checkpoint_of_another_kind_says_which(tmp_path, capsys, no_model_loads):
+    """--drafter zoo-vq.safetensors said "no config next to it"; now the file's kind is named (before loading)."""
+    vq = default_paths()["vq"]
+    err = one_line_error(capsys, ["generate", "--method", "eagle", "--drafter", vq, "--class-labels", "1", "--out",
+                                  str(tmp_path / "o"), "--quiet", "--threads", "1"])
+    assert "zoo-vq.safetensors is a VQ tokenizer checkpoint" in err and "not a drafter" in err, err
+    err = one_line_error(capsys, ["generate", "--gpt-ckpt", vq, "--class-labels", "1", "--out", str(tmp_path / "o"),
+                                  "--quiet", "--threads", "1"])
+    assert "zoo-vq.safetensors is a VQ tokenizer checkpoint" in err and "not a target model" in err, err
+
+
+def test_unknown_presets_refused(tmp_path, capsys, no_model_loads):
+    import vvs_engine.engine as engine_mod
+
+    with pytest.raises(VVSError, match="unknown vq_model 'VQ-99'; known: VQ-16, VQ-8"):
+        engine_mod.check_load_args(vq_model="VQ-99")
+    err = one_line_error(capsys, ["generate", "--vq-model", "VQ-99", "--class-labels", "1", "--out",
+                                  str(tmp_path / "o"), "--quiet"])
+    assert err == "error: unknown --vq-model 'VQ-99'; known: VQ-16, VQ-8"
+
+
+def test_engine_load_refuses_an_unknown_vq_preset():
+    with pytest.raises(VVSError, match="unknown vq_model 'VQ-99'"):
+        Engine.load(vq_model="VQ-99")
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo this should never run",))
+
+
+def test_unsafe_pickles_refused_as_unsafe(tmp_path):
+    import pickle
+
+    from vvs_engine.checkpoint import read_state_dict
+
+    in_torch_file = tmp_path / "torch.pt"
+    torch.save({"model": {"w": torch.zeros(1)}, "extra": RunsCode()}, in_torch_file)
+    plain_pickle = tmp_path / "plain.pt"
+    with open(plain_pickle, "wb") as f:
+        pickle.dump({"model": RunsCode()}, f)
+    truncated = tmp_path / "cut.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    for path in (in_torch_file, plain_pickle):
+        with pytest.raises(VVSError, match="refused to unpickle .* as unsafe") as e:
+            read_state_dict(str(path))
+        assert "truncated" not in str(e.value)
+    with pytest.raises(VVSError, match="posix.system|nt.system"):
+        read_state_dict(str(in_torch_file))
+    with pytest.raises(VVSError, match="truncated"):  # a damaged file still says so
+        read_state_dict(str(truncated))
+
+
+def test_eval_names_the_png_names_it_reads(tmp_path, capsys):
+    from PIL import Image
+
+    for name in ("cat.png", "dog.png"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+    err = one_line_error(capsys, ["eval", "--images", str(tmp_path), "--no-inception", "--threads", "1"])
+    assert "holds 2 PNGs (e.g. cat.png) but none named as eval reads them: 000000.png, 000001.png" in err

@@ -255,7 +255,7 @@ def cmd_generate(args) -> int:
         raise VVSError("give --class-labels (class-conditional) or --prompts FILE (text-conditional)")
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
                     t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
-                    image_size=args.image_size, cli=True)
+                    image_size=args.image_size, cli=True, vq_model=args.vq_model)
     labels = parse_class_labels(args.class_labels) if args.class_labels is not None else None
     prompts = read_prompts(args.prompts) if args.prompts is not None else None
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()

@@ -421,7 +421,7 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     model = {k: v for k, v in dict(model or {}).items() if v is not None}
     model.setdefault("device", "auto")
     model.setdefault("dtype", "fp32")
-    _check_conditions(model, class_labels, prompts)
+    check_conditions(model, class_labels, prompts)
 
     conds = list(class_labels if class_labels is not None else prompts)
     if prompts is not None:
@@ -656,9 +656,10 @@ def check_dataset_folder(out_dir: str) -> None:
                          f"be replaced; use another folder for the dataset")
 
 
-def _check_conditions(model: dict, labels, prompts) -> None:
+def check_conditions(model: dict, labels, prompts) -> None:
     """Fail before any worker starts when the conditions cannot fit the model (read from its config)."""
-    from .checkpoint import read_config
+    from .checkpoint import config_path, read_project_config
+    from .models.gpt import checked_gpt_config
 
     if model.get("model_dir"):  # every Hugging Face family is text-conditional
         from .models.hf_loader import read_folder_config
@@ -674,16 +675,17 @@ def _check_conditions(model: dict, labels, prompts) -> None:
 
         path = zoo.default_paths()["gpt"]
     check(os.path.isfile(path), f"checkpoint not found: {path}")
-    meta = read_config(path)
-    cfg = (meta or {}).get("config") or {}
-    kind = cfg.get("model_type")
-    if prompts is not None and kind == "c2i":
+    config = read_project_config(path, "gpt")
+    if config is None:  # an official checkpoint: only loading it tells
+        return
+    cfg = checked_gpt_config(config, f"config {config_path(path)}")
+    if prompts is not None and cfg.model_type == "c2i":
         raise VVSError("this model is class-conditional: pass class labels, not a prompts file")
-    if labels is not None and kind == "t2i":
+    if labels is not None and cfg.model_type == "t2i":
         raise VVSError("this model is text-conditional: pass a prompts file, not class labels")
-    if labels is not None and "num_classes" in cfg:
-        bad = [x for x in labels if not 0 <= x < cfg["num_classes"]]
-        check(not bad, f"class label {bad[0] if bad else ''} out of range [0, {cfg['num_classes']})")
+    if labels is not None:
+        bad = [x for x in labels if not 0 <= x < cfg.num_classes]
+        check(not bad, f"class label {bad[0] if bad else ''} out of range [0, {cfg.num_classes})")
 
 
 def _merge(stats: List[dict]) -> dict:

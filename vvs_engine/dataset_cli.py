@@ -85,7 +85,7 @@ def cmd_generate_dataset(args) -> int:
 
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
                     t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
-                    image_size=args.image_size, cli=True)
+                    image_size=args.image_size, cli=True, vq_model=args.vq_model)
     model = {"gpt_ckpt": args.gpt_ckpt, "gpt_model": args.gpt_model, "vq_ckpt": args.vq_ckpt,
              "vq_model": args.vq_model, "image_size": args.image_size, "drafter": args.drafter, "device": device,
              "dtype": args.dtype, "t5_path": args.t5_path, "model_dir": args.model_dir,
