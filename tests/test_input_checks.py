@@ -274,15 +274,15 @@ def test_checkpoint_of_another_kind_says_which(tmp_path, capsys, no_model_loads)
 def test_unknown_presets_refused(tmp_path, capsys, no_model_loads):
     import vvs_engine.engine as engine_mod
 
-    with pytest.raises(VVSError, match="unknown vq_model 'VQ-99'; known: VQ-16, VQ-8"):
+    with pytest.raises(VVSError, match=r"unknown tokenizer 'VQ-99' \(vq_model\); known: VQ-16, VQ-8"):
         engine_mod.check_load_args(vq_model="VQ-99")
     err = one_line_error(capsys, ["generate", "--vq-model", "VQ-99", "--class-labels", "1", "--out",
                                   str(tmp_path / "o"), "--quiet"])
-    assert err == "error: unknown --vq-model 'VQ-99'; known: VQ-16, VQ-8"
+    assert err == "error: unknown tokenizer 'VQ-99' (--vq-model); known: VQ-16, VQ-8"
 
 
 def test_engine_load_refuses_an_unknown_vq_preset():
-    with pytest.raises(VVSError, match="unknown vq_model 'VQ-99'"):
+    with pytest.raises(VVSError, match=r"unknown tokenizer 'VQ-99' \(vq_model\)"):
         Engine.load(vq_model="VQ-99")
 
 
@@ -321,3 +321,167 @@ def test_eval_names_the_png_names_it_reads(tmp_path, capsys):
         Image.new("RGB", (8, 8)).save(tmp_path / name)
     err = one_line_error(capsys, ["eval", "--images", str(tmp_path), "--no-inception", "--threads", "1"])
     assert "holds 2 PNGs (e.g. cat.png) but none named as eval reads them: 000000.png, 000001.png" in err
+
+
+# --- 3. checks before work; generate-dataset's interruptions -------------------------------------------------
+@pytest.mark.parametrize("command", ["generate", "generate-dataset"])
+def test_unknown_acceptance_rule_refused_before_loading(tmp_path, capsys, no_model_loads, command):
+    err = one_line_error(capsys, [command, "--method", "eagle", "--accept", "bogus", "--class-labels", "1", "--out",
+                                  str(tmp_path / "o"), "--quiet", "--threads", "1"])
+    assert err.startswith("error: unknown acceptance rule 'bogus'; known: exact"), err
+
+
+@pytest.mark.parametrize("command", ["generate", "generate-dataset"])
+def test_prompts_for_a_class_model_refused_before_loading(tmp_path, capsys, no_model_loads, command):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    err = one_line_error(capsys, [command, "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--quiet",
+                                  "--threads", "1"])
+    assert err == "error: this model is class-conditional: pass class labels, not a prompts file"
+    err = one_line_error(capsys, [command, "--class-labels", "0-16", "--out", str(tmp_path / "o"), "--quiet",
+                                  "--threads", "1"])
+    assert err == "error: class label 16 out of range [0, 16)"  # the Zoo's 16 classes, from its config
+
+
+def test_ctrl_c_while_starting_is_one_line():
+    """SIGINT while the command imports torch: `error: interrupted`, exit 130, no traceback. A library
+    import (python -c "import vvs_engine") is left alone: there Ctrl-C stays a KeyboardInterrupt."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    for argv, as_command in (([sys.executable, "-m", "vvs_engine", "zoo", "list"], True),
+                             ([sys.executable, "-c", "import vvs_engine; import time; time.sleep(60)"], False)):
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        time.sleep(0.4)  # Python is up; importing torch takes seconds
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        if as_command:
+            assert proc.returncode == 130 and err == "error: interrupted\n", err
+        else:
+            assert "KeyboardInterrupt" in err and proc.returncode != 0
+
+
+def dataset_command(tiny, out):
+    return [sys.executable, "-m", "vvs_engine", "generate-dataset", "--gpt-ckpt", tiny["gpt_ckpt"], "--vq-ckpt",
+            tiny["vq_ckpt"], "--image-size", "8", "--device", "cpu", "--class-labels", "0-9", "--per-class", "12",
+            "--shard-size", "4", "--batch-size", "2", "--seed", "3", "--threads", "1", "--quiet", "--out", str(out)]
+
+
+def start_and_wait_for_shard(cmd, out, shard: int):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.time() + 240
+    while not (out / f"shard-{shard:05d}.npz").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1]
+    return proc
+
+
+def last_run(out) -> dict:
+    with open(out / "manifest.json") as f:
+        return json.load(f)["runs"][-1]
+
+
+def test_sigterm_ends_a_dataset_run_like_ctrl_c(tiny, tmp_path):
+    out = tmp_path / "d"
+    proc = start_and_wait_for_shard(dataset_command(tiny, out), out, 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 143 and lines[-1] == "error: terminated", err
+    assert "shards are complete" in lines[-2] and "run the same command again" in lines[-2], err
+    assert "Traceback" not in err
+    run = last_run(out)
+    complete = sorted(n for n in os.listdir(out) if n.startswith("shard-"))
+    assert "interrupted" in run and run["images"] == 4 * len(complete)
+    assert [e["shard"] for e in run["shards"]] == list(range(len(complete)))
+    assert all(e["wall_s"] > 0 and e["decode_s"] > 0 for e in run["shards"])
+    assert f"{len(complete)} of 30 shards are complete" in lines[-2]
+
+
+def test_live_run_locks_its_folder_and_a_killed_one_leaves_no_stale_lock(tiny, tmp_path, capsys):
+    """A second run into a folder that a live run writes is refused; kill -9 of the live run frees the folder
+    at once (a kernel lock, no lock file); the per-shard times it recorded survive the kill."""
+    out = tmp_path / "d"
+    cmd = dataset_command(tiny, out)
+    proc = start_and_wait_for_shard(cmd, out, 2)
+    try:
+        err = one_line_error(capsys, cmd[3:])
+        assert "is being written by another generate-dataset run" in err, err
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    run = last_run(out)  # written after every shard, not only at the end
+    assert len(run["shards"]) >= 3 and all(e["wall_s"] > 0 for e in run["shards"])
+    assert not any(n.endswith(".lock") for n in os.listdir(out))
+    assert main(cmd[3:]) == 0  # not refused: the killed run holds nothing
+    assert len([n for n in os.listdir(out) if n.startswith("shard-")]) == 30
+
+
+def test_interrupt_summary_does_not_count_a_truncated_shard(tiny, tmp_path):
+    from vvs_engine.dataset_cli import resume_hint
+
+    out = tmp_path / "d"
+    dataset.generate(str(out), class_labels=[1, 2, 3], per_condition=2, shard_size=2, batch_size=1, model=tiny,
+                     threads=1, progress=False, decode_images=False)
+    assert "3 of 3 shards are complete" in resume_hint(str(out))
+    shard = out / "shard-00001.npz"
+    shard.write_bytes(shard.read_bytes()[:100])  # a damaged file: the re-run redoes it
+    assert "2 of 3 shards are complete" in resume_hint(str(out))
+
+
+# --- 4. no stray files ---------------------------------------------------------------------------------------
+def test_bench_writes_where_out_says_and_by_default_in_the_current_folder(tmp_path, monkeypatch):
+    from vvs_engine.evaluation import bench
+
+    monkeypatch.chdir(tmp_path)
+    assert bench.parse_args([]).out == "bench-results"  # relative: the current folder, not a checkout
+    assert bench.parse_args(["--out", str(tmp_path / "mine")]).out == str(tmp_path / "mine")
+    written = {}
+
+    def fake_write_report(result, out_dir, tag, plot=True):
+        written["out"] = out_dir
+        os.makedirs(out_dir, exist_ok=True)
+        paths = [os.path.join(out_dir, f"e2e_{tag}.{ext}") for ext in ("json", "md")]
+        for path in paths:
+            open(path, "w").write("{}")
+        return paths
+
+    monkeypatch.setattr(bench, "write_report", fake_write_report)
+    monkeypatch.setattr(bench, "time_setting", lambda eng, s, args, label: {"setting": s.label})
+    monkeypatch.setattr(bench, "add_speedups", lambda rows: None)
+    before = sorted(os.listdir(os.path.join(REPO, "benchmarks", "results")))
+    assert main(["bench", "--quick", "--settings", "ar", "--no-plot", "--device", "cpu"]) == 0
+    assert written["out"] == "bench-results" and os.path.isdir(tmp_path / "bench-results")
+    assert sorted(os.listdir(os.path.join(REPO, "benchmarks", "results"))) == before
+
+
+def test_eval_writes_beside_the_images_by_default(tmp_path, monkeypatch, capsys):
+    from vvs_engine.cli import build_parser
+
+    images = tmp_path / "run"
+    images.mkdir()
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    import vvs_engine.evaluation.report as report
+
+    monkeypatch.setattr(report, "evaluate_dir", lambda d, o, inception: {"class_accuracy": 1.0})
+    assert main(["eval", "--images", str(images), "--threads", "1"]) == 0
+    assert json.loads((images / "metrics.json").read_text()) == {"class_accuracy": 1.0}
+    assert os.listdir(elsewhere) == []
+    eval_parser = build_parser()._subparsers._group_actions[0].choices["eval"]
+    assert "beside the images" in eval_parser.format_help()
+    capsys.readouterr()
+    err = one_line_error(capsys, ["eval", "--images", str(images), "--out", ""])
+    assert err.startswith("error: --out is empty")
+
+
+def test_suite_caches_are_in_a_temporary_folder():
+    """tests/conftest.py points every cache the code and torch's compiler write at one temporary folder."""
+    for name in ("VVS_CACHE", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert os.path.commonpath([os.environ[name], tempfile.gettempdir()]) == tempfile.gettempdir(), name
+    from vvs_engine.evaluation.quality import _cache_dir
+
+    assert _cache_dir().startswith(tempfile.gettempdir())
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir().startswith(tempfile.gettempdir())

@@ -243,9 +243,10 @@ def _json_type(value) -> str:
 
 
 def layer_count(sd: Dict[str, torch.Tensor], prefix: str = "layers.") -> int:
-    """How many numbered blocks ``prefix0.``, ``prefix1.``, ... a state dict holds (after cleaning)."""
+    """How many numbered blocks ``prefix0.``, ``prefix1.``, ... a state dict holds (after cleaning); 0
+    when there are none or the numbers have gaps (stray or missing keys: load_into names those)."""
     found = {int(m.group(1)) for k in sd for m in [re.match(re.escape(prefix) + r"(\d+)\.", k)] if m}
-    return max(found) + 1 if found else 0
+    return len(found) if found == set(range(len(found))) else 0
 
 
 def check_weight_shape(sd: Dict[str, torch.Tensor], key: str, want: tuple, fields: str, where: str) -> None:

@@ -12,7 +12,10 @@ Subcommands:
 
 Error policy: bad input never produces a traceback. Argument errors print one ``error: ...`` line and
 exit 2 (like argparse, minus the usage dump); every other user error (:class:`VVSError`, a file that
-cannot be read or written, a bad value) prints one ``error: ...`` line and exits 1.
+cannot be read or written, a bad value) prints one ``error: ...`` line and exits 1. Ctrl-C prints
+``error: interrupted`` and exits 130 (also while the command starts and imports torch); SIGTERM is
+handled like Ctrl-C (the same clean-up: generate-dataset keeps its finished shards and writes its
+manifest) and exits 143 after ``error: terminated``.
 """
 from __future__ import annotations
 
@@ -23,10 +26,13 @@ import json
 import math
 import os
 import re
+import signal
 import sys
+import threading
 from typing import List, Optional, Sequence
 
-from .errors import OneLineParser, UsageError, VVSError
+from .errors import OneLineParser, Terminated, UsageError, VVSError, raise_terminated
+from .startup import end_of_startup
 from .methods.options import method_flags
 from .paths import check_writable_file
 from .threads import apply_threads as _apply_threads
@@ -140,7 +146,8 @@ def build_parser() -> Parser:
 
     e = sub.add_parser("eval", help="quality metrics of a generate output folder")
     e.add_argument("--images", required=True, metavar="DIR", help="a `generate` output folder")
-    e.add_argument("--out", default=None, metavar="JSON", help="metrics file (default DIR/metrics.json)")
+    e.add_argument("--out", default=None, metavar="JSON",
+                   help="metrics file (default: metrics.json in the --images folder, beside the images it scores)")
     e.add_argument("--no-inception", action="store_true",
                    help="skip FID and precision/recall (the Inception network: slow on a CPU)")
     add_threads_flag(e)
@@ -270,6 +277,10 @@ def cmd_generate(args) -> int:
         raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
     try:
         opts = get_method_options(args.method, method_options(args))
+        if getattr(opts, "accept", None) is not None:  # the rule is looked up only when the method starts
+            from .acceptance.registry import check_rule_name
+
+            check_rule_name(opts.accept)
         # a project checkpoint's config (the Zoo's) tells the image and vocabulary before loading
         shape = peek_shape(args.gpt_ckpt, args.vq_ckpt) if args.model_dir is None and args.image_size is None else None
         if shape is not None:
@@ -278,6 +289,10 @@ def cmd_generate(args) -> int:
                              args.dtype)
     except VVSError as e:
         raise VVSError(flag_names(str(e))) from None
+    from .dataset import check_conditions
+
+    # labels or prompts against the model's kind and classes, from its config (no weights read)
+    check_conditions({"gpt_ckpt": args.gpt_ckpt, "model_dir": args.model_dir}, labels, prompts)
     prepare_out_dir(args.out)
     if args.profile:
         check_writable_file(args.profile, "--profile")
@@ -476,6 +491,8 @@ def cmd_zoo_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.out == "":
+        raise VVSError("--out is empty: name the metrics file (or leave --out out: metrics.json beside the images)")
     if not os.path.isdir(args.images):
         raise VVSError(f"not a folder: {args.images}")
     out_json = args.out or os.path.join(args.images, "metrics.json")
@@ -514,8 +531,19 @@ def _exit_code(result) -> int:
 
 # --- entry point --------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the CLI; returns the exit code (0 ok, 1 user error, 2 bad arguments, 130 interrupted)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run the CLI; returns the exit code (0 ok, 1 user error, 2 bad arguments, 130 interrupted by Ctrl-C,
+    143 terminated by SIGTERM)."""
+    end_of_startup()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
+    try:
+        return run_command(sys.argv[1:] if argv is None else list(argv))
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def run_command(argv: List[str]) -> int:
     command = None
     try:
         if argv and argv[0] in PASSTHROUGH:
@@ -533,9 +561,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             message = flag_names(message)  # the checks are shared with the Python API, which names no flags
         print(f"error: {message}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
+        terminated = isinstance(e, Terminated)
+        print(f"error: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
 
 
 def _one_line(e: BaseException) -> str:

@@ -13,6 +13,7 @@ holds complete shards; a re-run skips them.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
@@ -418,6 +419,10 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
           f"threads must be >= 1, got {threads!r}")
     params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
     options = resolve_options(method, method_opts)
+    if options.get("accept") is not None:  # otherwise an unknown rule fails in each worker, after loading
+        from .acceptance.registry import check_rule_name
+
+        check_rule_name(options["accept"])
     model = {k: v for k, v in dict(model or {}).items() if v is not None}
     model.setdefault("device", "auto")
     model.setdefault("dtype", "fp32")
@@ -448,75 +453,83 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
             identity[key] = model[key]
     check_dataset_folder(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    manifest = read_manifest(out_dir)
-    if manifest is not None and not _any_shard(out_dir):
-        manifest = None  # an earlier run that failed before its first shard: nothing to keep or to match
-    if manifest is not None:
-        diff = [k for k in set(identity) | set(manifest["identity"])
-                if plain(manifest["identity"].get(k)) != plain(identity.get(k))]
-        check(not diff, f"{out_dir} holds a dataset made with different settings ({', '.join(sorted(diff))}); "
-                        f"use another folder or the same options")
-    else:
-        manifest = {"format": FORMAT, "identity": identity, "n_images": n, "shard_size": shard_size,
-                    "n_shards": (n + shard_size - 1) // shard_size, "model": model, "runs": []}
-    run_info = {"command": list(command) if command is not None else sys.argv, "started": time.time(),
-                "ray": ray, "batch_size": batch_size, "shards": []}
-    manifest["runs"].append(run_info)
-    manifest["command"] = manifest["runs"][0]["command"]
-    write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
-
-    n_shards = manifest["n_shards"]
-    shards = {k: range(k * shard_size, min((k + 1) * shard_size, n)) for k in range(n_shards)}
-    done = {k for k, rng in shards.items() if shard_complete(out_dir, k, rng)}
-    clean_tmp(out_dir)
-    for name in _stray_pngs(out_dir, shard_size, done):
-        os.remove(os.path.join(out_dir, name))
-    todo = [k for k in range(n_shards) if k not in done]
-    job = {"method": method, "seed": seed, "sampling": params.to_dict(), "options": {k: v for k, v in method_opts.items()
-           if v is not None}, "batch_size": batch_size, "decode_images": bool(decode_images), "compile": compile}
-
-    from tqdm import tqdm
-
-    bar = tqdm(total=n, initial=sum(len(shards[k]) for k in done), unit="img", desc="generate-dataset",
-               disable=not progress, dynamic_ncols=True)
-    timing = {"shard_wall_s": [], "shard_decode_s": [], "per_shard": run_info["shards"]}
-    try:
-        def commit(k, result):
-            c, p, ids = cond_of(shards[k])
-            write_shard(out_dir, k, shards[k], c, ids, p, result, n)
-            timing["per_shard"].append({"shard": k, "device": result.get("device", ""),
-                                        "decode_s": sum(s.get("wall_time_s", 0.0) for s in result["stats"]),
-                                        "batch_wall_s": [w for s in result["stats"]
-                                                         for w in (s.get("per_batch") or {}).get("wall_time_s", [])]})
-
-        if ray is None:
-            _run_local(model, threads, engine_factory, shards, todo, cond_of, job, commit, bar, timing)
+    # one run at a time writes a folder: a second would redo the same shards and remove the PNGs the
+    # first is writing. The lock is the kernel's (flock): a killed run never leaves it behind.
+    with folder_lock(out_dir):
+        manifest = read_manifest(out_dir)
+        if manifest is not None and not _any_shard(out_dir):
+            manifest = None  # an earlier run that failed before its first shard: nothing to keep or to match
+        if manifest is not None:
+            diff = [k for k in set(identity) | set(manifest["identity"])
+                    if plain(manifest["identity"].get(k)) != plain(identity.get(k))]
+            check(not diff, f"{out_dir} holds a dataset made with different settings ({', '.join(sorted(diff))}); "
+                            f"use another folder or the same options")
         else:
-            _run_ray(ray, workers, threads, gpus_per_worker, model, engine_factory, shards, todo, cond_of, job,
-                     commit, bar, timing, max_retries)
-    except BaseException:
-        # the shards done so far are kept; the manifest records this run's per-shard times
-        run_info.update(interrupted=time.time(), images=sum(len(shards[e["shard"]]) for e in run_info["shards"]))
+            manifest = {"format": FORMAT, "identity": identity, "n_images": n, "shard_size": shard_size,
+                        "n_shards": (n + shard_size - 1) // shard_size, "model": model, "runs": []}
+        run_info = {"command": list(command) if command is not None else sys.argv, "started": time.time(),
+                    "ray": ray, "batch_size": batch_size, "shards": []}
+        manifest["runs"].append(run_info)
+        manifest["command"] = manifest["runs"][0]["command"]
         write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
-        raise
-    finally:
-        bar.close()
-        clean_tmp(out_dir)
 
-    wall = time.perf_counter() - t_start
-    summary = merged_dataset_stats(out_dir, n_shards)
-    made = sum(len(shards[k]) for k in todo)
-    summary.update(images_this_run=made, shards_this_run=len(todo), shards_skipped=len(done),
-                   job_wall_s=wall, images_per_s=made / wall if wall else None, startup_s=timing.get("startup_s"),
-                   workers=timing.get("workers"), retries=timing.get("retries", 0),
-                   mean_shard_s=float(np.mean(timing["shard_wall_s"])) if todo else None,
-                   # per shard, time outside the decode loop: VQ decoding, PNG encoding, hand-off, writing
-                   mean_shard_outside_decode_s=float(np.mean(np.subtract(timing["shard_wall_s"],
-                                                                         timing["shard_decode_s"]))) if todo else None)
-    run_info.update(finished=time.time(), images=made, wall_s=wall)
-    manifest["stats"] = summary
-    write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
-    return summary
+        n_shards = manifest["n_shards"]
+        shards = {k: range(k * shard_size, min((k + 1) * shard_size, n)) for k in range(n_shards)}
+        done = {k for k, rng in shards.items() if shard_complete(out_dir, k, rng)}
+        clean_tmp(out_dir)
+        for name in _stray_pngs(out_dir, shard_size, done):
+            os.remove(os.path.join(out_dir, name))
+        todo = [k for k in range(n_shards) if k not in done]
+        job = {"method": method, "seed": seed, "sampling": params.to_dict(),
+               "options": {k: v for k, v in method_opts.items() if v is not None}, "batch_size": batch_size,
+               "decode_images": bool(decode_images), "compile": compile}
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, initial=sum(len(shards[k]) for k in done), unit="img", desc="generate-dataset",
+                   disable=not progress, dynamic_ncols=True)
+        timing = {"shard_wall_s": [], "shard_decode_s": [], "per_shard": run_info["shards"]}
+        try:
+            def commit(k, result, t_handed_out):
+                """Write shard k, then record its times in the manifest on disk at once: they survive a kill."""
+                c, p, ids = cond_of(shards[k])
+                write_shard(out_dir, k, shards[k], c, ids, p, result, n)
+                timing["per_shard"].append({"shard": k, "device": result.get("device", ""),
+                                            "decode_s": sum(s.get("wall_time_s", 0.0) for s in result["stats"]),
+                                            "batch_wall_s": [w for s in result["stats"]
+                                                             for w in (s.get("per_batch") or {}).get("wall_time_s", [])]})
+                _record_shard(timing, t_handed_out, result)
+                run_info["images"] = sum(len(shards[e["shard"]]) for e in run_info["shards"])
+                write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+
+            if ray is None:
+                _run_local(model, threads, engine_factory, shards, todo, cond_of, job, commit, bar, timing)
+            else:
+                _run_ray(ray, workers, threads, gpus_per_worker, model, engine_factory, shards, todo, cond_of, job,
+                         commit, bar, timing, max_retries)
+        except BaseException:
+            # the shards done so far are kept; the manifest records this run's per-shard times
+            run_info.update(interrupted=time.time(), images=sum(len(shards[e["shard"]]) for e in run_info["shards"]))
+            write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+            raise
+        finally:
+            bar.close()
+            clean_tmp(out_dir)
+
+        wall = time.perf_counter() - t_start
+        summary = merged_dataset_stats(out_dir, n_shards)
+        made = sum(len(shards[k]) for k in todo)
+        summary.update(images_this_run=made, shards_this_run=len(todo), shards_skipped=len(done),
+                       job_wall_s=wall, images_per_s=made / wall if wall else None, startup_s=timing.get("startup_s"),
+                       workers=timing.get("workers"), retries=timing.get("retries", 0),
+                       mean_shard_s=float(np.mean(timing["shard_wall_s"])) if todo else None,
+                       # per shard, time outside the decode loop: VQ decoding, PNG encoding, hand-off, writing
+                       mean_shard_outside_decode_s=float(np.mean(np.subtract(timing["shard_wall_s"],
+                                                                             timing["shard_decode_s"]))) if todo else None)
+        run_info.update(finished=time.time(), images=made, wall_s=wall)
+        manifest["stats"] = summary
+        write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+        return summary
 
 
 def merged_dataset_stats(out_dir: str, n_shards: int) -> dict:
@@ -542,8 +555,7 @@ def _run_local(model, threads, engine_factory, shards, todo, cond_of, job, commi
         t = time.perf_counter()
         labels, prompts, _ = cond_of(shards[k])
         result = worker.run_shard(list(shards[k]), labels, prompts, job, on_batch=bar.update)
-        commit(k, result)
-        _record_shard(timing, t, result)
+        commit(k, result, t)
 
 
 def _run_ray(address, workers, threads, gpus_per_worker, model, engine_factory, shards, todo, cond_of, job, commit,
@@ -606,8 +618,7 @@ def _run_ray(address, workers, threads, gpus_per_worker, model, engine_factory, 
                     actors.append(a)
                 idle.append(a)
                 continue
-            commit(k, result)
-            _record_shard(timing, t, result)
+            commit(k, result, t)
             bar.update(len(shards[k]))
             idle.append(a)
     finally:
@@ -642,6 +653,30 @@ def _any_shard(out_dir: str) -> bool:
 
 
 GENERATE_FILES = ("tokens.npz", "stats.json")  # what `vvs-engine generate` writes (its PNGs share our names)
+
+
+@contextlib.contextmanager
+def folder_lock(out_dir: str):
+    """Hold the dataset folder's lock for the job: another process (or another job of this one) that
+    writes the same folder meanwhile is refused in one line. The lock is an ``fcntl.flock`` on the
+    folder itself: no lock file to leave behind, and the kernel drops the lock when its holder ends,
+    however it ends (kill -9 included), so a lock is never stale. Where fcntl is missing (Windows)
+    the folder is not locked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise VVSError(f"{out_dir} is being written by another generate-dataset run; wait for it to end, or "
+                           f"use another folder") from None
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def check_dataset_folder(out_dir: str) -> None:

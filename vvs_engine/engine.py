@@ -64,9 +64,9 @@ def check_load_args(gpt_ckpt=None, gpt_model=None, vq_ckpt=None, drafter=None, t
                        f"checkpoint too (the default Zoo model has its own config)")
     # a preset is checked even where a config file makes it unused: a typo is a typo
     if gpt_model is not None and gpt_model not in GPT_PRESETS:
-        raise VVSError(f"unknown {name('gpt_model')} '{gpt_model}'; known: {', '.join(GPT_PRESETS)}")
+        raise VVSError(f"unknown model '{gpt_model}' ({name('gpt_model')}); known: {', '.join(GPT_PRESETS)}")
     if vq_model is not None and vq_model not in VQ_PRESETS:
-        raise VVSError(f"unknown {name('vq_model')} '{vq_model}'; known: {', '.join(VQ_PRESETS)}")
+        raise VVSError(f"unknown tokenizer '{vq_model}' ({name('vq_model')}); known: {', '.join(VQ_PRESETS)}")
     if max_prompt_tokens is not None:
         if model_dir is None:
             raise VVSError(f"{name('max_prompt_tokens')} pads the prompts of a {name('model_dir')} family; without "
