@@ -94,6 +94,13 @@ def test_dataset_flags_named_as_flags(tmp_path, capsys, no_model_loads):
     assert err == "error: --max-retries must be an integer >= 0, got -1"
 
 
+def test_batch_memory_hint_names_the_flag(tmp_path, capsys, no_model_loads):
+    err = one_line_error(capsys, ["generate", "--class-labels", ",".join(["0"] * 100000), "--batch-size", "100000",
+                                  "--out", str(tmp_path / "o"), "--quiet", "--threads", "1"])
+    assert "a batch of 100000 images needs about" in err
+    assert re.search(r"use --batch-size <= \d+|even one image does not fit", err), err
+
+
 @pytest.mark.parametrize("shard,suggested", [(8, "e.g. --shard-size 16"), (20, "e.g. --shard-size 16 or 32"),
                                               (40, "e.g. --shard-size 32 or 48")])
 def test_shard_size_suggestion_names_each_size_once(tmp_path, capsys, no_model_loads, shard, suggested):

@@ -199,8 +199,8 @@ def method_options(args) -> dict:
 # Options that the sampling and dataset checks name in words (they serve the Python API too); in the CLI
 # every option is named as its flag. Multi-word names are replaced anywhere, single words only as the
 # subject that starts the message ("seed must be ..."), because elsewhere they are ordinary words.
-SPELLED_OPTIONS = {"shard size": "--shard-size", "batch size": "--batch-size", "per-class": "--per-class",
-                   "max retries": "--max-retries"}
+SPELLED_OPTIONS = {"shard size": "--shard-size", "batch size": "--batch-size", "batch-size": "--batch-size",
+                   "per-class": "--per-class", "max retries": "--max-retries"}
 SUBJECT_OPTIONS = {"temperature": "--temperature", "top-k": "--top-k", "top-p": "--top-p",
                    "cfg-scale": "--cfg-scale", "seed": "--seed", "workers": "--workers", "threads": "--threads"}
 
