@@ -484,7 +484,10 @@ def test_eval_writes_beside_the_images_by_default(tmp_path, monkeypatch, capsys)
 
 def test_suite_caches_are_in_a_temporary_folder():
     """tests/conftest.py points every cache the code and torch's compiler write at one temporary folder."""
-    for name in ("VVS_CACHE", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+    from conftest import CACHE_VARIABLES
+
+    assert {"VVS_CACHE", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"} <= set(CACHE_VARIABLES)
+    for name in CACHE_VARIABLES:
         assert os.path.commonpath([os.environ[name], tempfile.gettempdir()]) == tempfile.gettempdir(), name
     from vvs_engine.evaluation.quality import _cache_dir
 
