@@ -12,7 +12,10 @@ Subcommands:
 
 Error policy: bad input never produces a traceback. Argument errors print one ``error: ...`` line and
 exit 2 (like argparse, minus the usage dump); every other user error (:class:`VVSError`, a file that
-cannot be read or written, a bad value) prints one ``error: ...`` line and exits 1.
+cannot be read or written, a bad value) prints one ``error: ...`` line and exits 1. Ctrl-C prints
+``error: interrupted`` and exits 130 (also while the command starts and imports torch); SIGTERM is
+handled like Ctrl-C (the same clean-up: generate-dataset keeps its finished shards and writes its
+manifest) and exits 143 after ``error: terminated``.
 """
 from __future__ import annotations
 
@@ -23,10 +26,13 @@ import json
 import math
 import os
 import re
+import signal
 import sys
+import threading
 from typing import List, Optional, Sequence
 
-from .errors import OneLineParser, UsageError, VVSError
+from .errors import OneLineParser, Terminated, UsageError, VVSError, raise_terminated
+from .startup import end_of_startup
 from .methods.options import method_flags
 from .paths import check_writable_file
 from .threads import apply_threads as _apply_threads
@@ -145,7 +151,8 @@ def build_parser() -> Parser:
 
     e = sub.add_parser("eval", help="quality metrics of a generate output folder")
     e.add_argument("--images", required=True, metavar="DIR", help="a `generate` output folder")
-    e.add_argument("--out", default=None, metavar="JSON", help="metrics file (default DIR/metrics.json)")
+    e.add_argument("--out", default=None, metavar="JSON",
+                   help="metrics file (default: metrics.json in the --images folder, beside the images it scores)")
     e.add_argument("--no-inception", action="store_true",
                    help="skip FID and precision/recall (the Inception network: slow on a CPU)")
     add_threads_flag(e)
@@ -161,15 +168,11 @@ def build_parser() -> Parser:
 
 # --- generate -----------------------------------------------------------------------------------
 def parse_class_labels(text: str) -> List[int]:
-    """"3,141,207" -> [3, 141, 207]. The range is checked later, against the loaded model."""
-    labels = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            labels.append(int(part))
-        except ValueError:
-            raise VVSError(f"class labels must be integers separated by commas, got {part!r}") from None
-    return labels
+    """"3,141,207" -> [3, 141, 207]; "0-3" -> [0, 1, 2, 3]: the syntax of generate-dataset, so both
+    commands read --class-labels alike. The range is checked later, against the model's config."""
+    from .dataset import parse_label_ranges
+
+    return parse_label_ranges(text)
 
 
 def read_prompts(path: str) -> List[str]:
@@ -198,8 +201,23 @@ def method_options(args) -> dict:
     return {fl.name: getattr(args, fl.name) for fl in method_flags()}
 
 
+# Options that the sampling and dataset checks name in words (they serve the Python API too); in the CLI
+# every option is named as its flag. Multi-word names are replaced anywhere, single words only as the
+# subject that starts the message ("seed must be ..."), because elsewhere they are ordinary words.
+SPELLED_OPTIONS = {"shard size": "--shard-size", "batch size": "--batch-size", "batch-size": "--batch-size",
+                   "per-class": "--per-class", "max retries": "--max-retries"}
+SUBJECT_OPTIONS = {"temperature": "--temperature", "top-k": "--top-k", "top-p": "--top-p",
+                   "cfg-scale": "--cfg-scale", "seed": "--seed", "workers": "--workers", "threads": "--threads"}
+
+
 def flag_names(message: str) -> str:
-    """An option error in CLI terms: ``lantern_delta`` -> ``--lantern-delta``, ``tree must`` -> ``--tree must``."""
+    """An option error in CLI terms: ``lantern_delta`` -> ``--lantern-delta``, ``tree must`` -> ``--tree must``,
+    ``top-p must`` -> ``--top-p must``, ``shard size 20`` -> ``--shard-size 20``. Flags already spelled
+    as flags are left alone."""
+    for words, flag in SPELLED_OPTIONS.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(words)}(?![\w-])", flag, message)
+    for word, flag in SUBJECT_OPTIONS.items():
+        message = re.sub(rf"^{re.escape(word)}(?= (?:must|is|needs) )", flag, message)
     for fl in method_flags():
         if "_" not in fl.name:
             # one-word options (tree, accept, select) are ordinary words elsewhere in a message: only the
@@ -214,6 +232,8 @@ def flag_names(message: str) -> str:
 def prepare_out_dir(path: str) -> str:
     """Create the output folder (or accept an existing one) and check that it is writable, before any
     model is loaded. A generate-dataset folder is refused: its PNGs share the names of ours."""
+    if not path:
+        raise VVSError("--out is empty: name the output folder")
     if os.path.exists(path) and not os.path.isdir(path):
         raise VVSError(f"--out {path} is a file, not a folder")
     if os.path.isfile(os.path.join(path, "manifest.json")):
@@ -247,14 +267,11 @@ def cmd_generate(args) -> int:
         raise VVSError("give --class-labels (class-conditional) or --prompts FILE (text-conditional)")
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
                     t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
-                    image_size=args.image_size, cli=True)
+                    image_size=args.image_size, cli=True, vq_model=args.vq_model)
     labels = parse_class_labels(args.class_labels) if args.class_labels is not None else None
     prompts = read_prompts(args.prompts) if args.prompts is not None else None
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
-    try:
-        check_seed(args.seed)
-    except VVSError as e:
-        raise VVSError(str(e).replace("seed", "--seed", 1)) from None
+    check_seed(args.seed)
     if args.batch_size < 1:
         raise VVSError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     device = str(resolve_device(pick_device(args.device)))
@@ -265,6 +282,10 @@ def cmd_generate(args) -> int:
         raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
     try:
         opts = get_method_options(args.method, method_options(args))
+        if getattr(opts, "accept", None) is not None:  # the rule is looked up only when the method starts
+            from .acceptance.registry import check_rule_name
+
+            check_rule_name(opts.accept)
         # a project checkpoint's config (the Zoo's) tells the image and vocabulary before loading
         shape = peek_shape(args.gpt_ckpt, args.vq_ckpt) if args.model_dir is None and args.image_size is None else None
         if shape is not None:
@@ -273,6 +294,10 @@ def cmd_generate(args) -> int:
                              args.dtype)
     except VVSError as e:
         raise VVSError(flag_names(str(e))) from None
+    from .dataset import check_conditions
+
+    # labels or prompts against the model's kind and classes, from its config (no weights read)
+    check_conditions({"gpt_ckpt": args.gpt_ckpt, "model_dir": args.model_dir}, labels, prompts)
     prepare_out_dir(args.out)
     if args.profile:
         check_writable_file(args.profile, "--profile")
@@ -472,6 +497,8 @@ def cmd_zoo_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.out == "":
+        raise VVSError("--out is empty: name the metrics file (or leave --out out: metrics.json beside the images)")
     if not os.path.isdir(args.images):
         raise VVSError(f"not a folder: {args.images}")
     out_json = args.out or os.path.join(args.images, "metrics.json")
@@ -510,23 +537,40 @@ def _exit_code(result) -> int:
 
 # --- entry point --------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the CLI; returns the exit code (0 ok, 1 user error, 2 bad arguments, 130 interrupted)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run the CLI; returns the exit code (0 ok, 1 user error, 2 bad arguments, 130 interrupted by Ctrl-C,
+    143 terminated by SIGTERM)."""
+    end_of_startup()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
+    try:
+        return run_command(sys.argv[1:] if argv is None else list(argv))
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def run_command(argv: List[str]) -> int:
+    command = None
     try:
         if argv and argv[0] in PASSTHROUGH:
             return PASSTHROUGH[argv[0]](argv[1:])
         args = build_parser().parse_args(argv)
+        command = args.command
         return args.func(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (VVSError, ValueError, OSError) as e:
         # VVSError is a ValueError. OSError covers unwritable output folders, full disks and the like.
-        print(f"error: {_one_line(e)}", file=sys.stderr)
+        message = _one_line(e)
+        if isinstance(e, VVSError) and command in ("generate", "generate-dataset"):
+            message = flag_names(message)  # the checks are shared with the Python API, which names no flags
+        print(f"error: {message}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
+        terminated = isinstance(e, Terminated)
+        print(f"error: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
 
 
 def _one_line(e: BaseException) -> str:

@@ -13,6 +13,7 @@ holds complete shards; a re-run skips them.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
@@ -37,11 +38,16 @@ DEFAULT_SHARD_SIZE = 64
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_MAX_RETRIES = 2
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024 ** 2  # the started local cluster only moves tokens and PNG bytes
+# The most images one job may hold. The job's plan (one condition per image group, one entry per
+# shard) lives in memory; ten million images keep it to a few hundred MB, while a typo such as
+# --per-class 1000000000000 would otherwise grow until the machine runs out of memory.
+MAX_IMAGES = 10_000_000
 
 
 # --- conditions ---------------------------------------------------------------------------------
 def parse_label_ranges(text: str) -> List[int]:
-    """"0-3,7,9-10" -> [0, 1, 2, 3, 7, 9, 10] (ranges inclusive; range checks happen against the model)."""
+    """"0-3,7,9-10" -> [0, 1, 2, 3, 7, 9, 10] (ranges inclusive; range checks happen against the model).
+    More than ``MAX_IMAGES`` labels in all is an error, counted before any range is expanded."""
     out = []
     for part in str(text).split(","):
         part = part.strip()
@@ -49,8 +55,11 @@ def parse_label_ranges(text: str) -> List[int]:
         if m:
             a, b = int(m.group(1)), int(m.group(2))
             check(a <= b, f"empty class range {part!r}")
+            check(len(out) + b - a + 1 <= MAX_IMAGES,
+                  f"class labels {part} name {b - a + 1} labels; a job holds at most {MAX_IMAGES} images")
             out += range(a, b + 1)
         elif re.fullmatch(r"-?\d+", part):
+            check(len(out) < MAX_IMAGES, f"more than {MAX_IMAGES} class labels; a job holds at most {MAX_IMAGES} images")
             out.append(int(part))
         else:
             raise VVSError(f"class labels must be integers or ranges like 0-999, got {part!r}")
@@ -387,13 +396,20 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     for name, v, lo in (("per-class", per_condition, 1), ("shard size", shard_size, 1), ("batch size", batch_size, 1),
                         ("max retries", max_retries, 0)):
         check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
+    n_conditions = len(class_labels if class_labels is not None else prompts)
+    check(n_conditions * per_condition <= MAX_IMAGES,
+          f"{n_conditions} conditions x per-class {per_condition} = {n_conditions * per_condition} images; a job "
+          f"holds at most {MAX_IMAGES} images (split it over several output folders)")
     # Decode batch j is images [j*B, (j+1)*B) of the job; a shard of whole batches never splits one, so
     # the shard size and the number of workers cannot change an image's batch-mates (or its tokens).
-    check(shard_size % batch_size == 0,
-          f"shard size {shard_size} must be a multiple of the batch size {batch_size} (a decode batch never spans "
-          f"two shards); e.g. shard size {max(batch_size, shard_size // batch_size * batch_size)} or "
-          f"{-(-shard_size // batch_size) * batch_size}")
-    check(isinstance(seed, int) and not isinstance(seed, bool), f"seed must be an integer, got {seed!r}")
+    if shard_size % batch_size:
+        # the nearest multiples of the batch size either side (only the upper one below one batch)
+        nearest = sorted({max(batch_size, shard_size // batch_size * batch_size), -(-shard_size // batch_size) * batch_size})
+        raise VVSError(f"shard size {shard_size} must be a multiple of the batch size {batch_size} (a decode batch "
+                       f"never spans two shards); e.g. shard size {' or '.join(map(str, nearest))}")
+    from .engine import check_seed
+
+    check_seed(seed)  # an integer that fits in 64 bits, as Engine.generate requires (checked before any worker)
     check(workers is None or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1),
           f"workers must be >= 1, got {workers!r}")
     check(workers is None or ray is not None, "workers are Ray workers: give ray (--ray) too, or leave workers out "
@@ -403,10 +419,14 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
           f"threads must be >= 1, got {threads!r}")
     params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
     options = resolve_options(method, method_opts)
+    if options.get("accept") is not None:  # otherwise an unknown rule fails in each worker, after loading
+        from .acceptance.registry import check_rule_name
+
+        check_rule_name(options["accept"])
     model = {k: v for k, v in dict(model or {}).items() if v is not None}
     model.setdefault("device", "auto")
     model.setdefault("dtype", "fp32")
-    _check_conditions(model, class_labels, prompts)
+    check_conditions(model, class_labels, prompts)
 
     conds = list(class_labels if class_labels is not None else prompts)
     if prompts is not None:
@@ -433,75 +453,83 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
             identity[key] = model[key]
     check_dataset_folder(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    manifest = read_manifest(out_dir)
-    if manifest is not None and not _any_shard(out_dir):
-        manifest = None  # an earlier run that failed before its first shard: nothing to keep or to match
-    if manifest is not None:
-        diff = [k for k in set(identity) | set(manifest["identity"])
-                if plain(manifest["identity"].get(k)) != plain(identity.get(k))]
-        check(not diff, f"{out_dir} holds a dataset made with different settings ({', '.join(sorted(diff))}); "
-                        f"use another folder or the same options")
-    else:
-        manifest = {"format": FORMAT, "identity": identity, "n_images": n, "shard_size": shard_size,
-                    "n_shards": (n + shard_size - 1) // shard_size, "model": model, "runs": []}
-    run_info = {"command": list(command) if command is not None else sys.argv, "started": time.time(),
-                "ray": ray, "batch_size": batch_size, "shards": []}
-    manifest["runs"].append(run_info)
-    manifest["command"] = manifest["runs"][0]["command"]
-    write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
-
-    n_shards = manifest["n_shards"]
-    shards = {k: range(k * shard_size, min((k + 1) * shard_size, n)) for k in range(n_shards)}
-    done = {k for k, rng in shards.items() if shard_complete(out_dir, k, rng)}
-    clean_tmp(out_dir)
-    for name in _stray_pngs(out_dir, shard_size, done):
-        os.remove(os.path.join(out_dir, name))
-    todo = [k for k in range(n_shards) if k not in done]
-    job = {"method": method, "seed": seed, "sampling": params.to_dict(), "options": {k: v for k, v in method_opts.items()
-           if v is not None}, "batch_size": batch_size, "decode_images": bool(decode_images), "compile": compile}
-
-    from tqdm import tqdm
-
-    bar = tqdm(total=n, initial=sum(len(shards[k]) for k in done), unit="img", desc="generate-dataset",
-               disable=not progress, dynamic_ncols=True)
-    timing = {"shard_wall_s": [], "shard_decode_s": [], "per_shard": run_info["shards"]}
-    try:
-        def commit(k, result):
-            c, p, ids = cond_of(shards[k])
-            write_shard(out_dir, k, shards[k], c, ids, p, result, n)
-            timing["per_shard"].append({"shard": k, "device": result.get("device", ""),
-                                        "decode_s": sum(s.get("wall_time_s", 0.0) for s in result["stats"]),
-                                        "batch_wall_s": [w for s in result["stats"]
-                                                         for w in (s.get("per_batch") or {}).get("wall_time_s", [])]})
-
-        if ray is None:
-            _run_local(model, threads, engine_factory, shards, todo, cond_of, job, commit, bar, timing)
+    # one run at a time writes a folder: a second would redo the same shards and remove the PNGs the
+    # first is writing. The lock is the kernel's (flock): a killed run never leaves it behind.
+    with folder_lock(out_dir):
+        manifest = read_manifest(out_dir)
+        if manifest is not None and not _any_shard(out_dir):
+            manifest = None  # an earlier run that failed before its first shard: nothing to keep or to match
+        if manifest is not None:
+            diff = [k for k in set(identity) | set(manifest["identity"])
+                    if plain(manifest["identity"].get(k)) != plain(identity.get(k))]
+            check(not diff, f"{out_dir} holds a dataset made with different settings ({', '.join(sorted(diff))}); "
+                            f"use another folder or the same options")
         else:
-            _run_ray(ray, workers, threads, gpus_per_worker, model, engine_factory, shards, todo, cond_of, job,
-                     commit, bar, timing, max_retries)
-    except BaseException:
-        # the shards done so far are kept; the manifest records this run's per-shard times
-        run_info.update(interrupted=time.time(), images=sum(len(shards[e["shard"]]) for e in run_info["shards"]))
+            manifest = {"format": FORMAT, "identity": identity, "n_images": n, "shard_size": shard_size,
+                        "n_shards": (n + shard_size - 1) // shard_size, "model": model, "runs": []}
+        run_info = {"command": list(command) if command is not None else sys.argv, "started": time.time(),
+                    "ray": ray, "batch_size": batch_size, "shards": []}
+        manifest["runs"].append(run_info)
+        manifest["command"] = manifest["runs"][0]["command"]
         write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
-        raise
-    finally:
-        bar.close()
-        clean_tmp(out_dir)
 
-    wall = time.perf_counter() - t_start
-    summary = merged_dataset_stats(out_dir, n_shards)
-    made = sum(len(shards[k]) for k in todo)
-    summary.update(images_this_run=made, shards_this_run=len(todo), shards_skipped=len(done),
-                   job_wall_s=wall, images_per_s=made / wall if wall else None, startup_s=timing.get("startup_s"),
-                   workers=timing.get("workers"), retries=timing.get("retries", 0),
-                   mean_shard_s=float(np.mean(timing["shard_wall_s"])) if todo else None,
-                   # per shard, time outside the decode loop: VQ decoding, PNG encoding, hand-off, writing
-                   mean_shard_outside_decode_s=float(np.mean(np.subtract(timing["shard_wall_s"],
-                                                                         timing["shard_decode_s"]))) if todo else None)
-    run_info.update(finished=time.time(), images=made, wall_s=wall)
-    manifest["stats"] = summary
-    write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
-    return summary
+        n_shards = manifest["n_shards"]
+        shards = {k: range(k * shard_size, min((k + 1) * shard_size, n)) for k in range(n_shards)}
+        done = {k for k, rng in shards.items() if shard_complete(out_dir, k, rng)}
+        clean_tmp(out_dir)
+        for name in _stray_pngs(out_dir, shard_size, done):
+            os.remove(os.path.join(out_dir, name))
+        todo = [k for k in range(n_shards) if k not in done]
+        job = {"method": method, "seed": seed, "sampling": params.to_dict(),
+               "options": {k: v for k, v in method_opts.items() if v is not None}, "batch_size": batch_size,
+               "decode_images": bool(decode_images), "compile": compile}
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, initial=sum(len(shards[k]) for k in done), unit="img", desc="generate-dataset",
+                   disable=not progress, dynamic_ncols=True)
+        timing = {"shard_wall_s": [], "shard_decode_s": [], "per_shard": run_info["shards"]}
+        try:
+            def commit(k, result, t_handed_out):
+                """Write shard k, then record its times in the manifest on disk at once: they survive a kill."""
+                c, p, ids = cond_of(shards[k])
+                write_shard(out_dir, k, shards[k], c, ids, p, result, n)
+                timing["per_shard"].append({"shard": k, "device": result.get("device", ""),
+                                            "decode_s": sum(s.get("wall_time_s", 0.0) for s in result["stats"]),
+                                            "batch_wall_s": [w for s in result["stats"]
+                                                             for w in (s.get("per_batch") or {}).get("wall_time_s", [])]})
+                _record_shard(timing, t_handed_out, result)
+                run_info["images"] = sum(len(shards[e["shard"]]) for e in run_info["shards"])
+                write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+
+            if ray is None:
+                _run_local(model, threads, engine_factory, shards, todo, cond_of, job, commit, bar, timing)
+            else:
+                _run_ray(ray, workers, threads, gpus_per_worker, model, engine_factory, shards, todo, cond_of, job,
+                         commit, bar, timing, max_retries)
+        except BaseException:
+            # the shards done so far are kept; the manifest records this run's per-shard times
+            run_info.update(interrupted=time.time(), images=sum(len(shards[e["shard"]]) for e in run_info["shards"]))
+            write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+            raise
+        finally:
+            bar.close()
+            clean_tmp(out_dir)
+
+        wall = time.perf_counter() - t_start
+        summary = merged_dataset_stats(out_dir, n_shards)
+        made = sum(len(shards[k]) for k in todo)
+        summary.update(images_this_run=made, shards_this_run=len(todo), shards_skipped=len(done),
+                       job_wall_s=wall, images_per_s=made / wall if wall else None, startup_s=timing.get("startup_s"),
+                       workers=timing.get("workers"), retries=timing.get("retries", 0),
+                       mean_shard_s=float(np.mean(timing["shard_wall_s"])) if todo else None,
+                       # per shard, time outside the decode loop: VQ decoding, PNG encoding, hand-off, writing
+                       mean_shard_outside_decode_s=float(np.mean(np.subtract(timing["shard_wall_s"],
+                                                                             timing["shard_decode_s"]))) if todo else None)
+        run_info.update(finished=time.time(), images=made, wall_s=wall)
+        manifest["stats"] = summary
+        write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+        return summary
 
 
 def merged_dataset_stats(out_dir: str, n_shards: int) -> dict:
@@ -527,8 +555,7 @@ def _run_local(model, threads, engine_factory, shards, todo, cond_of, job, commi
         t = time.perf_counter()
         labels, prompts, _ = cond_of(shards[k])
         result = worker.run_shard(list(shards[k]), labels, prompts, job, on_batch=bar.update)
-        commit(k, result)
-        _record_shard(timing, t, result)
+        commit(k, result, t)
 
 
 def _run_ray(address, workers, threads, gpus_per_worker, model, engine_factory, shards, todo, cond_of, job, commit,
@@ -591,8 +618,7 @@ def _run_ray(address, workers, threads, gpus_per_worker, model, engine_factory, 
                     actors.append(a)
                 idle.append(a)
                 continue
-            commit(k, result)
-            _record_shard(timing, t, result)
+            commit(k, result, t)
             bar.update(len(shards[k]))
             idle.append(a)
     finally:
@@ -629,9 +655,34 @@ def _any_shard(out_dir: str) -> bool:
 GENERATE_FILES = ("tokens.npz", "stats.json")  # what `vvs-engine generate` writes (its PNGs share our names)
 
 
+@contextlib.contextmanager
+def folder_lock(out_dir: str):
+    """Hold the dataset folder's lock for the job: another process (or another job of this one) that
+    writes the same folder meanwhile is refused in one line. The lock is an ``fcntl.flock`` on the
+    folder itself: no lock file to leave behind, and the kernel drops the lock when its holder ends,
+    however it ends (kill -9 included), so a lock is never stale. Where fcntl is missing (Windows)
+    the folder is not locked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise VVSError(f"{out_dir} is being written by another generate-dataset run; wait for it to end, or "
+                           f"use another folder") from None
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
+
+
 def check_dataset_folder(out_dir: str) -> None:
     """A dataset folder may be new, empty, or a dataset; a `generate` output folder is refused, because
     a dataset re-run removes PNGs that belong to no finished shard (and theirs have our names)."""
+    check(bool(out_dir), "--out is empty: name the dataset folder")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise VVSError(f"--out {out_dir} is a file, not a folder")
     if os.path.isdir(out_dir) and not is_dataset_dir(out_dir):
@@ -640,9 +691,10 @@ def check_dataset_folder(out_dir: str) -> None:
                          f"be replaced; use another folder for the dataset")
 
 
-def _check_conditions(model: dict, labels, prompts) -> None:
+def check_conditions(model: dict, labels, prompts) -> None:
     """Fail before any worker starts when the conditions cannot fit the model (read from its config)."""
-    from .checkpoint import read_config
+    from .checkpoint import config_path, read_project_config
+    from .models.gpt import checked_gpt_config
 
     if model.get("model_dir"):  # every Hugging Face family is text-conditional
         from .models.hf_loader import read_folder_config
@@ -658,16 +710,17 @@ def _check_conditions(model: dict, labels, prompts) -> None:
 
         path = zoo.default_paths()["gpt"]
     check(os.path.isfile(path), f"checkpoint not found: {path}")
-    meta = read_config(path)
-    cfg = (meta or {}).get("config") or {}
-    kind = cfg.get("model_type")
-    if prompts is not None and kind == "c2i":
+    config = read_project_config(path, "gpt")
+    if config is None:  # an official checkpoint: only loading it tells
+        return
+    cfg = checked_gpt_config(config, f"config {config_path(path)}")
+    if prompts is not None and cfg.model_type == "c2i":
         raise VVSError("this model is class-conditional: pass class labels, not a prompts file")
-    if labels is not None and kind == "t2i":
+    if labels is not None and cfg.model_type == "t2i":
         raise VVSError("this model is text-conditional: pass a prompts file, not class labels")
-    if labels is not None and "num_classes" in cfg:
-        bad = [x for x in labels if not 0 <= x < cfg["num_classes"]]
-        check(not bad, f"class label {bad[0] if bad else ''} out of range [0, {cfg['num_classes']})")
+    if labels is not None:
+        bad = [x for x in labels if not 0 <= x < cfg.num_classes]
+        check(not bad, f"class label {bad[0] if bad else ''} out of range [0, {cfg.num_classes})")
 
 
 def _merge(stats: List[dict]) -> dict:

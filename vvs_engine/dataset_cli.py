@@ -21,7 +21,10 @@ def add_dataset_parser(sub, generate_parser) -> None:
     d = sub.add_parser("generate-dataset", help="generate a whole evaluation set as resumable shards (one process "
                                                 "or Ray)",
                        description="Generate many images into shard-NNNNN.npz files, PNGs named by global image "
-                                   "index and manifest.json. A re-run finishes an interrupted job.")
+                                   "index and manifest.json. A re-run finishes an interrupted job. Ctrl-C and "
+                                   "SIGTERM stop it cleanly (finished shards kept, the run and its per-shard times "
+                                   "in manifest.json; exit 130 after Ctrl-C, 143 after SIGTERM). One run at a "
+                                   "time may write a folder: a second is refused while the first is alive.")
     # generate's model, sampling and method flags, copied so that the two commands cannot drift apart.
     method_options = []
     for group in generate_parser._action_groups:
@@ -69,6 +72,8 @@ def add_dataset_parser(sub, generate_parser) -> None:
 
 
 def cmd_generate_dataset(args) -> int:
+    if not args.out:
+        raise VVSError("--out is empty: name the dataset folder")
     given = [x for x in (args.class_labels, args.labels_file, args.prompts) if x is not None]
     if len(given) != 1:
         raise VVSError("give exactly one of --class-labels, --labels-file or --prompts")
@@ -84,7 +89,7 @@ def cmd_generate_dataset(args) -> int:
 
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
                     t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
-                    image_size=args.image_size, cli=True)
+                    image_size=args.image_size, cli=True, vq_model=args.vq_model)
     model = {"gpt_ckpt": args.gpt_ckpt, "gpt_model": args.gpt_model, "vq_ckpt": args.vq_ckpt,
              "vq_model": args.vq_model, "image_size": args.image_size, "drafter": args.drafter, "device": device,
              "dtype": args.dtype, "t5_path": args.t5_path, "model_dir": args.model_dir,
@@ -104,20 +109,19 @@ def cmd_generate_dataset(args) -> int:
     except KeyboardInterrupt:
         print(resume_hint(args.out), file=sys.stderr)
         raise
-    except VVSError as e:
-        raise VVSError(str(e).replace("shard size", "--shard-size").replace("batch size", "--batch-size")) from None
     print_summary(summary, args.out)
     return 0
 
 
 def resume_hint(out_dir: str) -> str:
     """What an interrupted job left, and how to finish it."""
-    import os
-
     try:
         m = dataset.read_manifest(out_dir)
-        done = sum(1 for name in os.listdir(out_dir) if dataset.SHARD_RE.match(name))
-    except (VVSError, OSError):
+        # a shard file counts only when it reads back whole (a truncated one is redone by the re-run)
+        done = sum(1 for k in range(m["n_shards"])
+                   if dataset.shard_complete(out_dir, k, range(k * m["shard_size"],
+                                                               min((k + 1) * m["shard_size"], m["n_images"])))) if m else 0
+    except (VVSError, OSError, KeyError, TypeError):
         m, done = None, 0
     kept = f"{done} of {m['n_shards']} shards are complete in {out_dir}" if m else f"nothing was written to {out_dir}"
     return f"generate-dataset interrupted: {kept}; run the same command again to finish the rest"

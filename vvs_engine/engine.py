@@ -16,10 +16,10 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 import torch
 
-from .checkpoint import load_into, read_config, read_state_dict
+from .checkpoint import config_path, load_into, read_project_config, read_state_dict
 from .errors import VVSError, check
-from .models.gpt import GPT, GPTConfig, gpt_config
-from .models.vq import VQ_PRESETS, VQConfig, VQModel, to_uint8
+from .models.gpt import GPT, GPT_PRESETS, GPTConfig, checked_gpt_config, gpt_config
+from .models.vq import VQ_PRESETS, VQConfig, VQModel, checked_vq_config, to_uint8
 from .sampling import SamplingParams
 from .runtime.target import TargetSession
 from . import threads as _threads  # noqa: F401  (records torch's thread count at import, see threads.py)
@@ -49,7 +49,7 @@ def check_seed(seed) -> int:
 
 
 def check_load_args(gpt_ckpt=None, gpt_model=None, vq_ckpt=None, drafter=None, t5_path=None, model_dir=None,
-                    max_prompt_tokens=None, image_size=None, cli: bool = False) -> None:
+                    max_prompt_tokens=None, image_size=None, cli: bool = False, vq_model=None) -> None:
     """The ``Engine.load`` arguments that can be checked without reading a file: combinations, numbers,
     and that every named file or folder exists. ``cli``: name the flags (``--gpt-ckpt``) in messages."""
     import os
@@ -62,6 +62,11 @@ def check_load_args(gpt_ckpt=None, gpt_model=None, vq_ckpt=None, drafter=None, t
     if gpt_model is not None and gpt_ckpt is None:
         raise VVSError(f"{name('gpt_model')} names the architecture of a {name('gpt_ckpt')} file; give the "
                        f"checkpoint too (the default Zoo model has its own config)")
+    # a preset is checked even where a config file makes it unused: a typo is a typo
+    if gpt_model is not None and gpt_model not in GPT_PRESETS:
+        raise VVSError(f"unknown model '{gpt_model}' ({name('gpt_model')}); known: {', '.join(GPT_PRESETS)}")
+    if vq_model is not None and vq_model not in VQ_PRESETS:
+        raise VVSError(f"unknown tokenizer '{vq_model}' ({name('vq_model')}); known: {', '.join(VQ_PRESETS)}")
     if max_prompt_tokens is not None:
         if model_dir is None:
             raise VVSError(f"{name('max_prompt_tokens')} pads the prompts of a {name('model_dir')} family; without "
@@ -79,6 +84,9 @@ def check_load_args(gpt_ckpt=None, gpt_model=None, vq_ckpt=None, drafter=None, t
     for path, what in ((model_dir, "model folder"), (t5_path, "T5 folder")):
         if path is not None and not os.path.isdir(path):
             raise VVSError(f"{what} not found: {path}")
+    for kind, path in (("gpt", gpt_ckpt), ("vq", vq_ckpt), ("drafter", drafter)):
+        if path:
+            read_project_config(path, kind)  # a file of another kind (or a broken config) named before any weights
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -126,7 +134,8 @@ class Engine:
         from .threads import apply_threads
 
         device, dtype = resolve_device(device), resolve_dtype(dtype)
-        check_load_args(gpt_ckpt, gpt_model, vq_ckpt, drafter, t5_path, model_dir, max_prompt_tokens, image_size)
+        check_load_args(gpt_ckpt, gpt_model, vq_ckpt, drafter, t5_path, model_dir, max_prompt_tokens, image_size,
+                        vq_model=vq_model)
         apply_threads(threads)
         info = {}
         if model_dir is not None:
@@ -442,17 +451,13 @@ def peek_shape(gpt_ckpt: Optional[str] = None, vq_ckpt: Optional[str] = None) ->
 
         paths = zoo.default_paths()
         gpt_ckpt, vq_ckpt = paths["gpt"], vq_ckpt or paths["vq"]
-    try:
-        meta = read_config(gpt_ckpt) or {}
-        vq_meta = (read_config(vq_ckpt) or {}) if vq_ckpt else {}
-    except VVSError:
-        return None  # loading reports it
-    if meta.get("kind") != "gpt":
+    # a config of the wrong kind or shape is an error here already, before any weights are read
+    config = read_project_config(gpt_ckpt, "gpt")
+    if config is None:
         return None
-    cfg = GPTConfig.from_dict(meta["config"])
-    book = None
-    if vq_meta.get("kind") == "vq":
-        book = VQConfig.from_dict(vq_meta["config"]).codebook_size
+    cfg = checked_gpt_config(config, f"config {config_path(gpt_ckpt)}")
+    vq_config = read_project_config(vq_ckpt, "vq") if vq_ckpt else None
+    book = checked_vq_config(vq_config, f"config {config_path(vq_ckpt)}").codebook_size if vq_config else None
     return ModelShape(cfg.block_size, cfg.vocab_size, book, cfg.cls_token_num, cfg.n_layer, cfg.n_head, cfg.n_head,
                       cfg.head_dim, cfg.dim)
 
@@ -590,10 +595,10 @@ class _progress_bar:
 
 # --- model loading --------------------------------------------------------------------------------
 def load_vq(path: str, preset: str = "VQ-16") -> VQModel:
-    meta = read_config(path)
+    config = read_project_config(path, "vq")
     sd = read_state_dict(path)
-    if meta is not None and meta.get("kind") == "vq":
-        cfg = VQConfig.from_dict(meta["config"])
+    if config is not None:
+        cfg = checked_vq_config(config, f"config {config_path(path)}", sd)
     else:
         if preset not in VQ_PRESETS:
             raise VVSError(f"unknown tokenizer '{preset}'; known: {', '.join(VQ_PRESETS)}")
@@ -608,10 +613,10 @@ def load_vq(path: str, preset: str = "VQ-16") -> VQModel:
 
 
 def load_gpt(path: str, preset: Optional[str], image_size: Optional[int], vq: Optional[VQModel]) -> GPT:
-    meta = read_config(path)
+    config = read_project_config(path, "gpt")
     sd = read_state_dict(path)
-    if meta is not None and meta.get("kind") == "gpt":
-        cfg = GPTConfig.from_dict(meta["config"])
+    if config is not None:
+        cfg = checked_gpt_config(config, f"config {config_path(path)}", sd)
         if image_size is not None and vq is not None:
             _check_image_size(image_size, vq)
             want = (image_size // vq.downsample) ** 2

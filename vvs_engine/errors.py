@@ -27,3 +27,12 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # argparse calls this for every bad argument
         raise UsageError(message)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so that the same clean-up runs
+    (generate-dataset keeps its finished shards and records the run in its manifest)."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()

@@ -25,8 +25,13 @@ def rule_names():
     return list(_FACTORIES)
 
 
-def make(name: str, engine, **kw):
+def check_rule_name(name: str) -> None:
+    """A one-line error for an unknown rule; callers check before any model loads."""
     _load()
     if name not in _FACTORIES:
         raise VVSError(f"unknown acceptance rule '{name}'; known: {', '.join(rule_names())}")
+
+
+def make(name: str, engine, **kw):
+    check_rule_name(name)
     return _FACTORIES[name](engine, **kw)

@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checkpoint import load_into, read_config, read_state_dict
+from ..checkpoint import (ConfigField, check_config_fields, config_path, check_weight_shape, clean_state_dict, layer_count,
+                          load_into, read_project_config, read_state_dict)
 from ..errors import VVSError
 from ..runtime.kv_cache import StaticKVCache
 from ..models.fused import fuse_linears
@@ -46,6 +48,33 @@ class DrafterConfig:
     @property
     def head_dim(self):
         return self.dim // self.n_head
+
+
+# The fields DrafterConfig.from_dict reads, checked before a drafter is built (the project's JSON, or
+# LANTERN's config.json mapped onto them).
+DRAFTER_CONFIG_FIELDS = {
+    "dim": ConfigField("int", 1), "n_head": ConfigField("int", 1), "n_layer": ConfigField("int", 1),
+    "ffn_hidden": ConfigField("int", 0), "norm_eps": ConfigField("number", 0),
+}
+
+
+def checked_drafter_config(config: dict, where: str, sd: Optional[dict] = None) -> DrafterConfig:
+    """A drafter config checked field by field and, given the state dict ``sd``, against the weights;
+    a one-line error naming the field and ``where``."""
+    check_config_fields(config, DRAFTER_CONFIG_FIELDS, where)
+    cfg = DrafterConfig.from_dict(config)
+    if cfg.dim % cfg.n_head:
+        raise VVSError(f"{where}: \"dim\" {cfg.dim} is not a multiple of \"n_head\" {cfg.n_head}")
+    if sd is None:
+        return cfg
+    sd = clean_state_dict(sd)
+    layers = layer_count(sd)
+    if layers and layers != cfg.n_layer:
+        raise VVSError(f"{where}: \"n_layer\" is {cfg.n_layer} but the weights hold {layers} layers")
+    check_weight_shape(sd, "fc.weight", (cfg.dim, 2 * cfg.dim), '"dim"', where)
+    check_weight_shape(sd, "layers.0.mlp.gate_proj.weight", (cfg.ffn_hidden or _llamagen_ffn(cfg.dim), cfg.dim),
+                       '"ffn_hidden" (0: LlamaGen\'s width for "dim")', where)
+    return cfg
 
 
 class DraftAttention(nn.Module):
@@ -180,24 +209,30 @@ def load_drafter(path: str, target) -> Drafter:
     ``pytorch_model.bin`` inside it) with ``config.json`` (HF Llama fields)."""
     if os.path.isdir(path):
         path = os.path.join(path, "pytorch_model.bin")
-    meta = read_config(path)
-    if meta is not None and meta.get("kind") == "drafter":
-        cfg = DrafterConfig.from_dict(meta["config"])
-    else:
+    config = read_project_config(path, "drafter")  # a file of another kind (--drafter zoo-vq...) says so
+    where = f"config {config_path(path)}"
+    if config is None:
         cj = os.path.join(os.path.dirname(path), "config.json")
+        where = f"drafter config {cj}"
         if not os.path.exists(cj):
             raise VVSError(f"drafter {path}: no config next to it (expected {os.path.basename(path)}'s .json "
                            f"or LANTERN's config.json)")
         try:
             with open(cj) as f:
                 hf = json.load(f)
-            cfg = DrafterConfig(dim=int(hf["hidden_size"]), n_head=int(hf["num_attention_heads"]),
-                                n_layer=int(hf.get("num_hidden_layers", 1)),
-                                ffn_hidden=int(hf.get("intermediate_size", 0)),
-                                norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
-        except (KeyError, ValueError, json.JSONDecodeError) as e:
-            raise VVSError(f"drafter config {cj} is not a LANTERN/Llama config ({e})") from None
+        except (OSError, ValueError) as e:
+            raise VVSError(f"{where} is not readable JSON ({e})") from None
+        if not isinstance(hf, dict):
+            raise VVSError(f"{where} must be a JSON object (LANTERN's Llama config)")
+        # LANTERN's Hugging Face Llama names -> ours; the checks below name the Llama field
+        llama_names = {"hidden_size": "dim", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
+                       "intermediate_size": "ffn_hidden", "rms_norm_eps": "norm_eps"}
+        defaults = {"num_hidden_layers": 1, "intermediate_size": 0, "rms_norm_eps": 1e-6}
+        llama = {name: hf.get(name, defaults.get(name)) for name in llama_names if name in hf or name in defaults}
+        check_config_fields(llama, {name: DRAFTER_CONFIG_FIELDS[ours] for name, ours in llama_names.items()}, where)
+        config = {ours: llama[name] for name, ours in llama_names.items()}
     sd = read_state_dict(path)
+    cfg = checked_drafter_config(config, where, sd)
     sd = {k: v for k, v in sd.items() if not k.startswith("embed_tokens.")}  # the target's embedding is used
     d = Drafter(cfg)
     load_into(d, sd, f"drafter {path}")

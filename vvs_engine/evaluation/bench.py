@@ -15,7 +15,8 @@ Two modes.
   skip ratio). So speed-up / TPF measures the system's efficiency at realistic acceptance without
   trained large models.
 
-Writes ``e2e_<tag>.md``, ``.json`` and ``.png`` under ``--out`` (default ``benchmarks/results``).
+Writes ``e2e_<tag>.md``, ``.json`` and ``.png`` under ``--out`` (default ``./bench-results``, in the current
+folder: the repository's tables in ``benchmarks/results`` change only when that folder is named).
 ``--quick``: tiny shapes, CPU-friendly, finishes in well under a minute.
 
 ``--batch-sizes 1,4,16`` (measure mode) adds a throughput table: per setting and batch size, one
@@ -41,8 +42,7 @@ import torch
 from ..acceptance.verify import default_lantern_k
 from ..errors import VVSError
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
-                       "results")  # the source checkout's benchmarks/results
+DEFAULT_OUT = "bench-results"  # relative to the current folder, never a checkout's committed tables
 
 DEFAULT_SETTINGS = ["ar", "eagle", "lantern:lantern_delta=0.2", "vvs:skip_interval=2", "vvs:skip_policy=dynamic"]
 QUICK_SETTINGS = ["ar", "eagle:tree_total=16,tree_depth=3,tree_topk=4",
@@ -504,8 +504,8 @@ def parse_args(argv):
     p.add_argument("--replay-models", default="GPT-XL,GPT-7B", help="shapes for --replay (default GPT-XL,GPT-7B; "
                                                                      "NAME:TOKENS overrides the token count)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and settings, 2 repeats (CPU smoke run)")
-    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results in a source checkout, "
-                                                "else ./bench-results)")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"output folder for the tables (default ./{DEFAULT_OUT}, in the current folder)")
     p.add_argument("--tag", default=None, help="file name tag (default: mode and device)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--torch-trace", default=None, metavar="DIR",
@@ -520,8 +520,8 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if a.repeats < 1:
         raise VVSError("--repeats must be >= 1")
-    if a.out is None:  # never inside site-packages: RESULTS exists only in a source checkout
-        a.out = RESULTS if os.path.isdir(os.path.dirname(RESULTS)) else "bench-results"
+    if not a.out:
+        raise VVSError("--out is empty: name the output folder")
     return a
 
 

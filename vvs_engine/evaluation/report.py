@@ -62,6 +62,11 @@ def read_generate_dir(path: str, notes: Optional[list] = None) -> tuple:
         with torch.no_grad():
             imgs = torch.cat([to_uint8(vq.decode(t[i:i + 64])) for i in range(0, len(t), 64)]).numpy()
     else:
+        others = [f for f in os.listdir(path) if f.lower().endswith(".png") and f != "grid.png"]
+        if others:
+            raise VVSError(f"{path} holds {len(others)} PNGs (e.g. {sorted(others)[0]}) but none named as eval reads "
+                           f"them: 000000.png, 000001.png, ... (six or more digits, the names generate writes; "
+                           f"sorted by name they are the images' order)")
         raise VVSError(f"{path} holds neither PNGs nor tokens.npz")
     if labels is not None and len(labels) != len(imgs):
         raise VVSError(f"{path}: {len(imgs)} images but {len(labels)} labels in tokens.npz")

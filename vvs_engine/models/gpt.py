@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checkpoint import ConfigField, check_config_fields, check_weight_shape, clean_state_dict, layer_count
 from ..errors import VVSError
 from ..sampling import mean_last
 from .fused import FusedLinear, fuse_linears
@@ -66,6 +67,54 @@ class GPTConfig:
     def from_dict(cls, d: dict) -> "GPTConfig":
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# The fields GPTConfig.from_dict reads from a project config, checked before a model is built. Required:
+# those that set a weight's shape or the numbers; a default would build another model than the file's.
+GPT_CONFIG_FIELDS = {
+    "dim": ConfigField("int", 1), "n_layer": ConfigField("int", 1), "n_head": ConfigField("int", 1),
+    "multiple_of": ConfigField("int", 1), "ffn_dim_multiplier": ConfigField("number", 0, nullable=True),
+    "rope_base": ConfigField("number", 1), "norm_eps": ConfigField("number", 0), "vocab_size": ConfigField("int", 1),
+    "model_type": ConfigField("text", choices=("c2i", "t2i")), "block_size": ConfigField("int", 1),
+    "num_classes": ConfigField("int", 1, required=False), "caption_dim": ConfigField("int", 1, required=False),
+    "cls_token_num": ConfigField("int", 1, required=False),
+    # training only: checked when given, the defaults do not change inference
+    "class_dropout_prob": ConfigField("number", 0, required=False), "token_dropout_p": ConfigField("number", 0, required=False),
+    "resid_dropout_p": ConfigField("number", 0, required=False), "ffn_dropout_p": ConfigField("number", 0, required=False),
+}
+
+
+def checked_gpt_config(config: dict, where: str, sd: Optional[dict] = None) -> GPTConfig:
+    """A project config as a GPTConfig: every field present (when required), typed and in range, and,
+    given the state dict ``sd``, matching the weights; a one-line error naming the field and ``where``."""
+    fields = dict(GPT_CONFIG_FIELDS)
+    for name in (("num_classes",) if config.get("model_type") == "c2i" else ("caption_dim", "cls_token_num")):
+        fields[name] = ConfigField("int", 1)  # the condition embedding's shape
+    check_config_fields(config, fields, where)
+    cfg = GPTConfig.from_dict(config)
+    if cfg.dim % cfg.n_head or cfg.head_dim % 4:
+        raise VVSError(f"{where}: \"dim\" {cfg.dim} / \"n_head\" {cfg.n_head} must give a whole head width "
+                       f"divisible by 4 (2-D RoPE)")
+    if cfg.grid_size ** 2 != cfg.block_size:
+        raise VVSError(f"{where}: \"block_size\" {cfg.block_size} must be a perfect square (tokens of a square image)")
+    if sd is None:
+        return cfg
+    sd = clean_state_dict(sd)
+    layers = layer_count(sd)
+    if layers and layers != cfg.n_layer:
+        raise VVSError(f"{where}: \"n_layer\" is {cfg.n_layer} but the weights hold {layers} layers")
+    check_weight_shape(sd, "tok_embeddings.weight", (cfg.vocab_size, cfg.dim), '"vocab_size" and "dim"', where)
+    check_weight_shape(sd, "output.weight", (cfg.vocab_size, cfg.dim), '"vocab_size" and "dim"', where)
+    check_weight_shape(sd, "layers.0.attention.wqkv.weight", (3 * cfg.dim, cfg.dim), '"dim"', where)
+    check_weight_shape(sd, "layers.0.feed_forward.w1.weight", (cfg.ffn_hidden, cfg.dim),
+                       '"multiple_of" and "ffn_dim_multiplier"', where)
+    if cfg.model_type == "c2i":
+        check_weight_shape(sd, "cls_embedding.embedding_table.weight", (cfg.num_classes + 1, cfg.dim),
+                           '"num_classes" (+1 for the null class)', where)
+    else:
+        check_weight_shape(sd, "cls_embedding.uncond_embedding", (cfg.cls_token_num, cfg.caption_dim),
+                           '"cls_token_num" and "caption_dim"', where)
+    return cfg
 
 
 # Published LlamaGen sizes (layers, heads, dim).

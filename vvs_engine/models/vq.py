@@ -7,11 +7,14 @@ configurable here so the project can train small tokenizers; their defaults are 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..checkpoint import ConfigField, check_config_fields, check_weight_shape, clean_state_dict, layer_count
+from ..errors import VVSError
 
 
 @dataclass
@@ -39,6 +42,41 @@ class VQConfig:
     def from_dict(cls, d: dict) -> "VQConfig":
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# The fields VQConfig.from_dict reads from a project config, checked before a tokenizer is built.
+VQ_CONFIG_FIELDS = {
+    "codebook_size": ConfigField("int", 1), "codebook_embed_dim": ConfigField("int", 1),
+    "codebook_l2_norm": ConfigField("bool"), "encoder_ch_mult": ConfigField("int list", 1),
+    "decoder_ch_mult": ConfigField("int list", 1), "z_channels": ConfigField("int", 1),
+    "base_channels": ConfigField("int", 1), "num_res_blocks": ConfigField("int", 1),
+    # training only: checked when given
+    "codebook_show_usage": ConfigField("bool", required=False), "commit_loss_beta": ConfigField("number", 0, required=False),
+    "dropout_p": ConfigField("number", 0, required=False),
+}
+
+
+def checked_vq_config(config: dict, where: str, sd: Optional[dict] = None) -> "VQConfig":
+    """A project config as a VQConfig, checked field by field and, given the state dict ``sd``, against
+    the weights; a one-line error naming the field and ``where``."""
+    check_config_fields(config, VQ_CONFIG_FIELDS, where)
+    cfg = VQConfig.from_dict(config)
+    if sd is None:
+        return cfg
+    sd = clean_state_dict(sd)
+    check_weight_shape(sd, "quantize.embedding.weight", (cfg.codebook_size, cfg.codebook_embed_dim),
+                       '"codebook_size" and "codebook_embed_dim"', where)
+    check_weight_shape(sd, "encoder.conv_in.weight", (cfg.base_channels, None, None, None), '"base_channels"', where)
+    check_weight_shape(sd, "quant_conv.weight", (cfg.codebook_embed_dim, cfg.z_channels, 1, 1), '"z_channels"', where)
+    for part in ("encoder", "decoder"):
+        blocks = layer_count(sd, f"{part}.conv_blocks.")
+        levels = len(getattr(cfg, f"{part}_ch_mult"))
+        if blocks and blocks != levels:
+            raise VVSError(f"{where}: \"{part}_ch_mult\" has {levels} levels but the weights hold {blocks}")
+    res = layer_count(sd, "encoder.conv_blocks.0.res.")
+    if res and res != cfg.num_res_blocks:
+        raise VVSError(f"{where}: \"num_res_blocks\" is {cfg.num_res_blocks} but the weights hold {res}")
+    return cfg
 
 
 VQ_PRESETS = {
