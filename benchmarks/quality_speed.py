@@ -6,7 +6,7 @@ images) with the same random streams: image i draws from (``--seed``, i) in ever
 the batch it is decoded in, so AR and a method are paired image by image. Per setting: class
 accuracy, FD in the classifier's feature space, Inception FID, precision/recall (Inception features,
 k = 3), TPF (tokens per target forward) and compute ops per token (one image, counted with
-:class:`vvs_engine.evaluation.op_count.OpCounter`). Every quality figure and TPF gets a 95 %
+:class:`vvs_engine.runtime.opcount.OpCounter`). Every quality figure and TPF gets a 95 %
 percentile-bootstrap interval over images, and the difference to AR an interval from the same
 resampled image indices (paired by seed).
 
@@ -290,11 +290,11 @@ def generate_setting(eng, name, method, opts, labels, seed, sampling, batch_size
 
 
 def ops_per_token(eng, method, opts, label, seed, sampling) -> float:
-    from vvs_engine.evaluation.op_count import OpCounter
+    from vvs_engine.runtime.opcount import OpCounter
 
     with OpCounter() as c:
         eng.generate(class_labels=[label], method=method, seed=seed, decode_images=False, **sampling, **opts)
-    return c.total / eng.tokens_per_image
+    return c.compute / eng.tokens_per_image
 
 
 def verify_cache(eng, gen: dict, name, method, opts, labels, seed, sampling, batch_size, n_batches=1) -> tuple:

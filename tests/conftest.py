@@ -8,6 +8,9 @@ import os
 import shutil
 import tempfile
 
+import pytest
+import torch
+
 CACHE_VARIABLES = ("VVS_CACHE", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "MPLCONFIGDIR", "HF_HOME")
 _suite_cache = None
 
@@ -22,3 +25,41 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _suite_cache is not None:
         shutil.rmtree(_suite_cache, ignore_errors=True)
+
+
+# --- fixtures shared by several test files -----------------------------------------------------------
+LABELS = [0, 3, 4]  # the Jacobi tests' labels (test_scd.py, test_sjd_pac.py)
+
+
+@pytest.fixture(scope="module")
+def eng():
+    """A tiny random target + drafter + VQ (fp64); a test file may define its own ``eng``."""
+    from spec_models import tiny_engine
+
+    return tiny_engine(vocab=64, block=36, peak=8.0)
+
+
+@pytest.fixture(scope="module")
+def greedy_ar(eng):
+    return eng.generate(class_labels=LABELS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Tiny project checkpoints on disk (target and VQ): the CLI and reference-mode tests load them."""
+    from spec_models import tiny_gpt_config, tiny_vq_config
+    from vvs_engine.checkpoint import save_safetensors
+    from vvs_engine.models.gpt import GPT
+    from vvs_engine.models.vq import VQModel
+
+    d = tmp_path_factory.mktemp("ckpts")
+    torch.manual_seed(0)
+    gpt_cfg = tiny_gpt_config()
+    gpt = GPT(gpt_cfg)
+    gpt_path = str(d / "gpt.safetensors")
+    save_safetensors(gpt, gpt_path, gpt_cfg.to_dict(), kind="gpt")
+    vq_cfg = tiny_vq_config()
+    vq = VQModel(vq_cfg)
+    vq_path = str(d / "vq.safetensors")
+    save_safetensors(vq, vq_path, vq_cfg.to_dict(), kind="vq")
+    return {"dir": d, "gpt": gpt_path, "vq": vq_path, "gpt_model": gpt, "sd": gpt.state_dict()}

@@ -27,3 +27,17 @@ def tiny_engine(vocab=64, block=16, seed=0, peak=1.0, dtype=torch.float64, with_
     d.to(dtype)
     e.dtype = dtype
     return e
+
+
+NUM_CLASSES = 10  # the CLI tests' tiny checkpoints (tests/conftest.py's ckpts)
+
+
+def tiny_gpt_config(**kw) -> GPTConfig:
+    base = dict(dim=32, n_layer=2, n_head=2, multiple_of=32, vocab_size=64, num_classes=NUM_CLASSES, block_size=16)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def tiny_vq_config() -> VQConfig:
+    return VQConfig(codebook_size=64, codebook_embed_dim=8, encoder_ch_mult=[1, 1], decoder_ch_mult=[1, 1],
+                    z_channels=32, base_channels=32, num_res_blocks=1)

@@ -17,42 +17,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from spec_models import NUM_CLASSES, tiny_gpt_config, tiny_vq_config  # noqa: F401
 from vvs_engine import Engine, VVSError
-from vvs_engine.checkpoint import save_safetensors
 from vvs_engine.cli import main, method_options, build_parser
 from vvs_engine.methods.options import method_flags
-from vvs_engine.models.gpt import GPT, GPTConfig
+from vvs_engine.models.gpt import GPTConfig
 from vvs_engine.models.vq import VQConfig, VQModel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NUM_CLASSES = 10
 IMAGE_SIZE = 8  # 4x4 tokens with the tiny tokenizer's downsampling of 2
-
-
-def tiny_gpt_config(**kw) -> GPTConfig:
-    base = dict(dim=32, n_layer=2, n_head=2, multiple_of=32, vocab_size=64, num_classes=NUM_CLASSES, block_size=16)
-    base.update(kw)
-    return GPTConfig(**base)
-
-
-def tiny_vq_config() -> VQConfig:
-    return VQConfig(codebook_size=64, codebook_embed_dim=8, encoder_ch_mult=[1, 1], decoder_ch_mult=[1, 1],
-                    z_channels=32, base_channels=32, num_res_blocks=1)
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ckpts")
-    torch.manual_seed(0)
-    gpt_cfg = tiny_gpt_config()
-    gpt = GPT(gpt_cfg)
-    gpt_path = str(d / "gpt.safetensors")
-    save_safetensors(gpt, gpt_path, gpt_cfg.to_dict(), kind="gpt")
-    vq_cfg = tiny_vq_config()
-    vq = VQModel(vq_cfg)
-    vq_path = str(d / "vq.safetensors")
-    save_safetensors(vq, vq_path, vq_cfg.to_dict(), kind="vq")
-    return {"dir": d, "gpt": gpt_path, "vq": vq_path, "gpt_model": gpt, "sd": gpt.state_dict()}
 
 
 def contract_argv(ckpts, out, **over):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spec_models import tiny_engine
-from test_speculative import _chi2, _chi2_crit
+from distribution_checks import _chi2, _chi2_crit
 from vvs_engine.acceptance.verify import ExactRule, make_rule
 from vvs_engine.errors import VVSError
 from vvs_engine.acceptance.gsd import GroupedRule, _static_neighbors, rank_window_by_reductions, unit_codebook

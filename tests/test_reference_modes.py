@@ -339,4 +339,3 @@ def test_cli_one_line_errors(ckpts, tmp_path, capsys, over, match):
     run_error(capsys, contract_argv(ckpts, tmp_path / "out", **over), match=match)
 
 
-from test_cli import ckpts  # noqa: E402,F401  (the CLI tests' checkpoint fixture)

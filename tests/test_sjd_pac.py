@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import LABELS
 from spec_models import tiny_engine
-from test_scd import (LABELS, chi2_joint, eng, exact_joint, greedy_ar, toy_engine, toy_sample,  # noqa: F401 (fixtures)
-                      two_sample_chi2)
-from test_speculative import _chi2_crit
+from distribution_checks import _chi2_crit, chi2_joint, exact_joint, toy_engine, toy_sample, two_sample_chi2
 from vvs_engine.errors import VVSError
 from vvs_engine.methods.sjd_pac import ProductTree, top_few, tree_size
 

@@ -2,11 +2,11 @@
 KV compaction match slow references."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
+from distribution_checks import _chi2, _chi2_crit
 from spec_models import tiny_engine
 from vvs_engine.acceptance.verify import ExactRule, LanternRule, neighbor_table
 from vvs_engine.drafting.session import DraftSession, TreeSpec
@@ -110,27 +110,6 @@ def test_exact_sampling_matches_target_distribution(tree, monkeypatch):
     monkeypatch.undo()
     stat_bad, _ = _chi2(bad.tokens[:, :2], seqs, probs)
     assert stat_bad > _chi2_crit(dof)
-
-
-def _chi2(samples, seqs, probs):
-    V = int(seqs.max()) + 1
-    idx = samples[:, 0] * V + samples[:, 1]
-    counts = torch.bincount(idx, minlength=V * V).double()
-    exp = probs * samples.shape[0]
-    keep = exp >= 5  # merge tiny cells into one, as the test requires
-    stat = (((counts[keep] - exp[keep]) ** 2) / exp[keep]).sum()
-    rest_c, rest_e = counts[~keep].sum(), exp[~keep].sum()
-    dof = int(keep.sum()) - 1
-    if rest_e > 0:
-        stat = stat + (rest_c - rest_e) ** 2 / max(rest_e, 1e-9)
-        dof += 1
-    return float(stat), dof
-
-
-def _chi2_crit(dof, alpha=1e-3):
-    # Wilson–Hilferty approximation of the chi-square quantile (no scipy needed).
-    z = 3.090232  # 1 - 1e-3 normal quantile
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
 # --- relaxed acceptance against hand-computed cases ----------------------------------------------
@@ -373,17 +352,9 @@ def test_bad_options_are_clear_errors(eng, bad):
 def test_schedules():
     from types import SimpleNamespace
 
-    from vvs_engine.methods.schedule import Dynamic, Uniform, path_similarity
+    from vvs_engine.methods.schedule import path_similarity
     from vvs_engine.drafting.tree import tree_structure
 
-    u = Uniform(2)
-    assert [u.skip(r, False, False) for r in range(4, 10)] == [False, True, False, True, False, True]
-    assert not u.skip(7, True, False)  # never two skips in a row
-    assert not any(u.skip(r, False, False) for r in range(5))  # not before 5 rounds (> 5 tokens)
-    assert not any(Uniform(1).skip(r, False, False) for r in range(20))
-    u4 = Uniform(4)
-    assert [u4.skip(r, False, False) for r in range(8, 16)] == [False, True, False, False, False, True, False, False]
-    assert Dynamic().skip(3, False, True) and not Dynamic().skip(3, True, True) and not Dynamic().skip(3, False, False)
     cb = torch.nn.functional.normalize(torch.randn(10, 4, dtype=torch.float64), dim=-1).float()
 
     def tree_of(parents, tokens):  # B trees of one shape

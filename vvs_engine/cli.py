@@ -103,9 +103,8 @@ def build_parser() -> Parser:
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     s.add_argument("--batch-size", type=int, default=16, metavar="N",
                    help="images in flight, every method (default 16): a finished image's rows go to the next "
-                        "image between rounds (ar, sjd, gsd, scd, sjd-pac; the drafter methods and zipar still "
-                        "decode static batches); tokens do not depend on it in fp64, in fp32 a near-tie can "
-                        "flip (docs/batching.md)")
+                        "image between rounds; tokens do not depend on it in fp64, in fp32 a near-tie can flip "
+                        "(docs/batching.md)")
     s.add_argument("--static-batches", action="store_true",
                    help="decode --batch-size images at a time to the end instead (for comparison)")
     s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

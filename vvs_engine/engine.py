@@ -253,8 +253,10 @@ class Engine:
                  static_batches: bool = False, **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt), ``batch_size`` images in flight. Returns tokens,
         PIL images (when a tokenizer is loaded) and stats. Image i draws its random numbers from
-        (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size or on
-        the other images of its batch. ``clean_captions``: clean prompts as LlamaGen does before T5
+        (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size, on
+        when it was admitted or on the other images in flight (exactly so in fp64; in fp32 another
+        batch composition can round a matmul differently and flip a near-tie: docs/batching.md).
+        ``clean_captions``: clean prompts as LlamaGen does before T5
         (``models.t5.clean_caption``). ``method_opts`` are the method's options (see
         ``vvs_engine.methods``). ``compile``: the decode rounds compiled by torch.compile (Inductor; None
         = on for CUDA, off on the CPU; see docs/compile.md); ``stats["compiled"]`` says, per round kind,
@@ -262,7 +264,7 @@ class Engine:
         each round kind captured as a CUDA graph (None = on for CUDA; never off CUDA). Continuous
         batching: a finished image's rows are given to the next pending image between rounds;
         ``static_batches=True`` decodes ``batch_size`` images at a time to the end instead (for
-        comparison; the tokens are the same)."""
+        comparison; the same tokens, to the extent just said)."""
         from .methods import get_method
         from .runtime.compiled import resolve as resolve_compile
         from .methods.common import DecodeBatch, retire_finished

@@ -286,9 +286,7 @@ class JacobiDecoder:
         if s.has_key_mask:
             visible = visible & s.key_valid
         mask = visible[:, None, :] | self.window_block  # [rows, L, S]
-        h = s.model.forward_hidden(s.model.embed_tokens(self.rows(st.window)), positions, s.kv,
-                                   self.scratch_slots, mask[:, None])
-        s.last_positions = positions  # the family's layout rules for these logits (TargetSession.logits)
+        h = s.forward_at(st.window, positions, self.scratch_slots, mask)
         p = self.processed(h)  # [B, L, V]
         st.window_start.copy_(self.c + st.n_committed - 1)  # its K/V go there next iteration
 

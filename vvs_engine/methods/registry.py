@@ -8,6 +8,7 @@ acceptance rules are, so the registry imports no method module.
 from __future__ import annotations
 
 from dataclasses import fields
+from importlib import import_module
 
 from ..errors import VVSError
 
@@ -31,10 +32,8 @@ METHOD_MODULES = ("ar", "cascade", "eagle", "jacobi", "scd", "sjd_pac", "vvs", "
 
 def _load_all():
     """Import the method modules for their registrations."""
-    import importlib
-
     for name in METHOD_MODULES:
-        importlib.import_module(f"{__package__}.{name}")
+        import_module(f"{__package__}.{name}")
 
 
 def parse_options(options_cls, opts: dict, method: str):

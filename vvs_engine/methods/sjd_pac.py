@@ -351,9 +351,7 @@ class PACDecoder(JacobiDecoder):
         mask = visible[:, None, :] | self.tree_block
         node_tokens = st.cand.reshape(B, W * M)[:, tr.cell]  # [B, N]
         node_valid = st.cand_valid.reshape(B, W * M)[:, tr.cell]
-        h = s.model.forward_hidden(s.model.embed_tokens(self.rows(node_tokens)), positions, s.kv,
-                                   self.scratch_slots, mask[:, None])
-        s.last_positions = positions
+        h = s.forward_at(node_tokens, positions, self.scratch_slots, mask)
         p = self.processed(h)  # [B, N, V]: p[n] = the target after node n
 
         step = random_step(st)
@@ -377,8 +375,7 @@ class PACDecoder(JacobiDecoder):
         values = torch.where(lanes == A[:, None], root[:, None], torch.cat([path_tokens, path_tokens[:, :1]], 1))
         st.tokens.index_put_((rows_b[:, None], st.n_committed[:, None] + lanes), values)
         src = self.scratch + path.clamp(min=0)  # [B, M]
-        kv = s.kv
-        kernels.kv_compact(kv.k, kv.v, self.rows(src), prefix[:, None] + lanes)
+        s.kv.move(self.rows(src), prefix[:, None] + lanes)
         on_path = (lanes[1:] <= A[:, None])  # depths 1..A
         carried = (on_path & ~st.fresh[:, 1:]).sum(1)
         alternatives = (on_path & (tr.branch[path[:, 1:].clamp(min=0)] > 0)).sum(1)

@@ -424,10 +424,7 @@ class ZipARDecoder:
 
         # --- forward ------------------------------------------------------------------------------------
         Q = R * L
-        x = s.model.embed_tokens(self.rows_of(inputs.view(B, Q)))
-        h = s.model.forward_hidden(x, self.rows_of(position.view(B, Q)), s.kv, self.rows_of(slot.view(B, Q)),
-                                   mask[:, None])
-        s.last_positions = self.rows_of(position.view(B, Q))  # the layout rules of these logits
+        h = s.forward_at(inputs.view(B, Q), self.rows_of(position.view(B, Q)), self.rows_of(slot.view(B, Q)), mask)
         p = self.processed(h).view(B, R, L, V)
 
         # --- acceptance: the longest passing prefix of the drafts the window rule allows -------------

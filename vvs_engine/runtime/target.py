@@ -77,6 +77,16 @@ class TargetSession:
         self.last_positions = positions  # [n, Q]: the layout rules of each image's logits
         return self.model.forward_hidden(x, self.rows_of(positions), self.kv, self.rows_of(slots), mask)
 
+    def forward_at(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   visible: torch.Tensor) -> torch.Tensor:
+        """The general forward: ``tokens`` [n, Q] (per image; both CFG rows see them) at RoPE
+        ``positions`` ([Q] or [rows, Q]), their K/V written to ``slots`` ([Q] or [rows, Q]); query q sees
+        the cache slots ``visible`` [rows, Q, S] (bool) marks. Returns features [rows, Q, D]; the
+        logits of the next :meth:`logits` call obey the family's layout at these positions."""
+        x = self.model.embed_tokens(self.rows_of(tokens))
+        self.last_positions = positions
+        return self.model.forward_hidden(x, positions, self.kv, slots, visible[:, None])
+
     # --- row selection: the decode loop's admission and retirement ---------------------------------
     def cfg_rows(self, images: torch.Tensor) -> torch.Tensor:
         """Images [n] -> their model rows: the conditional rows, then (CFG) the unconditional ones."""
