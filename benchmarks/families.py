@@ -7,7 +7,7 @@ held. Per family: the native image decoder's largest pixel difference from trans
 greedy images, and the images ``generate`` returns. TPF on random weights with an untrained drafter says nothing about real speed-ups; the table
 shows that each method runs on each family and which ones are lossless there.
 
-    python benchmarks/families.py --threads 1   # writes benchmarks/results/families.md and the README table
+    python benchmarks/families.py --threads 1   # writes benchmarks/results/families.md and the table in docs/families.md
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "families.md"))
-    ap.add_argument("--no-readme", action="store_true", help="do not rewrite the README table")
+    ap.add_argument("--no-readme", action="store_true", help="do not rewrite the table in docs/families.md")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     rows, dec_rows = [], []
@@ -140,12 +140,12 @@ def main(argv=None) -> int:
     with open(a.out, "w") as f:
         f.write(f"# Families x methods\n\nWritten by `{COMMAND}`.\n\n{table}")
     if not a.no_readme:
-        readme = os.path.join(ROOT, "README.md")
+        readme = os.path.join(ROOT, "docs", "families.md")
         text = open(readme).read()
         block = f"<!-- families-table: written by `{COMMAND}` -->\n{table}<!-- /families-table -->"
         new = re.sub(r"<!-- families-table:.*?<!-- /families-table -->", lambda _: block, text, flags=re.S)
         if new == text and block not in text:
-            print("README has no families-table markers; table written to " + a.out, file=sys.stderr)
+            print("docs/families.md has no families-table markers; table written to " + a.out, file=sys.stderr)
         with open(readme, "w") as f:
             f.write(new)
     print("wrote " + a.out)
