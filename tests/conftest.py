@@ -28,7 +28,6 @@ def pytest_unconfigure(config):
 
 
 # --- fixtures shared by several test files -----------------------------------------------------------
-LABELS = [0, 3, 4]  # the Jacobi tests' labels (test_scd.py, test_sjd_pac.py)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +40,8 @@ def eng():
 
 @pytest.fixture(scope="module")
 def greedy_ar(eng):
+    from spec_models import LABELS
+
     return eng.generate(class_labels=LABELS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
 
 

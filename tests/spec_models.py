@@ -9,6 +9,9 @@ from vvs_engine.models.gpt import GPT, GPTConfig
 from vvs_engine.models.vq import VQConfig, VQModel
 
 
+LABELS = [0, 3, 4]  # the labels of conftest's greedy_ar fixture (test_scd.py, test_sjd_pac.py)
+
+
 def tiny_engine(vocab=64, block=16, seed=0, peak=1.0, dtype=torch.float64, with_vq=True, dim=32, n_layer=2):
     """A random c2i target + drafter (+ a VQ whose codebook defines LANTERN neighbours). ``peak``
     scales the output heads so the distributions are less flat than at initialisation."""

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import LABELS
-from spec_models import tiny_engine
+from spec_models import LABELS, tiny_engine
 from distribution_checks import _chi2_crit, chi2_joint, exact_joint, toy_engine, toy_sample, two_sample_chi2
 from vvs_engine.errors import VVSError
 from vvs_engine.methods.sjd_pac import ProductTree, top_few, tree_size
