@@ -177,7 +177,6 @@ def test_identical_runs_write_identical_files(tiny, tmp_path):
         assert "wall_time_s" not in z.files and "wall_time_s" not in json.loads(str(z["stats"]))
     run = json.loads((tmp_path / "a" / "manifest.json").read_text())["runs"][0]
     assert [e["shard"] for e in run["shards"]] == [0, 1, 2]  # images [0, 4), [4, 8), [8, 10)
-    assert [len(e["batch_wall_s"]) for e in run["shards"]] == [2, 2, 1]
     assert all(e["wall_s"] >= e["decode_s"] > 0 for e in run["shards"])
 
 

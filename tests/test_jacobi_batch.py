@@ -133,7 +133,8 @@ def test_retiring_finished_rows_changes_no_token(eng, monkeypatch, method):
     assert torch.equal(retired.tokens, kept.tokens)
     assert retired.stats["tpf_per_image"] == kept.stats["tpf_per_image"]
     assert retired.stats["accepted_drafts_histogram"] == kept.stats["accepted_drafts_histogram"]
-    assert retired.stats["batch_iterations"] == kept.stats["batch_iterations"]
+    # a shrink reads the kept rows' status afresh (not one round late): the run may end a round sooner
+    assert kept.stats["batch_iterations"] - 1 <= retired.stats["batch_iterations"] <= kept.stats["batch_iterations"]
 
 
 # --- the iteration function -----------------------------------------------------------------------------

@@ -214,3 +214,20 @@ def test_negative_control_admission_without_the_newcomers_cache_changes_tokens(e
     bad = eng.generate(batch_size=2, **kw)
     assert torch.equal(bad.tokens[:2], good.tokens[:2])  # the first rows were never admitted into
     assert not torch.equal(bad.tokens[2:], good.tokens[2:])
+
+
+@pytest.mark.parametrize("method,static", [("sjd", False), ("sjd", True), ("eagle", False), ("scd", True)])
+def test_benchmark_simulator_replays_the_loop(eng, method, static):
+    """benchmarks/continuous_batching.py replays the loop's schedule on per-image forwards (its 512-image
+    table rests on it): rounds and row-rounds equal the loop's, tail shrinking included."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from continuous_batching import simulate
+
+    opts = dict(TREE) if method == "eagle" else {"jacobi_window": 6}
+    out = eng.generate(class_labels=[i % 5 for i in range(11)], method=method, seed=2, batch_size=4,
+                       static_batches=static, decode_images=False, **opts)
+    sim = simulate(out.stats["per_image"]["target_forward_passes"], 4, static)
+    assert (sim["rounds"], sim["row_rounds"]) == (out.stats["batch_rounds"], out.stats["row_rounds"])

@@ -7,11 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_models import tiny_engine
+from spec_models import LABELS, tiny_engine
 from distribution_checks import _chi2_crit, chi2_joint, exact_joint, toy_engine, toy_sample, two_sample_chi2
 from vvs_engine.errors import VVSError
-
-from spec_models import LABELS  # noqa: E402  (the labels of the greedy_ar fixture)
 
 
 # --- greedy SCD is greedy AR ------------------------------------------------------------------------

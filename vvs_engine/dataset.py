@@ -253,7 +253,7 @@ def save_npz_reproducible(f, arrays: dict) -> None:
 
 # Stats that measure time, not tokens: kept out of the shard files (identical runs give identical files)
 # and recorded per shard in the manifest's run entry instead.
-TIME_STATS = ("wall_time_s", "per_batch")
+TIME_STATS = ("wall_time_s",)
 
 
 def write_shard(out_dir: str, k: int, indices: range, labels, prompt_ids, prompts, result: dict, n_images: int):
@@ -495,9 +495,7 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
                 c, p, ids = cond_of(shards[k])
                 write_shard(out_dir, k, shards[k], c, ids, p, result, n)
                 timing["per_shard"].append({"shard": k, "device": result.get("device", ""),
-                                            "decode_s": sum(s.get("wall_time_s", 0.0) for s in result["stats"]),
-                                            "batch_wall_s": [w for s in result["stats"]
-                                                             for w in (s.get("per_batch") or {}).get("wall_time_s", [])]})
+                                            "decode_s": sum(s.get("wall_time_s", 0.0) for s in result["stats"])})
                 _record_shard(timing, t_handed_out, result)
                 run_info["images"] = sum(len(shards[e["shard"]]) for e in run_info["shards"])
                 write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
