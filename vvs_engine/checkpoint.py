@@ -249,6 +249,13 @@ def layer_count(sd: Dict[str, torch.Tensor], prefix: str = "layers.") -> int:
     return len(found) if found == set(range(len(found))) else 0
 
 
+def check_layer_count(sd: Dict[str, torch.Tensor], n_layer: int, where: str) -> None:
+    """The config's ``n_layer`` is the number of blocks the weights hold (when they number them cleanly)."""
+    layers = layer_count(sd)
+    if layers and layers != n_layer:
+        raise VVSError(f"{where}: \"n_layer\" is {n_layer} but the weights hold {layers} layers")
+
+
 def check_weight_shape(sd: Dict[str, torch.Tensor], key: str, want: tuple, fields: str, where: str) -> None:
     """The weight ``key`` has shape ``want`` (None: any size on that axis); otherwise a one-line error
     that names the config ``fields`` that set it and the file ``where``."""

@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checkpoint import (ConfigField, check_config_fields, config_path, check_weight_shape, clean_state_dict, layer_count,
-                          load_into, read_project_config, read_state_dict)
+from ..checkpoint import (ConfigField, check_config_fields, check_layer_count, check_weight_shape, clean_state_dict,
+                          config_path, load_into, read_project_config, read_state_dict)
 from ..errors import VVSError
 from ..runtime.kv_cache import StaticKVCache
 from ..models.fused import fuse_linears
@@ -68,9 +68,7 @@ def checked_drafter_config(config: dict, where: str, sd: Optional[dict] = None) 
     if sd is None:
         return cfg
     sd = clean_state_dict(sd)
-    layers = layer_count(sd)
-    if layers and layers != cfg.n_layer:
-        raise VVSError(f"{where}: \"n_layer\" is {cfg.n_layer} but the weights hold {layers} layers")
+    check_layer_count(sd, cfg.n_layer, where)
     check_weight_shape(sd, "fc.weight", (cfg.dim, 2 * cfg.dim), '"dim"', where)
     check_weight_shape(sd, "layers.0.mlp.gate_proj.weight", (cfg.ffn_hidden or _llamagen_ffn(cfg.dim), cfg.dim),
                        '"ffn_hidden" (0: LlamaGen\'s width for "dim")', where)

@@ -1,7 +1,8 @@
 """The method registry: each method module registers its function and options class here.
 
 A method registers ``make(engine, batch: DecodeBatch, params, opts) -> decoder``: a decoder of the one
-decode loop (``runtime/loop.py`` documents the protocol) prefilled with the batch. :func:`get_method` parses user options into the options class (``validate()``,
+decode loop (``runtime/loop.py`` documents the protocol) prefilled with the batch. :func:`get_method`
+parses user options into the options class (``validate()``,
 ``check_engine(engine)``). Method modules are loaded by name (:data:`METHOD_MODULES`), as the
 acceptance rules are, so the registry imports no method module.
 """

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checkpoint import ConfigField, check_config_fields, check_weight_shape, clean_state_dict, layer_count
+from ..checkpoint import ConfigField, check_config_fields, check_weight_shape, clean_state_dict, check_layer_count
 from ..errors import VVSError
 from ..sampling import mean_last
 from .fused import FusedLinear, fuse_linears
@@ -100,9 +100,7 @@ def checked_gpt_config(config: dict, where: str, sd: Optional[dict] = None) -> G
     if sd is None:
         return cfg
     sd = clean_state_dict(sd)
-    layers = layer_count(sd)
-    if layers and layers != cfg.n_layer:
-        raise VVSError(f"{where}: \"n_layer\" is {cfg.n_layer} but the weights hold {layers} layers")
+    check_layer_count(sd, cfg.n_layer, where)
     check_weight_shape(sd, "tok_embeddings.weight", (cfg.vocab_size, cfg.dim), '"vocab_size" and "dim"', where)
     check_weight_shape(sd, "output.weight", (cfg.vocab_size, cfg.dim), '"vocab_size" and "dim"', where)
     check_weight_shape(sd, "layers.0.attention.wqkv.weight", (3 * cfg.dim, cfg.dim), '"dim"', where)

@@ -21,7 +21,6 @@ keyed by (seed, image index, the row's own step), and a row's state is its own.
 The decoder protocol (duck-typed; :class:`Decoder` documents it):
 
 ==========================  ==========================================================================
-``rows``                    images in flight (CFG rows are the decoder's business)
 ``round_functions()``       {round kind: function of no arguments} updating device state in place,
                             static shapes, no host read
 ``round_buffers()``         every tensor a round writes that a rerun must restore (capture warm-up)
@@ -51,7 +50,6 @@ from .runner import RoundGraphs
 
 
 class Decoder(Protocol):  # pragma: no cover - documentation of the protocol above
-    rows: int
     inductor_options: dict
 
     def round_functions(self) -> dict: ...
