@@ -357,7 +357,11 @@ def test_ctrl_c_while_starting_is_one_line():
     library = "import vvs_engine, time; print('imported', flush=True); time.sleep(60)"
     for argv, as_command in (([sys.executable, "-m", "vvs_engine", "zoo", "list"], True),
                              ([sys.executable, "-c", library], False)):
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        # SIGINT as a fresh shell would give it: an ignored signal is inherited across exec, and Python
+        # installs no KeyboardInterrupt handler for a SIGINT it starts with ignored (some earlier test of a
+        # whole-suite run can leave it ignored in this process)
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         if as_command:
             time.sleep(0.4)  # Python is up; importing torch takes seconds
         else:  # after the import (on a loaded machine a signal during interpreter start-up may be lost)
