@@ -82,12 +82,50 @@ SETTINGS = [
     ("VVS-U i=2 + GSD", "vvs", {"skip_policy": "uniform", "skip_interval": 2, "accept": "gsd"}),
     ("VVS-U i=2 + CASCADE", "vvs", {"skip_policy": "uniform", "skip_interval": 2, "accept": "cascade",
                                     "tree": "static"}),
+] + [
+    # The frontier (each family traced by >= 3 settings). VVS over every base rule at parity, so what
+    # skipping costs by itself is measured at an equal rule: over exact (EAGLE-2) and over LANTERN++.
+    (f"VVS-U i={i} exact", "vvs", {"skip_policy": "uniform", "skip_interval": i, "accept": "exact"})
+    for i in (2, 3, 4)
+] + [
+    (f"VVS-U i={i} LANTERN++", "vvs", {"skip_policy": "uniform", "skip_interval": i, "accept": "lantern++"})
+    for i in (2, 3, 4)
+] + [
+    (f"VVS-D s={s} LANTERN++", "vvs", {"skip_policy": "dynamic", "skip_threshold": s, "accept": "lantern++"})
+    for s in (0.65, 0.5, 0.4, 0.3)
+] + [
+    ("LANTERN d=0.05", "lantern", {"lantern_delta": 0.05}),
+    ("LANTERN++ l=1.5", "lantern++", {"lantern_lambda": 1.5}),
+    ("LANTERN++ l=3", "lantern++", {"lantern_lambda": 3.0}),
+    ("EAGLE-2 n=30 d=3", "eagle", {"tree_total": 30, "tree_depth": 3}),
+    ("EAGLE-2 n=90 d=6", "eagle", {"tree_total": 90, "tree_depth": 6}),
+    ("SJD L=8", "sjd", {"jacobi_window": 8}),
+    ("SJD L=32", "sjd", {"jacobi_window": 32}),
+    ("SJD random init", "sjd", {"jacobi_init": "random"}),
+    ("SCD L=8", "scd", {"jacobi_window": 8}),
+    ("SCD L=32", "scd", {"jacobi_window": 32}),
+    ("GSD G=8 maximal", "gsd", {"gsd_group": 8, "coupling": "maximal"}),
+    ("SJD-PAC W=2 D=3", "sjd-pac", {"pac_width": 2, "pac_depth": 3}),
+    ("SJD-PAC W=4 D=3", "sjd-pac", {"pac_width": 4, "pac_depth": 3}),
+    ("SJD-PAC W=3 D=4", "sjd-pac", {"pac_width": 3, "pac_depth": 4, "jacobi_window": 40}),
+    ("ZipAR s=8", "zipar", {"zipar_window": 8}),
 ]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 # The core settings, in the order a run generates them (cheapest first, so a short run finishes some).
 CORE = ["AR", "SJD", "GSD G=8", "VVS-U i=2 fill", "CASCADE", "VVS-U i=2 + GSD", "VVS-U i=2 + CASCADE",
         "VVS-D s=0.65 fill", "LANTERN++", "LANTERN d=0.2", "EAGLE-2", "ZipAR s=4", "SCD", "SJD-PAC"]
 CORE_IMAGES_PER_CLASS = 32
+# The frontier run (issue: every method's quality-speed front), cheapest first so each hour finishes
+# settings; the VVS question (VVS over an equal base rule) before the rest of the spec-decoding fronts.
+FRONTIER = ["ZipAR s=2", "ZipAR s=8", "SCD L=8", "SCD L=32", "SJD-PAC W=2 D=3", "SJD-PAC W=4 D=3",
+            "SJD-PAC W=3 D=4", "VVS-D s=0.65 fill", "VVS-U i=2 LANTERN++", "VVS-U i=2 exact",
+            "VVS-U i=3 LANTERN++", "VVS-U i=4 LANTERN++", "VVS-D s=0.5 LANTERN++", "VVS-D s=0.4 LANTERN++",
+            "VVS-D s=0.65 LANTERN++", "VVS-D s=0.3 LANTERN++", "VVS-U i=3 exact", "VVS-U i=4 exact",
+            "LANTERN d=0.05", "LANTERN d=0.1", "LANTERN d=0.3", "LANTERN++ l=1.5", "LANTERN++ l=3", "EAGLE-1",
+            "EAGLE-2 n=30 d=3", "EAGLE-2 n=90 d=6", "GSD G=3", "GSD G=14", "GSD G=8 maximal", "SJD L=8",
+            "SJD L=32", "SJD random init", "CASCADE drafter", "CASCADE llamagen", "CASCADE lumina-final",
+            "VVS-U i=2 reject", "VVS-U i=3 fill", "VVS-U i=3 reject", "VVS-U i=4 fill", "VVS-U i=4 reject",
+            "VVS-D s=0.3 fill"]
 
 
 def available_settings() -> list:
@@ -182,7 +220,11 @@ def setting_key(ckpt_key: str, method: str, opts: dict, sampling: dict, labels, 
     from vvs_engine.methods import resolve_options
 
     effective = resolve_options(method, opts)
-    return json.dumps({"checkpoints": ckpt_key, "method": method, "options": effective, "sampling": sampling,
+    extra = {}
+    if method == "vvs" and effective.get("skip_policy") == "dynamic":
+        # VVS-D decides skips per sequence since the one loop (it decided per batch before): new tokens
+        extra["skip_decision"] = "per-sequence"
+    return json.dumps({**extra, "checkpoints": ckpt_key, "method": method, "options": effective, "sampling": sampling,
                        "labels": list(labels), "seed": seed, "batch_size": batch_size, "rng": "counter-rng",
                        "device": torch.device(device).type, "dtype": dtype}, sort_keys=True, default=str)
 
@@ -666,7 +708,8 @@ def main(argv=None) -> int:
                     help=f"images per class (default {CORE_IMAGES_PER_CLASS}: 512 on the Zoo, class accuracy "
                          f"near 0.5 to +-4.3 points)")
     ap.add_argument("--settings", default="core",
-                    help="what to generate: core (the default), all, or a comma list of setting names (AR is "
+                    help="what to generate: core (the default), frontier (core, then every front setting, cheapest "
+                         "first), all, or a comma list of setting names (AR is "
                          "always included). The report lists every setting with a complete cache either way. "
                          "Known: " + ", ".join(SETTING_BY_NAME))
     ap.add_argument("--report-only", action="store_true", help="generate nothing; rebuild the report from the cache")
@@ -707,6 +750,8 @@ def main(argv=None) -> int:
         known_names = [s[0] for s in known]
         if a.settings == "core":
             generate = [n for n in CORE if n in known_names]
+        elif a.settings == "frontier":
+            generate = [n for n in CORE + FRONTIER if n in known_names]
         elif a.settings == "all":
             generate = known_names
         else:
