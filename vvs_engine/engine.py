@@ -118,6 +118,13 @@ class ImageSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
+def _both(first, second):
+    """One callback calling both (either may be None)."""
+    if first is None or second is None:
+        return first or second
+    return lambda k: (first(k), second(k))
+
+
 def _per_image(name: str, value, n: int) -> list:
     """One value for every image, or a list with one per image -> a list of n values."""
     if isinstance(value, (list, tuple)):
@@ -295,7 +302,7 @@ class Engine:
                  decode_images: bool = True, progress: bool = False,
                  batch_size: int = 16, image_indices: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, clean_captions: bool = True, compile: Optional[bool] = None,
-                 static_batches: bool = False, **method_opts) -> GenerationOutput:
+                 static_batches: bool = False, on_images=None, **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt), ``batch_size`` images in flight. Returns tokens,
         PIL images (when a tokenizer is loaded) and stats. Image i draws its random numbers from
         (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size, on
@@ -311,7 +318,8 @@ class Engine:
         ``static_batches=True`` decodes ``batch_size`` images at a time to the end instead (for
         comparison; the same tokens, to the extent just said). ``seed``, ``temperature``, ``top_k``,
         ``top_p`` and ``cfg_scale`` take one value for every image or a list with one per image: images
-        with different settings share the batch, each decoded as it would be alone."""
+        with different settings share the batch, each decoded as it would be alone. ``on_images(k)``: called
+        as k more images finish."""
         from .methods import get_method
         from .runtime.compiled import resolve as resolve_compile
         from .methods.common import retire_finished
@@ -370,7 +378,7 @@ class Engine:
             out = loop.run(make_decoder, batch_of, n, min(batch_size, n),
                            self.tokens_per_image, static=static_batches, compile=compile, use_graphs=use_graphs,
                            retire=retire_finished(), on_tokens=bar.tokens if bar is not None else None,
-                           on_images=bar.images if bar is not None else None)
+                           on_images=_both(bar.images if bar is not None else None, on_images))
         if bar is not None:
             bar.close()
         tokens = out.tokens
