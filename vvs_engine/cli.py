@@ -6,6 +6,7 @@ Subcommands:
                      README "Command line"): writes ``tokens.npz``, ``stats.json`` and one PNG per image.
 * ``generate-dataset`` many images as resumable shards, in one process or on Ray (``vvs_engine.dataset``).
 * ``zoo list|train`` list the shipped models / retrain them (``vvs_engine.zoo``).
+* ``serve``          an image-generation HTTP server (``vvs_engine.serving``; the ``[serve]`` extra).
 * ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.evaluation.report``).
 * ``bench``          speed benchmarks (``vvs_engine.evaluation.bench``).
 * ``train-drafter``  train an EAGLE-style drafter (``vvs_engine.training.drafter``).
@@ -50,21 +51,9 @@ def apply_threads(n: Optional[int]) -> int:
     return _apply_threads(default_threads() if n is None else n, "--threads")
 
 
-# --- argument parsing ---------------------------------------------------------------------------
-Parser = OneLineParser  # argparse without the usage dump: a bad argument raises UsageError
-
-
-def build_parser() -> Parser:
-    p = Parser(prog="vvs-engine", description="Fast autoregressive image generation with speculative decoding.")
-    from . import __version__
-
-    p.add_argument("--version", action="version", version=f"vvs-engine {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
-    g = sub.add_parser("generate", help="generate images (writes tokens.npz, stats.json, PNGs)",
-                       description="Generate one image per class label (or prompt).")
-    m = g.add_argument_group("model")
+def add_model_flags(parser) -> None:
+    """The model flags of ``generate`` (and ``serve``): which target, tokenizer, drafter, device, dtype."""
+    m = parser.add_argument_group("model")
     m.add_argument("--gpt-ckpt", default=None, metavar="PATH",
                    help="target checkpoint: official LlamaGen .pt/.pth or the project's .safetensors (+ .json "
                         "config). Default: the shipped Zoo model")
@@ -86,6 +75,23 @@ def build_parser() -> Parser:
     m.add_argument("--drafter", default=None, metavar="PATH", help="drafter checkpoint (speculative methods)")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available; default)")
     m.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+
+
+# --- argument parsing ---------------------------------------------------------------------------
+Parser = OneLineParser  # argparse without the usage dump: a bad argument raises UsageError
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="vvs-engine", description="Fast autoregressive image generation with speculative decoding.")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"vvs-engine {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate images (writes tokens.npz, stats.json, PNGs)",
+                       description="Generate one image per class label (or prompt).")
+    add_model_flags(g)
 
     c = g.add_argument_group("conditions")
     c.add_argument("--class-labels", default=None, metavar="L1,L2,...",
@@ -132,6 +138,10 @@ def build_parser() -> Parser:
     from .dataset_cli import add_dataset_parser
 
     add_dataset_parser(sub, generate_parser=g)
+
+    from .serving.cli import add_serve_parser
+
+    add_serve_parser(sub)
 
     z = sub.add_parser("zoo", help="the shipped model family")
     zsub = z.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
