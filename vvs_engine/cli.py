@@ -74,7 +74,8 @@ def add_model_flags(parser) -> None:
                    help="with --model-dir: prompts are left-padded to N tokens (default 128)")
     m.add_argument("--drafter", default=None, metavar="PATH", help="drafter checkpoint (speculative methods)")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available; default)")
-    m.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+    m.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or fp64 (default fp32; fp64: slow, but no batch "
+                                                     "composition changes an image's tokens)")
 
 
 # --- argument parsing ---------------------------------------------------------------------------

@@ -179,21 +179,24 @@ def create_app(worker: EngineWorker, limits: Limits) -> FastAPI:
             image = event[2]
             encoded = await asyncio.get_running_loop().run_in_executor(pool, png_base64, image) \
                 if image is not None else None
-            return ("image", event[1], encoded, event[3])
+            return ("image", event[1], encoded, event[3], event[4].tolist())
         return event
 
     async def collect(job: EngineRequest, events: asyncio.Queue, resolved: Resolved) -> dict:
-        images, passes, done = [None] * resolved.n, [0.0] * resolved.n, 0
+        images, passes, tokens, done = [None] * resolved.n, [0.0] * resolved.n, [None] * resolved.n, 0
         while done < resolved.n:
             event = await next_image(events, None)
             if event[0] == "image":
-                images[event[1]], passes[event[1]] = event[2], event[3]
+                images[event[1]], passes[event[1]], tokens[event[1]] = event[2], event[3], event[4]
                 done += 1
             elif event[0] == "error":
                 raise ApiError(event[1], event[2], code="aborted" if event[1] == 503 else "engine_error")
         out = summary(job, resolved, passes)
         out["data"] = [{"b64_json": images[j], "revised_prompt": None, "image_index": j,
                         "target_forward_passes": passes[j]} for j in range(resolved.n)]
+        if resolved.return_tokens:
+            for j, item in enumerate(out["data"]):
+                item["tokens"] = tokens[j]
         return out
 
     async def disconnected(request: Request) -> None:
@@ -250,8 +253,10 @@ def create_app(worker: EngineWorker, limits: Limits) -> FastAPI:
                 elif event[0] == "image":
                     passes[event[1]] = event[3]
                     done += 1
-                    yield sse("image_generation.completed", {"image_index": event[1], "b64_json": event[2],
-                                                             "target_forward_passes": event[3]})
+                    completed = {"image_index": event[1], "b64_json": event[2], "target_forward_passes": event[3]}
+                    if resolved.return_tokens:
+                        completed["tokens"] = event[4]
+                    yield sse("image_generation.completed", completed)
                 elif event[0] == "error":
                     reason = "aborted" if event[1] == 503 else "error"
                     yield sse("error", {"error": ApiError(event[1], event[2]).body()["error"]})

@@ -3,7 +3,7 @@
 The OpenAI shape (``prompt``, ``model``, ``n``, ``size``, ``response_format``, ``output_format``,
 ``seed``, ``user``, ``stream``) plus the engine's extensions (``class_label``, ``cfg_scale`` or its
 alias ``guidance_scale``, ``temperature``, ``top_k``, ``top_p``, ``negative_prompt``, ``method``,
-``method_options``, ``timeout``). Schema errors (a missing condition, a wrong type, an unknown field, a
+``method_options``, ``timeout``, ``return_tokens``: each image's VQ token ids too). Schema errors (a missing condition, a wrong type, an unknown field, a
 value out of its range) are 422; a request the schema allows but this server does not run (``n``
 over the limit, another size, model or method, a prompt too long, ``url`` output) is 400; a body
 over the size limit is 413. Every error is one line of JSON: ``{"error": {"message", "type",
@@ -61,6 +61,7 @@ class ImageRequest(BaseModel):
     method: Optional[str] = None
     method_options: Optional[Dict[str, Union[int, float, str, bool]]] = None
     timeout: Optional[float] = Field(None, gt=0)
+    return_tokens: bool = False
 
 
 def validation_message(error: ValidationError) -> tuple:
@@ -84,6 +85,7 @@ class Resolved:
     stream: bool
     timeout_s: float
     seed_given: bool
+    return_tokens: bool = False
 
 
 class Limits:
@@ -195,4 +197,5 @@ def resolve(req: ImageRequest, limits: Limits) -> Resolved:
     if timeout > limits.request_timeout_s:
         raise ApiError(422, f"timeout must be <= {limits.request_timeout_s} s on this server", "timeout")
     seed = req.seed if req.seed is not None else secrets.randbits(31)
-    return Resolved(req.n, labels, prompts, seed, sampling, req.stream, timeout, req.seed is not None)
+    return Resolved(req.n, labels, prompts, seed, sampling, req.stream, timeout, req.seed is not None,
+                    req.return_tokens)
