@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import threading
 import time
 
@@ -20,7 +19,7 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="the server tests need the [serve] extra (httpx)")
 pytest.importorskip("fastapi", reason="the server tests need the [serve] extra (fastapi, uvicorn)")
 
-from serve_utils import ServerProcess, metric, png_pixels, wait_for  # noqa: E402
+from serve_utils import Chromium, ServerProcess, metric, png_pixels, wait_for  # noqa: E402
 
 ROWS, QUEUE, MAX_N = 4, 5, 4
 T = 256  # Zoo tokens per image
@@ -139,7 +138,12 @@ def test_concurrent_requests_equal_offline_generate(server, client, engine, shar
               "c": {"prompt": "coffee", "n": 1, "seed": 5, "size": "64x64", "response_format": "b64_json",
                     "return_tokens": True}}
     results, running = {}, []
-    threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, post(client, bodies[k]))) for k in bodies]
+
+    def send(key):  # one client per thread
+        with httpx.Client(base_url=server.url, timeout=300) as own:
+            results[key] = post(own, bodies[key])
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in bodies]
     for t in threads:
         t.start()
     with httpx.Client(base_url=server.url, timeout=30) as watcher:
@@ -203,17 +207,20 @@ def test_disconnect_queue_full_and_recovery(server, client, shared):
         with streamer.stream("POST", "/v1/images/generations",
                              json={"class_label": 4, "n": ROWS, "seed": 1, "stream": True}) as stream:
             assert stream.status_code == 200
-            events = []
-            for line in stream.iter_lines():
+            events, lines = [], stream.iter_lines()  # (kept: a closed line iterator closes the connection)
+            while "image_generation.progress" not in events:
+                line = next(lines)
                 if line.startswith("event: "):
                     events.append(line[7:])
-                if "image_generation.progress" in events:
-                    break
             assert events[0] == "image_generation.started"
             assert wait_for(lambda: metric(client, "vvs:num_images_running") == ROWS, 10)
             waiting = {}
-            second = threading.Thread(target=lambda: waiting.__setitem__(
-                "r", post(client, {"class_label": 3, "n": 2, "seed": 5})))
+
+            def wait_in_queue():  # its own client: an httpx client is not shared between threads here
+                with httpx.Client(base_url=server.url, timeout=120) as own:
+                    waiting["r"] = post(own, {"class_label": 3, "n": 2, "seed": 5})
+
+            second = threading.Thread(target=wait_in_queue)
             second.start()
             assert wait_for(lambda: metric(client, "vvs:num_images_waiting") == 2, 10)
             full = post(client, {"class_label": 0, "n": ROWS})
@@ -237,24 +244,34 @@ def test_disconnect_queue_full_and_recovery(server, client, shared):
 
 
 def test_page_in_headless_browser(server, client, tmp_path):
-    """The page in a real Chromium: it loads, starts a generation (``#auto``), and the images appear."""
+    """The page in a real headless Chromium (DevTools protocol on a pipe): it loads, starts a generation
+    (``#auto``), shows the progress stream, and the four images appear with TPF and latency."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         print("SKIP REASON: no Chromium here (apt-get install -y chromium)")
         pytest.skip("no Chromium installed (apt-get install -y chromium)")
     assert wait_for(lambda: idle(client), 60)
     images = metric(client, "vvs:images_generated_total")
-    profile = tmp_path / "profile"
-    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
-               "--virtual-time-budget=120000", "--dump-dom", f"{server.url}/#auto"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
-    dom = done.stdout
-    assert 'data-done="1"' in dom, (done.stderr[-2000:], dom[-2000:])
-    assert dom.count('class="result"') == 4  # the page's default n
-    assert "TPF" in dom and "latency" in dom
+    chrome = Chromium(browser, str(tmp_path / "profile"))
+    try:
+        chrome.open(f"{server.url}/#auto")
+        seen_progress = False
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            labels = chrome.evaluate("Array.from(document.querySelectorAll('.cell span')).map(s => s.textContent)")
+            seen_progress = seen_progress or any(" / 256 tokens" in text for text in labels or [])
+            if chrome.evaluate("document.getElementById('status').dataset.done") == "1":
+                break
+            time.sleep(0.2)
+        status = chrome.evaluate("document.getElementById('status').textContent")
+        assert status.startswith("done: seed 0, 4 images, TPF "), status
+        assert "latency" in status
+        assert seen_progress  # the cells showed committed tokens while the images decoded
+        assert chrome.evaluate("Array.from(document.querySelectorAll('img.result'))"
+                               ".filter(i => i.complete && i.naturalWidth === 64).length") == 4
+        screenshot = os.environ.get("VVS_SERVE_SCREENSHOT")
+        if screenshot:  # docs/serve_page.png is made this way (docs/serving.md)
+            chrome.screenshot(screenshot)
+    finally:
+        chrome.close()
     assert metric(client, "vvs:images_generated_total") == images + 4
-    screenshot = os.environ.get("VVS_SERVE_SCREENSHOT")
-    if screenshot:  # docs/serve_page.png is made this way (see docs/serving.md)
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                        f"--user-data-dir={profile}", "--virtual-time-budget=120000", "--window-size=900,560",
-                        f"--screenshot={screenshot}", f"{server.url}/#auto"], capture_output=True, timeout=240)

@@ -8,6 +8,7 @@ PAGE_HTML = """<!doctype html>
 <meta charset="utf-8">
 <title>vvs-engine</title>
 <style>
+ [hidden] { display: none !important; }
  body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; background: #fafafa; }
  h1 { font-size: 1.3em; margin: 0 0 .2em; }
  #info { color: #666; margin-bottom: 1em; }
