@@ -128,15 +128,16 @@ def test_bad_requests_are_one_line_errors(server, client):
 
 
 def test_concurrent_requests_equal_offline_generate(server, client, engine, shared):
-    """Three requests with different seeds, labels and sizes share the batch; each returns what
-    ``Engine.generate`` makes offline for its seed (image j of a request = image index j)."""
+    """Three requests with different seeds, labels, sizes and sampling settings share the batch; each
+    returns what ``Engine.generate`` makes offline for its seed and settings (image j of a request =
+    image index j)."""
     assert wait_for(lambda: idle(client), 60)
     before = {name: metric(client, name) for name in ("vvs:images_generated_total", "vvs:tokens_committed_total",
                                                        "vvs:target_forward_passes_total")}
     bodies = {"a": {"class_label": 3, "n": 2, "seed": 5, "return_tokens": True},
-              "b": {"class_label": [7], "n": 1, "seed": 6, "return_tokens": True},
+              "b": {"class_label": [7], "n": 1, "seed": 6, "temperature": 0.7, "top_k": 50, "return_tokens": True},
               "c": {"prompt": "coffee", "n": 1, "seed": 5, "size": "64x64", "response_format": "b64_json",
-                    "return_tokens": True}}
+                    "guidance_scale": 2.0, "top_p": 0.9, "return_tokens": True}}
     results, running = {}, []
 
     def send(key):  # one client per thread
@@ -156,14 +157,13 @@ def test_concurrent_requests_equal_offline_generate(server, client, engine, shar
     for key, r in results.items():
         assert r.status_code == 200, r.text
     a, b, c = (results[k].json() for k in "abc")
-    # offline: a's images and c's (seed 5, c's image 0 is image index 0 of its seed), then b's (seed 6)
-    seed5 = engine.generate(class_labels=[3, 3, 1], seed=5, image_indices=[0, 1, 0], batch_size=4,
-                            decode_images=False)
-    seed6 = engine.generate(class_labels=[7], seed=6, decode_images=False)
-    expected = {"a": seed5.tokens[:2], "c": seed5.tokens[2:], "b": seed6.tokens}
-    passes = {"a": seed5.stats["per_image"]["target_forward_passes"][:2],
-              "c": seed5.stats["per_image"]["target_forward_passes"][2:],
-              "b": seed6.stats["per_image"]["target_forward_passes"]}
+    # offline, one call: a's two images, b's, c's (c's image 0 is image index 0 of seed 5 with its settings)
+    offline = engine.generate(class_labels=[3, 3, 7, 1], seed=[5, 5, 6, 5], image_indices=[0, 1, 0, 0],
+                              temperature=[1.0, 1.0, 0.7, 1.0], top_k=[0, 0, 50, 0], top_p=[1.0, 1.0, 1.0, 0.9],
+                              cfg_scale=[4.0, 4.0, 4.0, 2.0], batch_size=4, decode_images=False)
+    per_image = offline.stats["per_image"]["target_forward_passes"]
+    expected = {"a": offline.tokens[:2], "b": offline.tokens[2:3], "c": offline.tokens[3:]}
+    passes = {"a": per_image[:2], "b": per_image[2:3], "c": per_image[3:]}
     for key, body in zip("abc", (a, b, c)):
         assert body["seed"] == bodies[key]["seed"]
         assert len(body["data"]) == bodies[key]["n"]

@@ -89,7 +89,7 @@ def create_app(worker: EngineWorker, limits: Limits) -> FastAPI:
             "method": worker.method, "method_options": worker.options, "size": limits.size,
             "conditioning": limits.conditional, "num_classes": worker.engine.config.num_classes
             if limits.conditional == "c2i" else None, "class_names": limits.class_names,
-            "defaults": worker.defaults.to_dict(), "per_row_sampling": limits.per_row_sampling,
+            "defaults": worker.defaults.to_dict(), "per_request_sampling": limits.scope.uniform is None,
             "max_n": limits.max_n, "rows": worker.rows, "tokens_per_image": T,
             "static_batches": worker.static}]}
 

@@ -140,7 +140,7 @@ def cmd_serve(args) -> int:
 
         class_names = zoo_class_names()
     limits = Limits(engine, args.method, worker.options, defaults, name, args.max_n, args.request_timeout,
-                    per_row_sampling=False, image_size=worker.image_size, class_names=class_names)
+                    worker.scope, image_size=worker.image_size, class_names=class_names)
     app = create_app(worker, limits)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                             lifespan="off")

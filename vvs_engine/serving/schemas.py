@@ -92,7 +92,7 @@ class Limits:
     """What one server accepts (set from its flags and model)."""
 
     def __init__(self, engine, method: str, options: dict, defaults: SamplingParams, model_name: str,
-                 max_n: int, request_timeout_s: float, per_row_sampling: bool, image_size: Optional[tuple],
+                 max_n: int, request_timeout_s: float, scope, image_size: Optional[tuple],
                  class_names: Optional[list] = None):
         self.engine = engine
         self.method = method
@@ -101,7 +101,7 @@ class Limits:
         self.model_name = model_name
         self.max_n = max_n
         self.request_timeout_s = request_timeout_s
-        self.per_row_sampling = per_row_sampling
+        self.scope = scope  # which per-request sampling settings the server's decoder allows
         self.class_names = class_names or []
         # (width, height) of the warm-up image: what the tokenizer really decodes to
         self.size = f"{image_size[0]}x{image_size[1]}" if image_size else None
@@ -187,12 +187,10 @@ def resolve(req: ImageRequest, limits: Limits) -> Resolved:
     except VVSError as e:
         param = str(e).split(" ")[0].replace("-", "_")
         raise ApiError(422, str(e), param if param in ("temperature", "top_k", "top_p", "cfg_scale") else None) from None
-    if not limits.per_row_sampling and sampling != d:
-        changed = [f"{k}={getattr(sampling, k)}" for k in ("temperature", "top_k", "top_p", "cfg_scale")
-                   if getattr(sampling, k) != getattr(d, k)]
-        raise ApiError(422, f"this server decodes every image with temperature={d.temperature}, top_k={d.top_k}, "
-                            f"top_p={d.top_p}, cfg_scale={d.cfg_scale}; per-request {', '.join(changed)} needs "
-                            f"per-row sampling", changed[0].split("=")[0])
+    refused = limits.scope.allows(sampling)
+    if refused:
+        raise ApiError(422, refused, "cfg_scale"
+                       if sampling.use_cfg and not limits.scope.use_cfg else None)
     timeout = limits.request_timeout_s if req.timeout is None else float(req.timeout)
     if timeout > limits.request_timeout_s:
         raise ApiError(422, f"timeout must be <= {limits.request_timeout_s} s on this server", "timeout")

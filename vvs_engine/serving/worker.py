@@ -233,15 +233,18 @@ class EngineWorker:
                  max_waiting_images: int, static: bool = False, compile: Optional[bool] = None,
                  cuda_graphs: Optional[bool] = None, model_name: str = "vvs-engine"):
         from ..engine import check_batch_fits, check_method_fits
-        from ..methods import get_method
         from ..runtime.compiled import resolve as resolve_compile
+        from ..sampling import SamplingScope
 
         self.engine = engine
         self.method = method
         self.defaults = defaults.validate()
-        self.make_decoder_fn, self.opts = get_method(method, engine, method_opts)
+        # any settings per row (each request its own); guidance rows unless the server's default is
+        # no guidance (then every request must ask for none)
+        self.scope = SamplingScope.server(use_cfg=self.defaults.use_cfg)
+        self.make_decoder, self.opts = engine.decoder_for(method, method_opts, self.scope)
         check_method_fits(engine.shape, self.opts)
-        check_batch_fits(engine.shape, self.opts, rows, rows, self.defaults.use_cfg, engine.device, engine.dtype)
+        check_batch_fits(engine.shape, self.opts, rows, rows, self.scope.use_cfg, engine.device, engine.dtype)
         self.rows = rows
         self.static = static
         self.compile = resolve_compile(compile, engine.device)
@@ -265,24 +268,14 @@ class EngineWorker:
         return self.thread.is_alive() and self.error is None
 
     # --- the batch a decoder is prefilled / admitted with ---------------------------------------
-    def make_decoder(self, batch):
-        return self.make_decoder_fn(self.engine, batch, self.defaults, self.opts)
-
     def make_batch(self, jobs: list, pad_to: int):
-        from ..methods.common import DecodeBatch
-        from ..rng import CounterRNG
+        """Image j of a request with seed s is image index j of seed s, with the request's settings:
+        what image j of ``vvs-engine generate --seed s`` is."""
+        from ..engine import ImageSpec
 
-        pick = list(jobs) + [jobs[0]] * (pad_to - len(jobs))
-        labels = [job.label for job in pick] if pick[0].label is not None else None
-        prompts = [job.prompt for job in pick] if labels is None else None
-        cond, key_mask = self.engine.condition_rows(labels, prompts, self.defaults.use_cfg)
-        device = self.engine.device
-        # each image's key is (its request's seed, its position in the request): image j of a request
-        # with seed s draws what image j of `vvs-engine generate --seed s` draws
-        rng = CounterRNG(pick[0].request.seed, torch.tensor([job.position for job in pick], device=device))
-        rng.key = torch.cat([CounterRNG(job.request.seed, torch.tensor([job.position], device=device)).key
-                             for job in pick])
-        return DecodeBatch(cond, key_mask, rng, len(jobs))
+        specs = [ImageSpec(job.label, job.prompt, job.request.seed, job.position, job.request.sampling)
+                 for job in jobs]
+        return self.engine.image_batch(specs, pad_to, self.scope)
 
     # --- the thread -----------------------------------------------------------------------------
     def start(self, warmup_label: Optional[int] = 0, warmup_prompt: Optional[str] = None) -> None:
