@@ -95,3 +95,34 @@ def test_kill9_then_restart_serves_again():
             assert metric(client, "vvs:images_generated_total") == 2  # the warm-up image and this one
     finally:
         second.kill()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--rows", "0"], "--rows must be an integer >= 1"),
+    (["--method", "lantern", "--lantern-delta", "2"], "--lantern-delta must be"),
+])
+def test_bad_flags_are_one_line_errors(flags, words):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "vvs_engine", "serve", *flags], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith("error: ") and words in done.stderr
+
+
+def test_port_in_use_is_a_one_line_error_before_loading():
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "vvs_engine", "serve", "--port", str(port)], capture_output=True,
+                              text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"

@@ -51,9 +51,21 @@ def apply_threads(n: Optional[int]) -> int:
     return _apply_threads(default_threads() if n is None else n, "--threads")
 
 
-def add_model_flags(parser) -> None:
-    """The model flags of ``generate`` (and ``serve``): which target, tokenizer, drafter, device, dtype."""
-    m = parser.add_argument_group("model")
+# --- argument parsing ---------------------------------------------------------------------------
+Parser = OneLineParser  # argparse without the usage dump: a bad argument raises UsageError
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="vvs-engine", description="Fast autoregressive image generation with speculative decoding.")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"vvs-engine {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate images (writes tokens.npz, stats.json, PNGs)",
+                       description="Generate one image per class label (or prompt).")
+    m = g.add_argument_group("model")
     m.add_argument("--gpt-ckpt", default=None, metavar="PATH",
                    help="target checkpoint: official LlamaGen .pt/.pth or the project's .safetensors (+ .json "
                         "config). Default: the shipped Zoo model")
@@ -76,23 +88,6 @@ def add_model_flags(parser) -> None:
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available; default)")
     m.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or fp64 (default fp32; fp64: slow, but no batch "
                                                      "composition changes an image's tokens)")
-
-
-# --- argument parsing ---------------------------------------------------------------------------
-Parser = OneLineParser  # argparse without the usage dump: a bad argument raises UsageError
-
-
-def build_parser() -> Parser:
-    p = Parser(prog="vvs-engine", description="Fast autoregressive image generation with speculative decoding.")
-    from . import __version__
-
-    p.add_argument("--version", action="version", version=f"vvs-engine {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
-    g = sub.add_parser("generate", help="generate images (writes tokens.npz, stats.json, PNGs)",
-                       description="Generate one image per class label (or prompt).")
-    add_model_flags(g)
 
     c = g.add_argument_group("conditions")
     c.add_argument("--class-labels", default=None, metavar="L1,L2,...",
@@ -142,7 +137,7 @@ def build_parser() -> Parser:
 
     from .serving.cli import add_serve_parser
 
-    add_serve_parser(sub)
+    add_serve_parser(sub, generate_parser=g).set_defaults(func=cmd_serve)
 
     z = sub.add_parser("zoo", help="the shipped model family")
     zsub = z.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
@@ -345,6 +340,12 @@ def cmd_generate(args) -> int:
     write_outputs(args.out, out)
     print_stats(out.stats, args.out, len(out.images))
     return 0
+
+
+def cmd_serve(args) -> int:
+    from .serving.cli import serve
+
+    return serve(args, method_options(args), pick_device(args.device))
 
 
 def json_ready(x):
@@ -573,7 +574,7 @@ def run_command(argv: List[str]) -> int:
     except (VVSError, ValueError, OSError) as e:
         # VVSError is a ValueError. OSError covers unwritable output folders, full disks and the like.
         message = _one_line(e)
-        if isinstance(e, VVSError) and command in ("generate", "generate-dataset"):
+        if isinstance(e, VVSError) and command in ("generate", "generate-dataset", "serve"):
             message = flag_names(message)  # the checks are shared with the Python API, which names no flags
         print(f"error: {message}", file=sys.stderr)
         return 1

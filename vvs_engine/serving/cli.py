@@ -8,7 +8,6 @@ seconds, the rest are aborted (503), and the process exits 0. A second signal ex
 """
 from __future__ import annotations
 
-import argparse
 import socket
 import sys
 import threading
@@ -18,31 +17,43 @@ from ..errors import VVSError
 DEFAULT_ROWS = 8
 
 
-def add_serve_parser(sub) -> None:
-    from ..cli import add_model_flags, add_threads_flag
+# generate's flags that serve copies (so the two commands cannot drift apart): the model group, the
+# method options, and these
+COPIED = {"compile", "threads"}
+
+
+def add_serve_parser(sub, generate_parser):
+    """The ``serve`` subcommand's parser (the caller sets its function)."""
+    import copy
+
     from ..methods import method_names
-    from ..methods.options import method_flags
 
     p = sub.add_parser("serve", help="serve images over HTTP (OpenAI-style /v1/images/generations; needs the "
                                      "[serve] extra)",
                        description="An image-generation HTTP server: one model, one method, one image size; "
                                    "requests join the running batch between rounds (continuous batching).")
-    add_model_flags(p)
-    s = p.add_argument_group("decoding")
+    copied = {}
+    for group in generate_parser._action_groups:
+        title = group.title or ""
+        if title == "model" or title.startswith("method options"):
+            mine = p.add_argument_group(title)
+            for action in group._group_actions:
+                mine._add_action(copy.copy(action))
+        for action in group._group_actions:
+            if action.dest in COPIED:
+                copied[action.dest] = action
+    s = p.add_argument_group("decoding (the defaults; a request may set its own)")
     s.add_argument("--method", default="ar", help=f"decoding method (default ar): {', '.join(method_names())}")
-    s.add_argument("--cfg-scale", type=float, default=4.0, help="default guidance scale (default 4.0)")
-    s.add_argument("--temperature", type=float, default=1.0, help="default temperature (default 1.0)")
-    s.add_argument("--top-k", type=int, default=0, help="default top-k (default 0 = off)")
-    s.add_argument("--top-p", type=float, default=1.0, help="default top-p (default 1.0 = off)")
+    s.add_argument("--cfg-scale", type=float, default=4.0, help="guidance scale (default 4.0; 1 = no guidance rows: "
+                                                                 "then every request must ask for 1)")
+    s.add_argument("--temperature", type=float, default=1.0, help="temperature (default 1.0)")
+    s.add_argument("--top-k", type=int, default=0, help="top-k (default 0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="top-p (default 1.0 = off)")
     s.add_argument("--rows", type=int, default=DEFAULT_ROWS, metavar="N",
                    help=f"images in flight (batch rows, fixed for the server's life; default {DEFAULT_ROWS})")
     s.add_argument("--static-batches", action="store_true",
                    help="admit images only when every row is free (static batches, for comparison)")
-    s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decode rounds (default: on for CUDA, off on the CPU)")
-    mo = p.add_argument_group("method options (default: the method's own)")
-    for fl in method_flags():
-        mo.add_argument(fl.flag, type=fl.type, default=None, help=fl.help.replace("%", "%%"))
+    s._add_action(copy.copy(copied["compile"]))
     h = p.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     h.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
@@ -55,8 +66,8 @@ def add_serve_parser(sub) -> None:
                    help="deadline of a request in seconds (default 600; a request may ask for less): 504")
     h.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds to let accepted requests finish before aborting them (default 30)")
-    add_threads_flag(h)
-    p.set_defaults(func=cmd_serve)
+    h._add_action(copy.copy(copied["threads"]))
+    return p
 
 
 def _model_name(args) -> str:
@@ -71,9 +82,8 @@ def _model_name(args) -> str:
     return "zoo-gpt"
 
 
-def check_args(args) -> None:
+def check_args(args, method_opts: dict, device: str) -> None:
     """Every serve flag that can be checked without the model."""
-    from ..cli import flag_names, method_options, pick_device
     from ..engine import check_load_args, resolve_device, resolve_dtype
     from ..methods import get_method_options, method_names
     from ..sampling import SamplingParams
@@ -91,46 +101,42 @@ def check_args(args) -> None:
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
                     t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
                     image_size=args.image_size, cli=True, vq_model=args.vq_model)
-    try:
-        SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
-        if args.method not in method_names():
-            raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
-        get_method_options(args.method, method_options(args))
-    except VVSError as e:
-        raise VVSError(flag_names(str(e))) from None
-    resolve_device(pick_device(args.device))
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
+    if args.method not in method_names():
+        raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
+    get_method_options(args.method, method_opts)
+    resolve_device(device)
     resolve_dtype(args.dtype)
 
 
-def cmd_serve(args) -> int:
+def serve(args, method_opts: dict, device: str) -> int:
+    """Run the server (``vvs-engine serve``; the CLI passes the method options and device it parsed).
+    Errors are VVSError lines (the CLI names the flags)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn
     except ImportError:
         raise VVSError("vvs-engine serve needs the [serve] extra: pip install 'vvs-engine[serve]' "
                        "(fastapi, uvicorn)") from None
-    from ..cli import apply_threads, flag_names, method_options, pick_device
     from ..engine import Engine
+    from ..threads import apply_threads, default_threads
     from ..sampling import SamplingParams
     from .app import create_app
     from .schemas import Limits
     from .worker import EngineWorker
 
-    check_args(args)
+    check_args(args, method_opts, device)
     listener = _bind(args.host, args.port)  # a port in use fails now, before minutes of loading
-    threads = apply_threads(args.threads)
+    threads = apply_threads(default_threads() if args.threads is None else args.threads, "--threads")
     engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
-                         device=pick_device(args.device), dtype=args.dtype, t5_path=args.t5_path,
+                         device=device, dtype=args.dtype, t5_path=args.t5_path,
                          model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens, threads=threads)
     defaults = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale)
     name = _model_name(args)
-    try:
-        worker = EngineWorker(engine, args.method, method_options(args), args.rows, defaults,
-                              4 * args.rows if args.queue_size is None else args.queue_size,
-                              static=args.static_batches, compile=args.compile, model_name=name)
-    except VVSError as e:
-        raise VVSError(flag_names(str(e))) from None
+    worker = EngineWorker(engine, args.method, method_opts, args.rows, defaults,
+                          4 * args.rows if args.queue_size is None else args.queue_size,
+                          static=args.static_batches, compile=args.compile, model_name=name)
     c2i = engine.config.model_type == "c2i"
     warm_prompt = None if c2i else "a photo"
     worker.start(warmup_label=0 if c2i else None, warmup_prompt=warm_prompt)
