@@ -1,7 +1,7 @@
 """Load test of ``vvs-engine serve`` on loopback: static batches vs continuous batching in one run.
 
-For each method a real server process is started twice (``--static-batches``, then continuous), and an
-asyncio client sends requests with Poisson arrivals (exponential gaps) at a sweep of rates: a fixed
+For each method two real server processes are started (``--static-batches`` and continuous; the modes
+take turns at each rate, so a shared machine's load drifts over both alike), and an asyncio client sends requests with Poisson arrivals (exponential gaps) at a sweep of rates: a fixed
 number of requests per rate, each of ``--images`` images (1 by default) with a random class and its own
 seed, and a time bound per rate (requests still open then count as failed). The rates are fractions of
 the continuous server's capacity, measured first with a burst (every request at once) so the sweep
@@ -180,27 +180,29 @@ def main(argv=None) -> int:
         flags = SETTINGS[method] + ["--rows", str(args.rows), "--threads", "1"]
         if args.queue_size is not None:
             flags += ["--queue-size", str(args.queue_size)]
-        capacity = None
-        for mode in ("continuous", "static"):
-            server = Server(flags + (["--static-batches"] if mode == "static" else []))
-            try:
-                classes, size = model_info(server.url)
-                if capacity is None:  # measured once, on the continuous server: the sweep's unit
-                    burst = max(2 * args.rows // args.images, 2)
-                    results, start = asyncio.run(load(server.url, float("inf"), burst, args.images, classes, size,
-                                                      1800, args.seed + 99))
-                    capacity = summarize(results, start)["images_per_s"] / args.images  # requests/s
-                    print(f"{method}: capacity {capacity * args.images:.3f} images/s (burst of {burst})", flush=True)
-                bound = args.bound or 3 * args.requests / capacity + 60
-                for fraction in fractions:
+        # both servers up at once (an idle one waits without spinning), the modes interleaved per rate,
+        # so a shared machine's load drifts over both alike
+        servers = {mode: Server(flags + (["--static-batches"] if mode == "static" else []))
+                   for mode in ("continuous", "static")}
+        try:
+            classes, size = model_info(servers["continuous"].url)
+            burst = max(2 * args.rows // args.images, 2)  # the capacity: the sweep's unit
+            results, start = asyncio.run(load(servers["continuous"].url, float("inf"), burst, args.images, classes,
+                                              size, 1800, args.seed + 99))
+            capacity = summarize(results, start)["images_per_s"] / args.images  # requests/s
+            print(f"{method}: capacity {capacity * args.images:.3f} images/s (burst of {burst})", flush=True)
+            bound = args.bound or 3 * args.requests / capacity + 60
+            for fraction in fractions:
+                for mode in ("continuous", "static"):
                     rate = fraction * capacity
-                    results, start = asyncio.run(load(server.url, rate, args.requests, args.images, classes, size,
-                                                      bound, args.seed + int(fraction * 1000)))
+                    results, start = asyncio.run(load(servers[mode].url, rate, args.requests, args.images, classes,
+                                                      size, bound, args.seed + int(fraction * 1000)))
                     row = summarize(results, start)
                     row.update(method=method, mode=mode, fraction=fraction, rate=rate)
                     rows.setdefault(method, []).append(row)
                     print(json.dumps(row), flush=True)
-            finally:
+        finally:
+            for mode, server in servers.items():
                 code = server.stop()
                 if code != 0:
                     print(f"warning: the {method} {mode} server exited {code}", file=sys.stderr)
