@@ -172,12 +172,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(HERE, "results", "serve_load_zoo_cpu"),
                    help="results path without extension (.md and .json are written)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--note", default="", help="a line written under the table's description")
+    p.add_argument("--server-flags", default="", help="more serve flags for every server, e.g. '--device cuda'")
     args = p.parse_args(argv)
-    command = "python benchmarks/serve_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    import shlex
+
+    command = "python benchmarks/serve_load.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     fractions = [float(x) for x in args.fractions.split(",")]
     rows = {}
     for method in args.methods.split(","):
-        flags = SETTINGS[method] + ["--rows", str(args.rows), "--threads", "1"]
+        flags = SETTINGS[method] + ["--rows", str(args.rows), "--threads", "1"] + args.server_flags.split()
         if args.queue_size is not None:
             flags += ["--queue-size", str(args.queue_size)]
         # both servers up at once (an idle one waits without spinning), the modes interleaved per rate,
@@ -220,13 +224,15 @@ def write(args, command: str, rows: dict) -> None:
         json.dump({"command": command, "rows": rows}, f, indent=1)
     lines = [f"<!-- written by: {command} -->", "# `vvs-engine serve` under load: static batches vs continuous batching",
              "", f"Command: `OMP_NUM_THREADS=1 {command}` ({time.strftime('%Y-%m-%d')}).", "",
-             f"The shipped Zoo model (64 px, 256 tokens an image), fp32 on this CPU, {args.rows} rows, 1 torch thread "
-             f"per server, loopback. {args.requests} requests per rate, {args.images} image(s) each, random class, "
+             f"The shipped Zoo model (64 px, 256 tokens an image), fp32, {args.rows} rows, 1 torch thread per server, "
+             f"loopback, server flags `{args.server_flags or '(none)'}` (no `--device`: this CPU). {args.requests} requests per rate, {args.images} image(s) each, random class, "
              "own seed; Poisson arrivals at a fraction of the capacity measured on the continuous server with a "
              "burst. Latency = send to answer; queue = arrival to first image admitted (from the answer); "
              "images/s = images served / (last answer - first send). Every accepted request was checked for "
              "exactly n PNGs of the model's size (`invalid`). CPU figures: ratios between the two modes on this "
              "machine, not GPU figures.", ""]
+    if args.note:
+        lines += [args.note, ""]
     for method, items in rows.items():
         lines += [f"## {method}", "", "| rate (x capacity) | req/s | mode | images/s | p50 s | p95 s | p99 s | "
                   "queue p50 s | queue p95 s | served | rejected | failed | invalid | forwards/image |",
