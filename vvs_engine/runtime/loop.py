@@ -242,8 +242,9 @@ def _drive(decoder, row_image: list, source, make_batch, T: int, stats: dict, st
             in_flight = [image for image in row_image if image is not None]
             dropped = source.dropped(in_flight) if in_flight else []
             if dropped:  # abandoned images (a client gone, a deadline): their rows are free from now on
+                gone = set(dropped)
                 for r, image in enumerate(row_image):
-                    if image is not None and any(image is d for d in dropped):
+                    if image is not None and image in gone:
                         row_image[r], reported[r] = None, 0
             live = sum(image is not None for image in row_image)
             if not live and not source.pending():

@@ -204,6 +204,8 @@ class RequestQueue:
             return
         image = None
         if self.engine.vq is not None and getattr(self.engine.vq, "can_decode", True):
+            # one image at a time: the fp32 tokenizer's rounding then never depends on which images
+            # finished in the same round
             image = self.engine.decode_images(tokens[None])[0]
         request.deliver(("image", job.position, image, passes, tokens))
         request.images_done += 1
