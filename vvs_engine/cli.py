@@ -6,6 +6,7 @@ Subcommands:
                      README "Command line"): writes ``tokens.npz``, ``stats.json`` and one PNG per image.
 * ``generate-dataset`` many images as resumable shards, in one process or on Ray (``vvs_engine.dataset``).
 * ``zoo list|train`` list the shipped models / retrain them (``vvs_engine.zoo``).
+* ``serve``          an image-generation HTTP server (``vvs_engine.serving``; the ``[serve]`` extra).
 * ``eval``           quality metrics of a ``generate`` output folder (``vvs_engine.evaluation.report``).
 * ``bench``          speed benchmarks (``vvs_engine.evaluation.bench``).
 * ``train-drafter``  train an EAGLE-style drafter (``vvs_engine.training.drafter``).
@@ -85,7 +86,8 @@ def build_parser() -> Parser:
                    help="with --model-dir: prompts are left-padded to N tokens (default 128)")
     m.add_argument("--drafter", default=None, metavar="PATH", help="drafter checkpoint (speculative methods)")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available; default)")
-    m.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+    m.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or fp64 (default fp32; fp64: slow, but no batch "
+                                                     "composition changes an image's tokens)")
 
     c = g.add_argument_group("conditions")
     c.add_argument("--class-labels", default=None, metavar="L1,L2,...",
@@ -132,6 +134,10 @@ def build_parser() -> Parser:
     from .dataset_cli import add_dataset_parser
 
     add_dataset_parser(sub, generate_parser=g)
+
+    from .serving.cli import add_serve_parser
+
+    add_serve_parser(sub, generate_parser=g).set_defaults(func=cmd_serve)
 
     z = sub.add_parser("zoo", help="the shipped model family")
     zsub = z.add_subparsers(dest="zoo_command", metavar="ZOO_COMMAND")
@@ -334,6 +340,12 @@ def cmd_generate(args) -> int:
     write_outputs(args.out, out)
     print_stats(out.stats, args.out, len(out.images))
     return 0
+
+
+def cmd_serve(args) -> int:
+    from .serving.cli import serve
+
+    return serve(args, method_options(args), pick_device(args.device))
 
 
 def json_ready(x):
@@ -562,7 +574,7 @@ def run_command(argv: List[str]) -> int:
     except (VVSError, ValueError, OSError) as e:
         # VVSError is a ValueError. OSError covers unwritable output folders, full disks and the like.
         message = _one_line(e)
-        if isinstance(e, VVSError) and command in ("generate", "generate-dataset"):
+        if isinstance(e, VVSError) and command in ("generate", "generate-dataset", "serve"):
             message = flag_names(message)  # the checks are shared with the Python API, which names no flags
         print(f"error: {message}", file=sys.stderr)
         return 1

@@ -25,7 +25,9 @@ from .runtime.target import TargetSession
 from . import threads as _threads  # noqa: F401  (records torch's thread count at import, see threads.py)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+          "fp16": torch.float16, "float16": torch.float16,
+          # fp64: slow, but no batch composition can change an image's tokens (reproducibility checks)
+          "fp64": torch.float64, "float64": torch.float64}
 
 
 def resolve_device(device) -> torch.device:
@@ -93,7 +95,7 @@ def resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise VVSError(f"unknown dtype '{dtype}'; use fp32, bf16 or fp16")
+        raise VVSError(f"unknown dtype '{dtype}'; use fp32, bf16, fp16 or fp64")
     return DTYPES[dtype]
 
 

@@ -68,6 +68,19 @@ class RoundGraphs:
             self.graphs[name].replay()
         self.replays[name] += 1
 
+    def warm(self) -> None:
+        """Compile and capture every round kind now, leaving the buffers as they were (a server does
+        this before it accepts requests, so none waits for a compile or a capture)."""
+        for name, fn in self.rounds.items():
+            if self.use_graphs:
+                if name not in self.graphs:
+                    self.graphs[name] = self._capture(fn)
+            elif self.compile:
+                saved = [b.clone() for b in self.buffers]
+                fn()
+                for b, s in zip(self.buffers, saved):
+                    b.copy_(s)
+
     def compiled(self) -> dict:
         """{round kind: runs compiled} for the kinds that ran (``stats["compiled"]``)."""
         return compiled_status({n: f for n, f in self.rounds.items() if self.replays[n]}) if self.compile else {}

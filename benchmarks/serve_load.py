@@ -1,0 +1,261 @@
+"""Load test of ``vvs-engine serve`` on loopback: static batches vs continuous batching in one run.
+
+For each method two real server processes are started (``--static-batches`` and continuous; the modes
+take turns at each rate, so a shared machine's load drifts over both alike), and an asyncio client sends requests with Poisson arrivals (exponential gaps) at a sweep of rates: a fixed
+number of requests per rate, each of ``--images`` images (1 by default) with a random class and its own
+seed, and a time bound per rate (requests still open then count as failed). The rates are fractions of
+the continuous server's capacity, measured first with a burst (every request at once) so the sweep
+lands below, near and above saturation on any machine.
+
+Per rate: p50/p95/p99 end-to-end latency of the requests served, their queue time (arrival -> first
+image admitted, from the response), images/s (images served / (last answer - first send)), rejected
+(429), failed (any other answer, a time-out, or a response without exactly n valid PNGs of the
+server's size). Every accepted request is checked: exactly n images, each a PNG of the model's size.
+
+    OMP_NUM_THREADS=1 python benchmarks/serve_load.py            # AR, SJD-PAC, LANTERN; writes results
+    python benchmarks/serve_load.py --methods ar --requests 8 --fractions 1.0 --out /tmp/x   # quick
+
+CPU figures are ratios between the two modes on this machine, not GPU expectations.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SETTINGS = {  # method -> the serve flags of its setting
+    "ar": ["--method", "ar"],
+    "sjd-pac": ["--method", "sjd-pac"],
+    "lantern": ["--method", "lantern", "--tree", "chain", "--tree-depth", "4"],
+}
+
+
+class Server:
+    def __init__(self, flags):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen([sys.executable, "-m", "vvs_engine", "serve", *flags, "--port", "0"],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.url, self.lines = None, []
+        found = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                match = re.search(r"listening on (http://[\d.]+:\d+)", line)
+                if match:
+                    self.url = match.group(1)
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        found.wait(600)
+        if self.url is None:
+            raise SystemExit("the server did not start:\n" + "".join(self.lines[-20:]))
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(300)
+
+
+def valid_images(body: dict, n: int, size: tuple) -> bool:
+    from PIL import Image
+
+    data = body.get("data") or []
+    if len(data) != n:
+        return False
+    for item in data:
+        try:
+            image = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
+            image.load()
+        except Exception:
+            return False
+        if image.format != "PNG" or image.size != size:
+            return False
+    return True
+
+
+async def one(client, index: int, n: int, classes: int, size: tuple, rng: random.Random) -> dict:
+    body = {"class_label": rng.randrange(classes), "n": n, "seed": 1000 + index}
+    sent = time.monotonic()
+    try:
+        r = await client.post("/v1/images/generations", json=body)
+    except Exception as e:  # connection error or client time-out
+        return {"status": "error", "error": type(e).__name__, "sent": sent, "done": time.monotonic()}
+    done = time.monotonic()
+    out = {"status": r.status_code, "sent": sent, "done": done, "latency": done - sent}
+    if r.status_code == 200:
+        payload = r.json()
+        out["valid"] = valid_images(payload, n, size)
+        out["queue"] = payload["timings"]["queue_s"]
+        out["images"] = n
+        out["forwards"] = payload["usage"]["target_forward_passes"]
+    return out
+
+
+async def load(url: str, rate: float, count: int, n: int, classes: int, size: tuple, bound_s: float, seed: int):
+    """``count`` requests with exponential gaps of mean 1/rate (rate = inf: all at once)."""
+    import httpx
+
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=count + 4, max_keepalive_connections=count + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=bound_s, limits=limits) as client:
+        start = time.monotonic()
+        tasks = []
+        for i in range(count):
+            if rate != float("inf") and i:
+                await asyncio.sleep(rng.expovariate(rate))
+            tasks.append(asyncio.ensure_future(one(client, i, n, classes, size, random.Random(seed * 1000 + i))))
+        left = max(1.0, bound_s - (time.monotonic() - start))
+        done, pending = await asyncio.wait(tasks, timeout=left)
+        for task in pending:
+            task.cancel()
+        results = [t.result() for t in done] + [{"status": "timeout"} for _ in pending]
+    return results, start
+
+
+def percentile(values, q):
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(results, start) -> dict:
+    served = [r for r in results if r.get("status") == 200 and r.get("valid")]
+    invalid = [r for r in results if r.get("status") == 200 and not r.get("valid")]
+    rejected = [r for r in results if r.get("status") == 429]
+    failed = len(results) - len(served) - len(rejected)
+    latency = [r["latency"] for r in served]
+    queue = [r["queue"] for r in served if r.get("queue") is not None]
+    images = sum(r["images"] for r in served)
+    span = (max(r["done"] for r in served) - start) if served else None
+    return {"requests": len(results), "served": len(served), "rejected": len(rejected), "failed": failed,
+            "invalid": len(invalid), "images": images, "images_per_s": images / span if span else 0.0,
+            "p50_s": percentile(latency, 0.5), "p95_s": percentile(latency, 0.95), "p99_s": percentile(latency, 0.99),
+            "queue_p50_s": percentile(queue, 0.5), "queue_p95_s": percentile(queue, 0.95),
+            "forwards_per_image": sum(r["forwards"] for r in served) / images if images else None}
+
+
+def model_info(url: str) -> tuple:
+    import httpx
+
+    model = httpx.get(url + "/v1/models").json()["data"][0]
+    w, h = (int(x) for x in model["size"].split("x"))
+    return model["num_classes"], (w, h)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", default="ar,sjd-pac,lantern", help=f"comma list of {', '.join(SETTINGS)}")
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--queue-size", type=int, default=None, help="the servers' --queue-size (default theirs)")
+    p.add_argument("--requests", type=int, default=20, help="requests per rate")
+    p.add_argument("--images", type=int, default=1, help="images per request")
+    p.add_argument("--fractions", default="0.5,0.9,1.3", help="rates as fractions of the measured capacity")
+    p.add_argument("--bound", type=float, default=None, help="time bound per rate in seconds (default: 3 x the "
+                                                             "requests' images at capacity + 60)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "serve_load_zoo_cpu"),
+                   help="results path without extension (.md and .json are written)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--note", default="", help="a line written under the table's description")
+    p.add_argument("--server-flags", default="", help="more serve flags for every server, e.g. '--device cuda'")
+    args = p.parse_args(argv)
+    import shlex
+
+    command = "python benchmarks/serve_load.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    fractions = [float(x) for x in args.fractions.split(",")]
+    rows = {}
+    for method in args.methods.split(","):
+        flags = SETTINGS[method] + ["--rows", str(args.rows), "--threads", "1"] + args.server_flags.split()
+        if args.queue_size is not None:
+            flags += ["--queue-size", str(args.queue_size)]
+        # both servers up at once (an idle one waits without spinning), the modes interleaved per rate,
+        # so a shared machine's load drifts over both alike
+        servers = {mode: Server(flags + (["--static-batches"] if mode == "static" else []))
+                   for mode in ("continuous", "static")}
+        try:
+            classes, size = model_info(servers["continuous"].url)
+            burst = max(2 * args.rows // args.images, 2)  # the capacity: the sweep's unit
+            results, start = asyncio.run(load(servers["continuous"].url, float("inf"), burst, args.images, classes,
+                                              size, 1800, args.seed + 99))
+            capacity = summarize(results, start)["images_per_s"] / args.images  # requests/s
+            print(f"{method}: capacity {capacity * args.images:.3f} images/s (burst of {burst})", flush=True)
+            bound = args.bound or 3 * args.requests / capacity + 60
+            for fraction in fractions:
+                for mode in ("continuous", "static"):
+                    rate = fraction * capacity
+                    results, start = asyncio.run(load(servers[mode].url, rate, args.requests, args.images, classes,
+                                                      size, bound, args.seed + int(fraction * 1000)))
+                    row = summarize(results, start)
+                    row.update(method=method, mode=mode, fraction=fraction, rate=rate)
+                    rows.setdefault(method, []).append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            for mode, server in servers.items():
+                code = server.stop()
+                if code != 0:
+                    print(f"warning: the {method} {mode} server exited {code}", file=sys.stderr)
+    write(args, command, rows)
+    return 0
+
+
+def _f(x, digits=2):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def write(args, command: str, rows: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"command": command, "rows": rows}, f, indent=1)
+    lines = [f"<!-- written by: {command} -->", "# `vvs-engine serve` under load: static batches vs continuous batching",
+             "", f"Command: `OMP_NUM_THREADS=1 {command}` ({time.strftime('%Y-%m-%d')}).", "",
+             f"The shipped Zoo model (64 px, 256 tokens an image), fp32, {args.rows} rows, 1 torch thread per server, "
+             f"loopback, server flags `{args.server_flags or '(none)'}` (no `--device`: this CPU). {args.requests} requests per rate, {args.images} image(s) each, random class, "
+             "own seed; Poisson arrivals at a fraction of the capacity measured on the continuous server with a "
+             "burst. Latency = send to answer; queue = arrival to first image admitted (from the answer); "
+             "images/s = images served / (last answer - first send). Every accepted request was checked for "
+             "exactly n PNGs of the model's size (`invalid`). CPU figures: ratios between the two modes on this "
+             "machine, not GPU figures.", ""]
+    if args.note:
+        lines += [args.note, ""]
+    for method, items in rows.items():
+        lines += [f"## {method}", "", "| rate (x capacity) | req/s | mode | images/s | p50 s | p95 s | p99 s | "
+                  "queue p50 s | queue p95 s | served | rejected | failed | invalid | forwards/image |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for fraction in sorted({r["fraction"] for r in items}):
+            for r in [x for x in items if x["fraction"] == fraction]:
+                lines.append(f"| {fraction:g} | {r['rate']:.3f} | {r['mode']} | {r['images_per_s']:.3f} | "
+                             f"{_f(r['p50_s'])} | {_f(r['p95_s'])} | {_f(r['p99_s'])} | {_f(r['queue_p50_s'])} | "
+                             f"{_f(r['queue_p95_s'])} | {r['served']} | {r['rejected']} | {r['failed']} | "
+                             f"{r['invalid']} | {_f(r['forwards_per_image'], 1)} |")
+        by = {(r["fraction"], r["mode"]): r for r in items}
+        ratios = []
+        for fraction in sorted({r["fraction"] for r in items}):
+            s, c = by.get((fraction, "static")), by.get((fraction, "continuous"))
+            if s and c and s["images_per_s"]:
+                ratios.append(f"{fraction:g}x: images/s continuous / static = "
+                              f"{c['images_per_s'] / s['images_per_s']:.2f}, p95 {_f(c['p95_s'])} s vs "
+                              f"{_f(s['p95_s'])} s")
+        lines += ["", "; ".join(ratios) + ".", ""]
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines))
+    print(f"wrote {args.out}.md and .json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

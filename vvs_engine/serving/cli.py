@@ -1,0 +1,206 @@
+"""``vvs-engine serve``: flags, checks before loading, warm-up, bind, graceful SIGTERM.
+
+Order: every flag is checked first (milliseconds), then the model loads, the engine thread starts and
+decodes one warm-up image (every round kind compiled and captured), and only then the port is bound
+(``listening on http://HOST:PORT`` on stderr, the real port with ``--port 0``). SIGTERM or Ctrl-C:
+``/ready`` and new requests answer 503, accepted requests finish within ``--shutdown-timeout``
+seconds, the rest are aborted (503), and the process exits 0. A second signal exits at once.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+
+from ..errors import VVSError
+
+DEFAULT_ROWS = 8
+
+
+# generate's flags that serve copies (so the two commands cannot drift apart): the model group, the
+# method options, and these
+COPIED = {"compile", "threads"}
+
+
+def add_serve_parser(sub, generate_parser):
+    """The ``serve`` subcommand's parser (the caller sets its function)."""
+    import copy
+
+    from ..methods import method_names
+
+    p = sub.add_parser("serve", help="serve images over HTTP (OpenAI-style /v1/images/generations; needs the "
+                                     "[serve] extra)",
+                       description="An image-generation HTTP server: one model, one method, one image size; "
+                                   "requests join the running batch between rounds (continuous batching).")
+    copied = {}
+    for group in generate_parser._action_groups:
+        title = group.title or ""
+        if title == "model" or title.startswith("method options"):
+            mine = p.add_argument_group(title)
+            for action in group._group_actions:
+                mine._add_action(copy.copy(action))
+        for action in group._group_actions:
+            if action.dest in COPIED:
+                copied[action.dest] = action
+    s = p.add_argument_group("decoding (the defaults; a request may set its own)")
+    s.add_argument("--method", default="ar", help=f"decoding method (default ar): {', '.join(method_names())}")
+    s.add_argument("--cfg-scale", type=float, default=4.0, help="guidance scale (default 4.0; 1 = no guidance rows: "
+                                                                 "then every request must ask for 1)")
+    s.add_argument("--temperature", type=float, default=1.0, help="temperature (default 1.0)")
+    s.add_argument("--top-k", type=int, default=0, help="top-k (default 0 = off)")
+    s.add_argument("--top-p", type=float, default=1.0, help="top-p (default 1.0 = off)")
+    s.add_argument("--rows", type=int, default=DEFAULT_ROWS, metavar="N",
+                   help=f"images in flight (batch rows, fixed for the server's life; default {DEFAULT_ROWS})")
+    s.add_argument("--static-batches", action="store_true",
+                   help="admit images only when every row is free (static batches, for comparison)")
+    s._add_action(copy.copy(copied["compile"]))
+    h = p.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    h.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
+    h.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id in the API (default: zoo-gpt for the Zoo, else the checkpoint's name)")
+    h.add_argument("--queue-size", type=int, default=None, metavar="N",
+                   help="images that may wait for a row; beyond, 429 (default 4 x --rows)")
+    h.add_argument("--max-n", type=int, default=16, metavar="N", help="images per request at most (default 16)")
+    h.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="deadline of a request in seconds (default 600; a request may ask for less): 504")
+    h.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds to let accepted requests finish before aborting them (default 30)")
+    h._add_action(copy.copy(copied["threads"]))
+    return p
+
+
+def _model_name(args) -> str:
+    import os
+
+    if args.model_name:
+        return args.model_name
+    if args.model_dir:
+        return os.path.basename(os.path.normpath(args.model_dir))
+    if args.gpt_ckpt:
+        return os.path.splitext(os.path.basename(args.gpt_ckpt))[0]
+    return "zoo-gpt"
+
+
+def check_args(args, method_opts: dict, device: str) -> None:
+    """Every serve flag that can be checked without the model."""
+    from ..engine import check_load_args, resolve_device, resolve_dtype
+    from ..methods import get_method_options, method_names
+    from ..sampling import SamplingParams
+
+    for name, value, low in (("--rows", args.rows, 1), ("--max-n", args.max_n, 1)):
+        if value < low:
+            raise VVSError(f"{name} must be an integer >= {low}, got {value}")
+    if args.queue_size is not None and args.queue_size < 0:
+        raise VVSError(f"--queue-size must be an integer >= 0, got {args.queue_size}")
+    for name, value in (("--request-timeout", args.request_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
+        if not value > 0 or value == float("inf"):
+            raise VVSError(f"{name} must be a finite number of seconds > 0, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise VVSError(f"--port must be in [0, 65535], got {args.port}")
+    check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
+                    t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
+                    image_size=args.image_size, cli=True, vq_model=args.vq_model)
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
+    if args.method not in method_names():
+        raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
+    get_method_options(args.method, method_opts)
+    resolve_device(device)
+    resolve_dtype(args.dtype)
+
+
+def serve(args, method_opts: dict, device: str) -> int:
+    """Run the server (``vvs-engine serve``; the CLI passes the method options and device it parsed).
+    Errors are VVSError lines (the CLI names the flags)."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise VVSError("vvs-engine serve needs the [serve] extra: pip install 'vvs-engine[serve]' "
+                       "(fastapi, uvicorn)") from None
+    from ..engine import Engine
+    from ..threads import apply_threads, default_threads
+    from ..sampling import SamplingParams
+    from .app import create_app
+    from .schemas import Limits
+    from .worker import EngineWorker
+
+    check_args(args, method_opts, device)
+    listener = _bind(args.host, args.port)  # a port in use fails now, before minutes of loading
+    threads = apply_threads(default_threads() if args.threads is None else args.threads, "--threads")
+    engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
+                         vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
+                         device=device, dtype=args.dtype, t5_path=args.t5_path,
+                         model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens, threads=threads)
+    defaults = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale)
+    name = _model_name(args)
+    worker = EngineWorker(engine, args.method, method_opts, args.rows, defaults,
+                          4 * args.rows if args.queue_size is None else args.queue_size,
+                          static=args.static_batches, compile=args.compile, model_name=name)
+    c2i = engine.config.model_type == "c2i"
+    warm_prompt = None if c2i else "a photo"
+    worker.start(warmup_label=0 if c2i else None, warmup_prompt=warm_prompt)
+    class_names = []
+    if c2i and args.gpt_ckpt is None and args.model_dir is None:
+        from ..zoo import class_names as zoo_class_names
+
+        class_names = zoo_class_names()
+    limits = Limits(engine, args.method, worker.options, defaults, name, args.max_n, args.request_timeout,
+                    worker.scope, image_size=worker.image_size, class_names=class_names)
+    app = create_app(worker, limits)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                            lifespan="off")
+    server = DrainingServer(config, worker, app, args.shutdown_timeout)
+    listener.listen(2048)
+    host, port = listener.getsockname()[:2]
+    print(f"vvs-engine serve: {name}, method {args.method}, {args.rows} rows; listening on http://{host}:{port}",
+          file=sys.stderr, flush=True)
+    server.run(sockets=[listener])
+    worker.close()
+    print(f"vvs-engine serve: stopped ({'drained' if server.drained else 'requests aborted at shutdown'})",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as e:
+        listener.close()
+        raise VVSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return listener
+
+
+def _server_class():
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        """uvicorn's server whose first SIGTERM/SIGINT drains (503 to new requests, accepted ones
+        finish within the timeout, the rest aborted) before it stops; a second one stops at once."""
+
+        def __init__(self, config, worker, app, shutdown_timeout_s: float):
+            super().__init__(config)
+            self.worker, self.app, self.shutdown_timeout_s = worker, app, shutdown_timeout_s
+            self.draining = None
+            self.drained = True
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.draining is not None:  # a second signal: stop now
+                self.should_exit = self.force_exit = True
+                return
+            self.app.state.draining = True
+            self.draining = threading.Thread(target=self._drain, name="vvs-drain", daemon=True)
+            self.draining.start()
+
+        def _drain(self) -> None:
+            self.drained = self.worker.drain(self.shutdown_timeout_s)
+            self.should_exit = True
+
+    return Draining
+
+
+def DrainingServer(config, worker, app, shutdown_timeout_s):  # noqa: N802 (a class made on first use)
+    return _server_class()(config, worker, app, shutdown_timeout_s)
