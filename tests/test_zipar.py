@@ -124,8 +124,8 @@ def check_against_reference(log, tokens, c, T, L, image, exact_once, unread, con
     (``unread``: the image's last slots, which no query reads, as AR never feeds its last token;
     ``condition``: the visible condition slots, default all; ``n_forwards``: the image's forwards until
     it finished; the decode loop reads that one round late, so a finished image may run one more
-    forward, whose writes nothing reads). Also: a slot some query read as context (not as its own
-    row's window) is never written again."""
+    forward, whose writes nothing reads). Also: once a row that does not write a slot has read it
+    (committed context), the slot is never written again."""
     condition = set(range(c)) if condition is None else condition
     log = [e for e in log if "mask" in e][:n_forwards]
     final_write, writes = {}, {}
@@ -139,17 +139,18 @@ def check_against_reference(log, tokens, c, T, L, image, exact_once, unread, con
         assert tok == int(tokens[s - c]), s  # the cache holds the committed token (never a stand-in)
     if exact_once:
         assert all(n == 1 for n in writes.values())
-    read_as_context = {}  # slot -> first forward in which a query read it as context
+    read_as_context = {}  # slot -> first forward in which a row that does not write it read it
     for k, e in enumerate(log):
         slots, pos, mask = e["slots"][image].tolist(), e["positions"][image].tolist(), e["mask"][image]
         raster = lambda s: c <= s < c + T
-        own = set(slots)
-        for q in range(len(slots)):
-            for s in torch.nonzero(mask[q]).flatten().tolist():
-                if raster(s) and s not in own:
-                    read_as_context.setdefault(s, k)
-        for s in own:
+        for s in slots:
             assert not (raster(s) and s in read_as_context and read_as_context[s] < k), (k, s)
+        for q in range(len(slots)):
+            first = q - q % L
+            row_writes = set(slots[first: first + L])
+            for s in torch.nonzero(mask[q]).flatten().tolist():
+                if raster(s) and s not in row_writes:
+                    read_as_context.setdefault(s, k)
         filled = {s for s, (j, _) in final_write.items() if j < k}
         filled |= {slots[q] for q in range(0, len(slots), L) if raster(slots[q])}
         for q in range(len(slots)):
@@ -442,11 +443,12 @@ def test_pjd_mask_matches_the_reference_and_read_slots_are_never_rewritten(eng, 
     every slot read later holds its committed token."""
     monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")
     log = record_forwards(monkeypatch, eng.gpt)
-    out = eng.generate(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=4, method="pjd",
+    labels = [0, 1, 2, 3, 4, 0]
+    out = eng.generate(class_labels=labels, temperature=1.0, cfg_scale=3.0, seed=4, method="pjd",
                        decode_images=False, **opts)
     assert out.stats["most_rows_per_forward"] >= 3
     c, T = eng.config.cls_token_num, eng.tokens_per_image
-    for image in range(2):
+    for image in range(len(labels)):
         writes = check_against_reference(log, out.tokens[image], c, T, 3, image, exact_once=False,
                                          unread={c + T - 1},
                                          n_forwards=out.stats["per_image"]["target_forward_passes"][image])
