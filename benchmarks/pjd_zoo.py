@@ -10,7 +10,9 @@ sampling, batch and options); every other setting is cached under ``<out>_tokens
 resume there), with the row statistics of its decode beside it (``<setting>.rows.json``).
 
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py                 # 128 images per setting
-    python benchmarks/pjd_zoo.py --report-only                                # tables from the cache
+    python benchmarks/pjd_zoo.py --report-only --doc docs/jacobi.md           # tables from the cache
+
+``--doc`` also writes the tables between the ``pjd-zoo`` marker comments of that file.
 
 The PJD settings cap the rows served per forward at 4 (``--zipar-max-rows 4``: 32 query lanes per
 image instead of 9 x 8 on a CPU); the table reports how often the cap made a row wait (``cap waits``).
@@ -54,6 +56,8 @@ ORDER = ["AR", "ZipAR s=4", "ZipAR s=8", "SJD-PAC", "ZipAR s=4 + SJD L=4", "PJD-
          "PJD-E1 start 4", "PJD rule + keep 0.5"]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 SHARED_CACHE = ("AR", "SJD", "SJD-PAC")  # settings quality_speed caches too
+DOC_BEGIN = "<!-- pjd-zoo:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
+DOC_END = "<!-- pjd-zoo:end -->"
 GRIDS = [(16, False), (24, False), (32, False), (48, True)]  # (side, rows end with an EOL: Lumina-mGPT)
 
 
@@ -244,6 +248,17 @@ def to_markdown(meta, rows, missing) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_doc(path, md) -> None:
+    """The tables (with their command, without the title) between the marker comments of ``path``."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    body = md.split("\n", 2)[2].strip()
+    body = body.replace("\n## ", "\n#### ")  # the doc's own section levels
+    start, end = text.index(DOC_BEGIN) + len(DOC_BEGIN), text.index(DOC_END)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text[:start] + "\n" + body + "\n" + text[end:])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images-per-class", type=int, default=DEFAULT_PER_CLASS,
@@ -256,6 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--report-only", action="store_true", help="generate nothing; tables from the cache")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "pjd_zoo"),
                     help="output prefix: .md, .json, _tokens/ (default benchmarks/results/pjd_zoo)")
+    ap.add_argument("--doc", default=None, help="also write the tables between this file's pjd-zoo markers")
     a = ap.parse_args(argv)
     if a.images_per_class < 1 or a.batch_size < 1 or a.bootstrap < 1:
         print("error: --images-per-class, --batch-size and --bootstrap must be >= 1", file=sys.stderr)
@@ -289,6 +305,8 @@ def main(argv=None) -> int:
         f.write(md)
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "missing": missing}, f, indent=1, default=str)
+    if a.doc:
+        write_doc(a.doc, md)
     print(md)
     return 0
 

@@ -175,6 +175,26 @@ def test_gpu_graphs_equal_eager_with_admission(method):
 
 
 @gpu
+@pytest.mark.parametrize("opts", [{}, dict(zipar_commit="drafts", zipar_keep=0.5, zipar_max_rows=3)],
+                         ids=["E1", "rule"])
+def test_gpu_pjd_rounds_graphed_and_compiled_equal_eager(opts):
+    """PJD's round (every option) captured as a CUDA graph, and compiled then captured, with admission:
+    the eager tokens (fp64 for the compiled run, so no sampled token can flip on rounding)."""
+    kw = dict(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=1, method="pjd", batch_size=3,
+              decode_images=False, zipar_window=2, zipar_commit_lag=1, zipar_jacobi_window=3, **opts)
+    e = tiny_engine(vocab=64, block=36, peak=8.0).to("cuda", torch.float32)
+    eager = e.generate(cuda_graphs=False, **kw)
+    graphed = e.generate(cuda_graphs=True, **kw)
+    assert graphed.stats["cuda_graphs"] and graphed.stats["admissions"] >= 2
+    assert torch.equal(eager.tokens, graphed.tokens)
+    e64 = tiny_engine(vocab=64, block=36, peak=8.0).to("cuda", torch.float64)
+    eager64 = e64.generate(cuda_graphs=False, **kw)
+    compiled = e64.generate(cuda_graphs=True, compile=True, **kw)
+    assert compiled.stats["compiled"] == {"zipar": True}
+    assert torch.equal(eager64.tokens, compiled.tokens)
+
+
+@gpu
 def test_gpu_ar_steady_state_never_syncs():
     """Replays and the late status read between admissions run under sync-debug 'error'."""
     from vvs_engine.methods.common import DecodeBatch
