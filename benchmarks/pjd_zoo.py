@@ -58,6 +58,7 @@ SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 SHARED_CACHE = ("AR", "SJD", "SJD-PAC")  # settings quality_speed caches too
 DOC_BEGIN = "<!-- pjd-zoo:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
 DOC_END = "<!-- pjd-zoo:end -->"
+PAIRS = [("PJD rule", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"), ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4")]
 GRIDS = [(16, False), (24, False), (32, False), (48, True)]  # (side, rows end with an EOL: Lumina-mGPT)
 
 
@@ -150,7 +151,7 @@ def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, r
     idx = qs.bootstrap_indices(len(labels), reps, seed)
     ref = {"cls": qs.ReferenceSet(reference_features("classifier"))}
     work = qs.WorkCache(work_dir)
-    rows, ar, missing = [], None, []
+    rows, ar, missing, all_draws = [], None, [], {}
     for name, method, opts in settings:
         gen, row_stats = load_setting(name, method, opts, labels, seed, sampling, batch_size, ckpt, cache_dir)
         if gen is None:
@@ -161,6 +162,7 @@ def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, r
                          lambda: qs.image_features(eng, gen["tokens"], labels, inception=False))
         draws = work.get("draws", [digest, gen["forwards"].tolist(), reps, None, seed, False],
                          lambda: qs.metric_draws(feats, gen["forwards"], T, ref, idx))
+        all_draws[name] = draws
         if method == "ar":
             ar = draws
         metrics = {k: qs.summarise(v, b, ar.get(k) if (ar is not None and method != "ar") else None)
@@ -183,10 +185,15 @@ def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, r
     if rows and rows[0]["method"] != "ar":
         raise SystemExit("error: AR's tokens are not cached: run AR first")
     qs.parity_verdicts(rows)
-    return rows, missing, (H, W)
+    pairs = []  # paired differences between two settings on the same bootstrap draws
+    for a, b in PAIRS:
+        if a in all_draws and b in all_draws:
+            pairs.append({"a": a, "b": b, **{k: qs.summarise(all_draws[a][k][0], all_draws[a][k][1], all_draws[b][k])
+                                             for k in ("class_accuracy", "fd_classifier", "tpf")}})
+    return rows, missing, (H, W), pairs
 
 
-def grid_rows(rows):
+def grid_rows(rows, measured_side):
     """Forwards per image at each grid of GRIDS: AR, SJD and SJD-PAC at their measured TPF (a model: their
     acceptance per token need not hold elsewhere), the row-parallel settings by the step model with
     their measured codes per row per forward."""
@@ -195,7 +202,9 @@ def grid_rows(rows):
         cells = []
         for side, eol in GRIDS:
             tokens = side * (side + eol)
-            if "codes_per_row_forward" in r:  # the forced line ends need no forward (placed by the schedule)
+            if side == measured_side and not eol:
+                f = r["forwards"]
+            elif "codes_per_row_forward" in r:  # the forced line ends need no forward (placed by the schedule)
                 f = step_model(r["start_lag"], side, side, r["codes_per_row_forward"])
             else:
                 f = (tokens - 1) / (1.0 if r["method"] == "ar" else r["tpf"]["value"])
@@ -204,7 +213,7 @@ def grid_rows(rows):
     return out
 
 
-def to_markdown(meta, rows, missing) -> str:
+def to_markdown(meta, rows, missing, pairs=()) -> str:
     H, W = meta["grid"]
     lines = [f"# PJD on the Zoo model ({H}x{W} tokens)", "", f"Command: `{meta['command']}`", "",
              f"{meta['n_images']} images per setting ({meta['per_class']} per class), image i seeded with "
@@ -227,23 +236,37 @@ def to_markdown(meta, rows, missing) -> str:
                      f"{qs._diff(r['fd_classifier'], 2)} | {'yes' if r['parity'] else 'no'} | {rpf} | {cpr} | {waits} |")
     if missing:
         lines += ["", f"Not generated yet (no complete cache): {', '.join(missing)}."]
+    if pairs:
+        lines += ["", "## Paired differences between settings", "",
+                  "Δ = first − second on the same images and bootstrap draws (95 % intervals): does the released "
+                  "rule's \"confirm twice\" buy quality over E1 at equal lags?", "",
+                  "| first | second | Δ class acc | Δ FD (classifier) | Δ TPF |", "|---|---|---|---|---|"]
+        for pr in pairs:
+            lines.append(f"| {pr['a']} | {pr['b']} | {qs._diff(pr['class_accuracy'], 3)} | "
+                         f"{qs._diff(pr['fd_classifier'], 2)} | {qs._diff(pr['tpf'], 2)} |")
     lines += ["", "## The step model (pjd.md §1.7) against our counts", "",
               "A row starts about s / v forwards after the row above (s: start lag, v: codes a row commits per "
-              "forward it commits in, measured) and the last row needs W / v more: forwards ≈ (s (H − 1) + W) / v. "
-              "Plain ZipAR has v = 1 and needs (H − 1) s + W − 1 exactly.", "",
+              "forward in which the window rule lets it commit, measured) and the last row needs W / v more: "
+              "forwards ≈ (s (H − 1) + W) / v. Plain ZipAR has v = 1 and needs (H − 1) s + W − 1 exactly.", "",
               "| setting | start lag s | v (measured) | forwards measured | model | model / measured |",
               "|---|---|---|---|---|---|"]
     for r in rows:
         if "model_forwards" in r:
             lines.append(f"| {r['name']} | {r['start_lag']} | {r['codes_per_row_forward']:.3f} | {r['forwards']:.1f} | "
                          f"{r['model_forwards']:.1f} | {r['model_forwards'] / r['forwards']:.3f} |")
+    jacobi = [r["model_forwards"] / r["forwards"] for r in rows if r.get("codes_per_row_forward", 1.0) > 1.0]
+    if jacobi:
+        lines += ["", f"With Jacobi windows the model gives {min(jacobi):.2f}–{max(jacobi):.2f} of our counts (our "
+                      "reading: it spends one average v on every row's start delay, while a lower row is held to the "
+                      "pace of the row above by the commit lag, so the wavefront is longer than modelled; the "
+                      "extrapolations below share that bias)."]
     head = " | ".join(f"{s}x{s}{' + EOL' if e else ''}" for s, e in GRIDS)
     lines += ["", "## Forwards per image (TPF) against grid size", "",
               f"Measured at {H}x{W}; elsewhere a model: row-parallel settings by the step model with the v measured "
               "here (the forced line ends need no forward), AR as T − 1, SJD and SJD-PAC at the TPF measured here "
               "(their acceptance per token held fixed). 48x48 + EOL is Lumina-mGPT 768's layout.", "",
               f"| setting | {head} |", "|---|" + "---|" * len(GRIDS)]
-    for name, cells in grid_rows(rows):
+    for name, cells in grid_rows(rows, H):
         lines.append(f"| {name} | " + " | ".join(f"{f:.0f} ({tpf:.2f})" for f, tpf in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -293,18 +316,18 @@ def main(argv=None) -> int:
     if not a.report_only:
         order = ["AR"] + [n for n in names if n != "AR"]
         generate(eng, [SETTING_BY_NAME[n] for n in order], labels, a.seed, sampling, a.batch_size, ckpt, cache_dir)
-    rows, missing, grid = report(eng, SETTINGS, labels, a.seed, sampling, a.batch_size, ckpt, cache_dir,
+    rows, missing, grid, pairs = report(eng, SETTINGS, labels, a.seed, sampling, a.batch_size, ckpt, cache_dir,
                                  a.bootstrap, a.out + "_work")
     command = "OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py" + (
         f" --images-per-class {a.images_per_class}" if a.images_per_class != DEFAULT_PER_CLASS else "")
     meta = {"command": command, "n_images": len(labels), "per_class": a.images_per_class, "seed": a.seed,
             "sampling": sampling, "batch_size": a.batch_size, "bootstrap": a.bootstrap, "grid": grid,
             "torch": torch.__version__}
-    md = to_markdown(meta, rows, missing)
+    md = to_markdown(meta, rows, missing, pairs)
     with open(a.out + ".md", "w") as f:
         f.write(md)
     with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows, "missing": missing}, f, indent=1, default=str)
+        json.dump({"meta": meta, "rows": rows, "missing": missing, "pairs": pairs}, f, indent=1, default=str)
     if a.doc:
         write_doc(a.doc, md)
     print(md)
