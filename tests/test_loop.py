@@ -36,11 +36,6 @@ IDS = [f"vvs-{o['skip_policy']}" if m == "vvs" else f"zipar-{o.get('zipar_verify
 LABELS = [0, 3, 4, 1, 2, 0, 3]  # 7 images: with 2 or 3 rows, most are admitted into a running batch
 
 
-@pytest.fixture(scope="module")
-def eng():
-    return tiny_engine(vocab=64, block=36, peak=8.0)
-
-
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=20, cfg_scale=3.0), dict(temperature=0.0)],
                          ids=["sampled", "greedy"])
 @pytest.mark.parametrize("method,opts", LOOP_METHODS, ids=IDS)
