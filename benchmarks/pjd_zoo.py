@@ -292,8 +292,10 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=None, help="comma list of setting names to generate (AR always runs "
                                                      "first); default all. Known: " + ", ".join(SETTING_BY_NAME))
     ap.add_argument("--report-only", action="store_true", help="generate nothing; tables from the cache")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "pjd_zoo"),
-                    help="output prefix: .md, .json, _tokens/ (default benchmarks/results/pjd_zoo)")
+    ap.add_argument("--model", default="zoo-gpt", help="the Zoo target by name: zoo-gpt (16x16, default) or another "
+                                                       "Zoo member with the same tokenizer (zoo-gpt-32 once it ships)")
+    ap.add_argument("--out", default=None, help="output prefix: .md, .json, _tokens/ (default "
+                                                "benchmarks/results/pjd_zoo, or pjd_<model> for another model)")
     ap.add_argument("--doc", default=None, help="also write the tables between this file's pjd-zoo markers")
     a = ap.parse_args(argv)
     if a.images_per_class < 1 or a.batch_size < 1 or a.bootstrap < 1:
@@ -306,9 +308,20 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(1)
     from vvs_engine import Engine
+    from vvs_engine.errors import VVSError
+    from vvs_engine.zoo import model_path
 
+    if a.out is None:
+        a.out = os.path.join(ROOT, "benchmarks", "results", "pjd_zoo" if a.model == "zoo-gpt" else f"pjd_{a.model}")
     paths, ckpt, sampling = qs.zoo_context()
-    eng = Engine.load(gpt_ckpt=paths["zoo-gpt"], vq_ckpt=paths["zoo-vq"], drafter=paths["zoo-drafter"],
+    if a.model != "zoo-gpt":  # another target, the same tokenizer and classifier; no method here needs a drafter
+        try:
+            paths = {"zoo-gpt": model_path(a.model), "zoo-vq": paths["zoo-vq"], "zoo-classifier": paths["zoo-classifier"]}
+        except VVSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        ckpt = qs.checkpoint_digest(paths)
+    eng = Engine.load(gpt_ckpt=paths["zoo-gpt"], vq_ckpt=paths["zoo-vq"], drafter=paths.get("zoo-drafter"),
                       **qs.engine_threads(Engine, 1))
     labels = [c for c in range(eng.config.num_classes) for _ in range(a.images_per_class)]
     cache_dir = a.out + "_tokens"
@@ -319,6 +332,7 @@ def main(argv=None) -> int:
     rows, missing, grid, pairs = report(eng, SETTINGS, labels, a.seed, sampling, a.batch_size, ckpt, cache_dir,
                                  a.bootstrap, a.out + "_work")
     command = "OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py" + (
+        f" --model {a.model}" if a.model != "zoo-gpt" else "") + (
         f" --images-per-class {a.images_per_class}" if a.images_per_class != DEFAULT_PER_CLASS else "")
     meta = {"command": command, "n_images": len(labels), "per_class": a.images_per_class, "seed": a.seed,
             "sampling": sampling, "batch_size": a.batch_size, "bootstrap": a.bootstrap, "grid": grid,
