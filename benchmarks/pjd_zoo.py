@@ -264,7 +264,9 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
     lines += ["", "## Forwards per image (TPF) against grid size", "",
               f"Measured at {H}x{W}; elsewhere a model: row-parallel settings by the step model with the v measured "
               "here (the forced line ends need no forward), AR as T − 1, SJD and SJD-PAC at the TPF measured here "
-              "(their acceptance per token held fixed). 48x48 + EOL is Lumina-mGPT 768's layout.", "",
+              "(their acceptance per token held fixed). 48x48 + EOL is Lumina-mGPT 768's layout. The model has no row "
+              "cap: on wider grids more rows are in flight (about W / s), which the PJD settings' cap of 4 rows "
+              "would limit.", "",
               f"| setting | {head} |", "|---|" + "---|" * len(GRIDS)]
     for name, cells in grid_rows(rows, H):
         lines.append(f"| {name} | " + " | ".join(f"{f:.0f} ({tpf:.2f})" for f, tpf in cells) + " |")
