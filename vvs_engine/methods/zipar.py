@@ -77,6 +77,10 @@ from .options import option
 VERIFY_MODES = ("none", "sjd")
 COMMIT_RULES = ("sjd", "drafts")  # every row by the SJD rule (exact per forward: PJD-E1), or PJD's release
 INIT_POLICIES = ("copy-above", "random")
+# PJD's options at the values that give ZipAR's tokens of before they existed: benchmark cache keys leave
+# them out at these values (benchmarks/quality_speed.py::setting_key), so ZipAR caches made before stay valid
+PJD_OPTION_DEFAULTS = {"zipar_commit_lag": 0, "zipar_commit": "sjd", "zipar_init": "copy-above", "zipar_keep": 0.0,
+                       "zipar_max_rows": 0}
 DEFAULT_WINDOW = 4  # chosen from benchmarks/results/zipar_zoo.md (docs/zipar.md)
 DEFAULT_JACOBI_WINDOW = 4
 MAX_JACOBI_WINDOW = 64
