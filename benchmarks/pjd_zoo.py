@@ -313,8 +313,9 @@ def main(argv=None) -> int:
     from vvs_engine.errors import VVSError
     from vvs_engine.zoo import model_path
 
-    if a.out is None:
-        a.out = os.path.join(ROOT, "benchmarks", "results", "pjd_zoo" if a.model == "zoo-gpt" else f"pjd_{a.model}")
+    default_out = os.path.join(ROOT, "benchmarks", "results", "pjd_zoo" if a.model == "zoo-gpt" else f"pjd_{a.model}")
+    out_given = a.out is not None and os.path.abspath(a.out) != default_out
+    a.out = a.out or default_out
     paths, ckpt, sampling = qs.zoo_context()
     if a.model != "zoo-gpt":  # another target, the same tokenizer and classifier; no method here needs a drafter
         try:
@@ -335,7 +336,9 @@ def main(argv=None) -> int:
                                  a.bootstrap, a.out + "_work")
     command = "OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py" + (
         f" --model {a.model}" if a.model != "zoo-gpt" else "") + (
-        f" --images-per-class {a.images_per_class}" if a.images_per_class != DEFAULT_PER_CLASS else "")
+        f" --images-per-class {a.images_per_class}" if a.images_per_class != DEFAULT_PER_CLASS else "") + (
+        f" --settings \"{a.settings}\"" if a.settings else "") + (
+        f" --out {os.path.relpath(a.out, ROOT)}" if out_given else "")
     meta = {"command": command, "n_images": len(labels), "per_class": a.images_per_class, "seed": a.seed,
             "sampling": sampling, "batch_size": a.batch_size, "bootstrap": a.bootstrap, "grid": grid,
             "torch": torch.__version__}
