@@ -220,6 +220,10 @@ def setting_key(ckpt_key: str, method: str, opts: dict, sampling: dict, labels, 
     from vvs_engine.methods import resolve_options
 
     effective = resolve_options(method, opts)
+    if method == "zipar":  # PJD's options, where they leave ZipAR's tokens as before, stay out of the key
+        from vvs_engine.methods.zipar import PJD_OPTION_DEFAULTS
+
+        effective = {k: v for k, v in effective.items() if k not in PJD_OPTION_DEFAULTS or PJD_OPTION_DEFAULTS[k] != v}
     extra = {}
     if method == "vvs" and effective.get("skip_policy") == "dynamic":
         # VVS-D decides skips per sequence since the one loop (it decided per batch before): new tokens

@@ -31,17 +31,20 @@ METHODS = {  # method -> options: small trees, a skip schedule that skips on a 4
     "scd": dict(jacobi_window=3, coupling="gumbel"),  # the Gumbel noise's own counter-RNG draw
     "sjd-pac": dict(jacobi_window=14),  # W = D = 3: a main chain of 4
     "zipar": dict(zipar_window=2),
+    # every PJD rule in one compile: lags 2 / 1, random drafts, drafts-only commits, the keep rule, a row cap
+    "pjd": dict(zipar_window=2, zipar_commit_lag=1, zipar_jacobi_window=3, zipar_commit="drafts", zipar_keep=0.5,
+                zipar_max_rows=2),
 }
 # Which decodes CI compiles (each a cold Inductor compile per round kind, ~20 s each here): every round
 # kind once, sampled where the method samples drafts or acceptance uniforms, greedy for AR too and for
 # the rules whose greedy path differs (CASCADE, GSD). VVS_TEST_COMPILED_ALL=1 runs every method both ways.
 RUNS = {"ar": (True, False), "eagle": (False,), "lantern": (True,), "vvs": (False,), "cascade": (True,),
-        "sjd": (False,), "gsd": (True,), "scd": (False,), "sjd-pac": (False,), "zipar": (False,)}
+        "sjd": (False,), "gsd": (True,), "scd": (False,), "sjd-pac": (False,), "zipar": (False,), "pjd": (False,)}
 if os.environ.get("VVS_TEST_COMPILED_ALL") == "1":
     RUNS = {method: (True, False) for method in METHODS}
 # the round kinds each method must have run compiled
 KINDS = {"ar": {"ar_step"}, "vvs": {"verify", "skip", "verify_after_skip"}, "sjd": {"jacobi"}, "gsd": {"jacobi"},
-         "scd": {"jacobi"}, "sjd-pac": {"jacobi"}, "zipar": {"zipar"}}
+         "scd": {"jacobi"}, "sjd-pac": {"jacobi"}, "zipar": {"zipar"}, "pjd": {"zipar"}}
 
 
 def _engine():

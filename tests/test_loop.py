@@ -28,7 +28,9 @@ LOOP_METHODS = [("ar", {}), ("sjd", {"jacobi_window": 6}), ("gsd", {"gsd_group":
                 ("eagle", TREE), ("lantern", TREE), ("lantern++", {}), ("cascade", {}),
                 ("vvs", dict(TREE, skip_policy="uniform", skip_interval=2)),
                 ("vvs", dict(TREE, skip_policy="dynamic", skip_threshold=0.0, post_verify="reject")),
-                ("zipar", {"zipar_window": 2}), ("zipar", {"zipar_window": 2, "zipar_verify": "sjd"})]
+                ("zipar", {"zipar_window": 2}), ("zipar", {"zipar_window": 2, "zipar_verify": "sjd"}),
+                ("pjd", {"zipar_window": 3, "zipar_commit_lag": 1, "zipar_jacobi_window": 3, "zipar_commit": "drafts",
+                         "zipar_keep": 0.5})]
 IDS = [f"vvs-{o['skip_policy']}" if m == "vvs" else f"zipar-{o.get('zipar_verify', 'none')}" if m == "zipar" else m
        for m, o in LOOP_METHODS]
 LABELS = [0, 3, 4, 1, 2, 0, 3]  # 7 images: with 2 or 3 rows, most are admitted into a running batch
@@ -198,6 +200,26 @@ def test_gpu_graphs_equal_eager_with_admission(method):
     graphed = e.generate(cuda_graphs=True, **kw)
     assert graphed.stats["cuda_graphs"] and not eager.stats["cuda_graphs"]
     assert torch.equal(eager.tokens, graphed.tokens)
+
+
+@gpu
+@pytest.mark.parametrize("opts", [{}, dict(zipar_commit="drafts", zipar_keep=0.5, zipar_max_rows=3)],
+                         ids=["E1", "rule"])
+def test_gpu_pjd_rounds_graphed_and_compiled_equal_eager(opts):
+    """PJD's round (every option) captured as a CUDA graph, and compiled then captured, with admission:
+    the eager tokens (fp64 for the compiled run, so no sampled token can flip on rounding)."""
+    kw = dict(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=1, method="pjd", batch_size=3,
+              decode_images=False, zipar_window=2, zipar_commit_lag=1, zipar_jacobi_window=3, **opts)
+    e = tiny_engine(vocab=64, block=36, peak=8.0).to("cuda", torch.float32)
+    eager = e.generate(cuda_graphs=False, **kw)
+    graphed = e.generate(cuda_graphs=True, **kw)
+    assert graphed.stats["cuda_graphs"] and graphed.stats["admissions"] >= 2
+    assert torch.equal(eager.tokens, graphed.tokens)
+    e64 = tiny_engine(vocab=64, block=36, peak=8.0).to("cuda", torch.float64)
+    eager64 = e64.generate(cuda_graphs=False, **kw)
+    compiled = e64.generate(cuda_graphs=True, compile=True, **kw)
+    assert compiled.stats["compiled"] == {"zipar": True}
+    assert torch.equal(eager64.tokens, compiled.tokens)
 
 
 @gpu

@@ -124,7 +124,8 @@ def check_against_reference(log, tokens, c, T, L, image, exact_once, unread, con
     (``unread``: the image's last slots, which no query reads, as AR never feeds its last token;
     ``condition``: the visible condition slots, default all; ``n_forwards``: the image's forwards until
     it finished; the decode loop reads that one round late, so a finished image may run one more
-    forward, whose writes nothing reads)."""
+    forward, whose writes nothing reads). Also: once a row that does not write a slot has read it
+    (committed context), the slot is never written again."""
     condition = set(range(c)) if condition is None else condition
     log = [e for e in log if "mask" in e][:n_forwards]
     final_write, writes = {}, {}
@@ -138,14 +139,25 @@ def check_against_reference(log, tokens, c, T, L, image, exact_once, unread, con
         assert tok == int(tokens[s - c]), s  # the cache holds the committed token (never a stand-in)
     if exact_once:
         assert all(n == 1 for n in writes.values())
+    read_as_context = {}  # slot -> first forward in which a row that does not write it read it
     for k, e in enumerate(log):
         slots, pos, mask = e["slots"][image].tolist(), e["positions"][image].tolist(), e["mask"][image]
         raster = lambda s: c <= s < c + T
+        for s in slots:
+            assert not (raster(s) and s in read_as_context and read_as_context[s] < k), (k, s)
+        for q in range(len(slots)):
+            first = q - q % L
+            row_writes = set(slots[first: first + L])
+            for s in torch.nonzero(mask[q]).flatten().tolist():
+                if raster(s) and s not in row_writes:
+                    read_as_context.setdefault(s, k)
         filled = {s for s, (j, _) in final_write.items() if j < k}
         filled |= {slots[q] for q in range(0, len(slots), L) if raster(slots[q])}
         for q in range(len(slots)):
             first = q - q % L
-            ref = condition | {s for s in filled if s <= pos[first]} | {slots[q]}
+            # lane 0 sees the filled slots before its position and itself (in its own slot, or in a scratch
+            # slot: a stand-in, or PJD's re-fed last draft, whose old K/V its row's later lanes see)
+            ref = condition | {s for s in filled if s < pos[first] or (s == pos[first] and q > first)} | {slots[q]}
             ref |= {slots[i] for i in range(first, q) if raster(slots[i])}
             got = set(torch.nonzero(mask[q]).flatten().tolist())
             assert got == ref, (k, q, sorted(got ^ ref))
@@ -356,10 +368,160 @@ def test_sjd_commits_exact_samples_of_the_partial_context_target():
     assert abs(likelihood_z(bad)) > 3.29, likelihood_z(bad)
 
 
+# --- PJD: separate start and commit lags, drafts-only commits, random drafts, keep rule, row cap -----
+PJD_RULE = dict(zipar_commit="drafts")
+
+
+@pytest.mark.parametrize("opts", [{}, PJD_RULE, dict(PJD_RULE, zipar_init="copy-above")], ids=["E1", "rule", "copy"])
+def test_pjd_with_a_start_lag_of_a_row_or_more_is_ar_greedy(eng, ar_tokens, opts):
+    """Start lag >= W: one row at a time whatever the commit lag, so PJD is raster SJD (the top row is
+    the only row: the released rule's drafts-only commits never apply); greedy tokens are AR's. With a
+    smaller start lag the rows overlap (fewer forwards)."""
+    for s in (6, 8):
+        out = eng.generate(class_labels=LABELS, temperature=0.0, cfg_scale=3.0, seed=4, method="pjd", zipar_window=s,
+                           decode_images=False, **opts)
+        assert torch.equal(out.tokens, ar_tokens[0.0]), s
+        assert out.stats["most_rows_per_forward"] == 1
+    overlap = eng.generate(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=4, method="pjd", zipar_window=2,
+                           zipar_commit_lag=1, zipar_jacobi_window=3, decode_images=False, **opts)
+    assert overlap.stats["most_rows_per_forward"] >= 3
+
+
+def test_pjd_rows_with_a_full_start_lag_are_distributed_as_raster_ar():
+    """The raster chi-square test of ZipAR + SJD (pair marginals against the exact AR law, V = 4, 3 x 3
+    grid) for PJD's released rule with random drafts and commit lag 1 at start lag 3 = W: raster SJD."""
+    eng = tiny_engine(vocab=4, block=9, seed=1, peak=25.0, with_vq=False)
+    pair = _pair_marginals(eng, 1, 2.0, 5, 4)
+    out = eng.generate(class_labels=[1] * 1000, temperature=1.0, cfg_scale=2.0, method="pjd", seed=5, zipar_window=3,
+                       zipar_commit_lag=1, zipar_jacobi_window=3, decode_images=False, batch_size=250, **PJD_RULE)
+    assert out.stats["accepted_drafts"] > 300
+    for a, b in ((1, 2), (2, 3), (3, 4)):
+        cells, marg = pair(a, b)
+        stat, dof = _chi2(out.tokens[:, [a, b]], cells, marg)
+        assert stat < _chi2_crit(dof), ((a, b), stat, dof)
+
+
+# options of the per-forward exactness test: rows overlap (start lag 2, commit lag 1 on a 4 x 4 grid)
+PJD_OVERLAP = dict(zipar_window=2, zipar_commit_lag=1, zipar_verify="sjd", zipar_jacobi_window=3,
+                   zipar_init="random")
+
+
+@pytest.fixture(scope="module")
+def six_by_six():
+    """Rows of 6: a lower row's context changes between the forwards that draw and test a draft."""
+    return tiny_engine(vocab=16, block=36, seed=2, peak=6.0, with_vq=False)
+
+
+def test_pjd_e1_commits_exact_samples_of_the_partial_context_target(six_by_six):
+    """E1 (every row by the SJD rule) with PJD's lags and random drafts passes the per-forward exactness
+    test of ZipAR + SJD: each committed token is a sample of the target given its forward's context
+    (on that test's 4 x 4 target, and on the 6 x 6 one of the negative control below)."""
+    small = tiny_engine(vocab=16, block=16, seed=2, peak=6.0, with_vq=False)
+    scores = committed_scores(small, PJD_OVERLAP, 160, 7)
+    assert len(scores) == 160 * 15
+    assert abs(likelihood_z(scores)) < 3.29, likelihood_z(scores)
+    scores = committed_scores(six_by_six, PJD_OVERLAP, 320, 7)
+    assert len(scores) == 320 * 35
+    assert abs(likelihood_z(scores)) < 3.29, likelihood_z(scores)  # 0.27 here
+
+
+def test_pjd_rule_fails_the_per_forward_exactness_test(six_by_six):
+    """Negative control (pjd.md §1.8): below the top row the released rule commits a carried draft d
+    (drawn from q, an earlier forward's p) with probability min(1, p(d)/q(d)) and nothing otherwise, so
+    what it commits leans towards q, the older and smaller context: tokens less likely under the
+    committing forward's p than p's own draws. Here z = -5.3 over 11200 committed tokens (-0.031 nats
+    per token; -6.3 and -0.037 with the keep rule), where E1 on the same images gives 0.27."""
+    scores = committed_scores(six_by_six, dict(PJD_OVERLAP, **PJD_RULE), 320, 7)
+    assert len(scores) == 320 * 35
+    assert likelihood_z(scores) < -3.29, likelihood_z(scores)
+
+
+@pytest.mark.parametrize("opts", [dict(PJD_OVERLAP, **PJD_RULE, zipar_keep=0.5), PJD_OVERLAP], ids=["rule", "E1"])
+def test_pjd_mask_matches_the_reference_and_read_slots_are_never_rewritten(eng, monkeypatch, opts):
+    """The ZipAR mask reference holds for PJD: lower rows that commit drafts only re-feed their last
+    accepted draft, which writes a scratch slot (the committed K/V are never rewritten once read), and
+    every slot read later holds its committed token."""
+    monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")
+    log = record_forwards(monkeypatch, eng.gpt)
+    labels = [0, 1, 2, 3, 4, 0]
+    out = eng.generate(class_labels=labels, temperature=1.0, cfg_scale=3.0, seed=4, method="pjd",
+                       decode_images=False, **opts)
+    assert out.stats["most_rows_per_forward"] >= 3
+    c, T = eng.config.cls_token_num, eng.tokens_per_image
+    for image in range(len(labels)):
+        writes = check_against_reference(log, out.tokens[image], c, T, 3, image, exact_once=False,
+                                         unread={c + T - 1},
+                                         n_forwards=out.stats["per_image"]["target_forward_passes"][image])
+        assert set(writes) - {c + T - 1} == set(range(c, c + T - 1))
+
+
+def test_pjd_rule_on_a_family_with_end_of_line(emu3, monkeypatch):
+    """Emu3 (rows closed by the forced EOL): the released rule re-feeds an EOL when a started row
+    committed nothing; the reference still holds and the EOLs are placed, never sampled."""
+    eng, _ = emu3
+    geo = row_geometry(eng.gpt)
+    monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")
+    log = record_forwards(monkeypatch, eng.gpt)
+    out = eng.generate(prompts=PROMPTS, temperature=1.0, cfg_scale=3.0, seed=2, method="pjd", zipar_window=1,
+                       zipar_commit_lag=1, zipar_jacobi_window=3, decode_images=False, **PJD_RULE)
+    c, T = eng.config.cls_token_num, eng.tokens_per_image
+    last_code = c + (geo.rows - 1) * geo.width + geo.codes - 1
+    _, key_mask = eng.condition_rows(None, PROMPTS, True)
+    rows = out.tokens.view(2, geo.rows, geo.width)
+    assert (rows[:, :, -1] == geo.eol).all() and (rows[:, :, :-1] < geo.eol).all()
+    for image in range(2):
+        check_against_reference(log, out.tokens[image], c, T, 3, image, exact_once=False,
+                                unread={last_code, c + T - 1},
+                                condition=set(torch.nonzero(key_mask[image]).flatten().tolist()),
+                                n_forwards=out.stats["per_image"]["target_forward_passes"][image])
+
+
+@pytest.mark.parametrize("family", ["janus", "lumina"])
+def test_pjd_every_family(request, family):
+    """PJD on a square grid without EOL (Janus: a row starts from a stand-in) and with EOL (Lumina-mGPT):
+    greedy with a full start lag is AR; overlapping rows place the line ends."""
+    eng, ar = request.getfixturevalue(family)
+    geo = row_geometry(eng.gpt)
+    out = eng.generate(prompts=PROMPTS, temperature=0, cfg_scale=3.0, method="pjd", zipar_window=geo.codes,
+                       decode_images=False, **PJD_RULE)
+    assert torch.equal(out.tokens, ar)
+    out = eng.generate(prompts=PROMPTS, temperature=1.0, cfg_scale=3.0, method="pjd", zipar_window=1, seed=3,
+                       zipar_commit_lag=1, zipar_jacobi_window=3, decode_images=False, **PJD_RULE)
+    assert out.stats["most_rows_per_forward"] >= 2
+    rows = out.tokens.view(2, geo.rows, geo.width)
+    if geo.eol is not None:
+        assert (rows[:, :, -1] == geo.eol).all() and (rows[:, :, :-1] < geo.eol).all()
+    assert int(out.tokens.max()) < eng.config.vocab_size
+
+
+def test_pjd_rows_per_forward_cap(eng, monkeypatch):
+    """--zipar-max-rows: every forward serves (and feeds) at most that many rows; rows beyond wait (the
+    waits are counted), which costs forwards. Without the cap the same decode runs more rows at once."""
+    opts = dict(zipar_window=2, zipar_commit_lag=1, zipar_jacobi_window=3, **PJD_RULE)
+    free = eng.generate(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=4, method="pjd",
+                        decode_images=False, **opts)
+    assert free.stats["most_rows_per_forward"] >= 3 and free.stats["cap_waits"] == 0
+    log = record_forwards(monkeypatch, eng.gpt)
+    capped = eng.generate(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=4, method="pjd",
+                          decode_images=False, zipar_max_rows=2, **opts)
+    assert capped.stats["zipar_rows"] == 2 and capped.stats["most_rows_per_forward"] == 2
+    assert capped.stats["cap_waits"] > 0
+    rounds = [e for e in log if "mask" in e]
+    assert rounds and all(e["tokens"].shape[1] == 2 * 3 for e in rounds)  # 2 rows x 3 lanes per image
+    # plain ZipAR s = 1 (a fixed schedule): the waits cost forwards, (H - 1) s + W - 1 = 10 without the cap
+    plain = eng.generate(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=4, method="zipar", zipar_window=1,
+                         zipar_max_rows=2, decode_images=False)
+    assert plain.stats["most_rows_per_forward"] == 2 and plain.stats["cap_waits"] > 0
+    assert min(plain.stats["per_image"]["target_forward_passes"]) > fixed_window_forwards(row_geometry(eng.gpt), 1)
+
+
 # --- options ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("opts,match", [
     ({"zipar_window": 0}, "zipar-window"), ({"zipar_window": 2.5}, "zipar-window"),
     ({"zipar_verify": "gsd"}, "zipar-verify"), ({"zipar_jacobi_window": 0}, "zipar-jacobi-window"),
+    ({"zipar_commit_lag": 5}, "zipar-commit-lag"), ({"zipar_commit": "bonus"}, "zipar-commit"),
+    ({"zipar_init": "left"}, "zipar-init"), ({"zipar_keep": 1.0}, "zipar-keep"),
+    ({"zipar_max_rows": -1}, "zipar-max-rows"), ({"zipar_commit": "drafts"}, "needs drafts"),
 ])
 def test_bad_options_are_one_line_errors(eng, opts, match):
     with pytest.raises(VVSError, match=match):

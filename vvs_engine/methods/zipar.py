@@ -75,6 +75,12 @@ from .common import DecodeBatch, row_sampling
 from .options import option
 
 VERIFY_MODES = ("none", "sjd")
+COMMIT_RULES = ("sjd", "drafts")  # every row by the SJD rule (exact per forward: PJD-E1), or PJD's release
+INIT_POLICIES = ("copy-above", "random")
+# PJD's options at the values that give ZipAR's tokens of before they existed: benchmark cache keys leave
+# them out at these values (benchmarks/quality_speed.py::setting_key), so ZipAR caches made before stay valid
+PJD_OPTION_DEFAULTS = {"zipar_commit_lag": 0, "zipar_commit": "sjd", "zipar_init": "copy-above", "zipar_keep": 0.0,
+                       "zipar_max_rows": 0}
 DEFAULT_WINDOW = 4  # chosen from benchmarks/results/zipar_zoo.md (docs/zipar.md)
 DEFAULT_JACOBI_WINDOW = 4
 MAX_JACOBI_WINDOW = 64
@@ -177,6 +183,21 @@ class ZipAROptions:
                                        "frontier as a Jacobi window verified by the SJD rule)")
     zipar_jacobi_window: int = option(DEFAULT_JACOBI_WINDOW, "ZipAR with --zipar-verify sjd: lanes per row "
                                                              "(its last committed code + L - 1 drafts)")
+    # PJD (docs/jacobi.md "PJD"): the window s above is the start lag; these options are PJD's other rules
+    zipar_commit_lag: int = option(0, "ZipAR/PJD: commit lag; row r + 1 may commit column c while row r holds "
+                                      "c + lag codes (0: the window s, ZipAR's rule; PJD: 2, the window s "
+                                      "then only gates a row's start)")
+    zipar_commit: str = option("sjd", "ZipAR/PJD with --zipar-verify sjd: sjd (every row commits its accepted "
+                                      "drafts plus the residual or bonus token: exact per forward, PJD-E1) or "
+                                      "drafts (rows below the top unfinished one commit accepted drafts only: "
+                                      "the released PJD rule, lossy)")
+    zipar_init: str = option("copy-above", "ZipAR/PJD with --zipar-verify sjd: drafts of new columns: copy-above "
+                                           "(the code above) or random (uniform image codes, PJD)")
+    zipar_keep: float = option(0.0, "ZipAR/PJD with --zipar-verify sjd: keep rule; after a row's first "
+                                    "rejection a later draft whose ratio min(1, p/q) exceeds this stays the "
+                                    "column's draft with its old q (PJD's release: 0.5; lossy). 0: off")
+    zipar_max_rows: int = option(0, "ZipAR/PJD: most rows served per forward (0: as many as the commit lag "
+                                    "allows); a row beyond waits")
 
     def validate(self):
         s = self.zipar_window
@@ -187,6 +208,24 @@ class ZipAROptions:
         L = self.zipar_jacobi_window
         if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= MAX_JACOBI_WINDOW:
             raise VVSError(f"zipar-jacobi-window must be an integer in [1, {MAX_JACOBI_WINDOW}], got {L!r}")
+        lag = self.zipar_commit_lag
+        if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= s:
+            raise VVSError(f"zipar-commit-lag must be an integer in [0, zipar-window = {s}], got {lag!r}")
+        if self.zipar_commit not in COMMIT_RULES:
+            raise VVSError(f"zipar-commit must be one of {', '.join(COMMIT_RULES)}, got {self.zipar_commit!r}")
+        if self.zipar_init not in INIT_POLICIES:
+            raise VVSError(f"zipar-init must be one of {', '.join(INIT_POLICIES)}, got {self.zipar_init!r}")
+        keep = self.zipar_keep
+        if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 <= keep < 1:
+            raise VVSError(f"zipar-keep must be a number in [0, 1), got {keep!r}")
+        cap = self.zipar_max_rows
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise VVSError(f"zipar-max-rows must be an integer >= 0, got {cap!r}")
+        needs_drafts = [name for name, on in (("zipar-commit drafts", self.zipar_commit == "drafts"),
+                                              ("zipar-init random", self.zipar_init == "random"),
+                                              ("zipar-keep", keep > 0)) if on]
+        if needs_drafts and self.lanes < 2:
+            raise VVSError(f"{needs_drafts[0]} needs drafts: --zipar-verify sjd with --zipar-jacobi-window >= 2")
         return self
 
     def check_engine(self, engine):
@@ -195,6 +234,23 @@ class ZipAROptions:
     @property
     def lanes(self) -> int:
         return self.zipar_jacobi_window if self.zipar_verify == "sjd" else 1
+
+    @property
+    def commit_lag(self) -> int:
+        return self.zipar_commit_lag or self.zipar_window
+
+
+@dataclass
+class PJDOptions(ZipAROptions):
+    """``--method pjd``: the row-parallel method with PJD's published defaults (start lag 8, commit lag
+    2, 8 lanes per row, random drafts) and the exact commit rule E1; ``--zipar-commit drafts`` (and
+    ``--zipar-keep 0.5``) give the released rule."""
+
+    zipar_window: int = 8
+    zipar_verify: str = "sjd"
+    zipar_jacobi_window: int = 8
+    zipar_commit_lag: int = 2
+    zipar_init: str = "random"
 
 
 # --- the device decode -----------------------------------------------------------------------------
@@ -215,7 +271,10 @@ class ZipARState:
     fresh: torch.Tensor  # [B, H + R + 2, L] bool: a copied draft (q one-hot)
     passes: torch.Tensor  # [B] forwards while the image was unfinished
     committing_rows: torch.Tensor  # [B] (row, forward) pairs that committed codes
+    testing_rows: torch.Tensor  # [B] (row, forward) pairs that could commit (drafts-only rows may commit none)
     accepted: torch.Tensor  # [B] drafts accepted
+    busiest: torch.Tensor  # [B] most rows that took part in one forward
+    cap_waits: torch.Tensor  # [B] forwards in which the row after the served ones could have committed
     committed: torch.Tensor  # [B] codes committed, T once the image is done: the loop's one read
 
     def tensors(self):
@@ -227,7 +286,7 @@ class ZipARDecoder:
     decoder of ``runtime.loop`` (protocol at the end of the class): :meth:`start` builds and prefills one."""
 
     inductor_options: dict = {}
-    RESULTS = ("passes", "committing_rows", "accepted")
+    RESULTS = ("passes", "committing_rows", "testing_rows", "accepted", "busiest", "cap_waits")
 
     @classmethod
     def start(cls, engine, batch: DecodeBatch, params, opts: ZipAROptions, rule=None) -> "ZipARDecoder":
@@ -242,10 +301,17 @@ class ZipARDecoder:
         self.rule = rule if rule is not None else ExactRule()
         self.geometry = geo = row_geometry(engine.gpt)
         self.window, self.L = opts.zipar_window, opts.lanes
+        self.commit_lag = opts.commit_lag  # the window s unless PJD's separate commit lag is set
+        self.commit_drafts = opts.zipar_commit == "drafts"
+        self.random_init, self.keep = opts.zipar_init == "random", float(opts.zipar_keep)
         self.B = batch.size
         self.H, self.W, self.Wp = geo.rows, geo.codes, geo.width
         self.has_eol = geo.eol is not None
-        self.R = rows_in_flight(geo, self.window)  # lanes of the round functions in SJD mode
+        self.n_image_codes = geo.eol if self.has_eol else engine.config.vocab_size  # random drafts: codes only
+        self.R = rows_in_flight(geo, self.commit_lag)  # the rows of the round function
+        self.capped = 0 < opts.zipar_max_rows < self.R
+        if self.capped:
+            self.R = opts.zipar_max_rows
         self.n_row_entries = self.H + self.R + 2
         self.sink_row = self.n_row_entries - 1
         L, R = self.L, self.R
@@ -273,6 +339,7 @@ class ZipARDecoder:
         self.sample_stream = self.rng.stream_offsets([Streams.SAMPLE])
         self.accept_stream = self.rng.stream_offsets([Streams.ACCEPT])
         self.update_stream = self.rng.stream_offsets([Streams.JACOBI_UPDATE])
+        self.init_stream = self.rng.stream_offsets([Streams.JACOBI_INIT])
 
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, x]) if self.params.use_cfg else x
@@ -284,6 +351,11 @@ class ZipARDecoder:
         """Counter-RNG uniforms keyed by (image, ``step`` [B, ...]) on one stream -> [B, ...]."""
         key = self.rng.key.view(self.B, *([1] * (step.dim() - 1))).expand(step.shape)
         return kernels.counter_uniform(key.reshape(-1), step.reshape(-1), stream, 1).view(step.shape)
+
+    def random_codes(self, step: torch.Tensor) -> torch.Tensor:
+        """PJD's new drafts: uniform image codes keyed by (image, ``step``) on the JACOBI_INIT stream."""
+        u = self.uniforms(step, self.init_stream)
+        return (u * self.n_image_codes).long().clamp(max=self.n_image_codes - 1)
 
     # --- prefill (eager) ----------------------------------------------------------------------------
     def prefill(self) -> ZipARState:
@@ -302,12 +374,16 @@ class ZipARDecoder:
         codes = torch.where(entry == 0, self.W, (entry == 1).long()).expand(B, n).clone()
         written = torch.where(entry == 0, self.W, 0).expand(B, n).clone()
         Vq = V if L > 1 else 1
+        draft = first[:, None, None].expand(B, n, L).clone()  # row 0: copy-left
+        if self.random_init:  # row 0's drafts (lane i: column i), as a row's first drafts are drawn in a round
+            draft[:, 1] = self.random_codes(self.window_lanes.expand(B, L) + 1)
         return ZipARState(tokens=tokens, codes=codes, written=written,
                           eol_written=torch.zeros(B, n, dtype=torch.bool, device=dev), lo=zeros(B),
-                          row_rounds=zeros(B, n), draft=first[:, None, None].expand(B, n, L).clone(),  # row 0: copy-left
+                          row_rounds=zeros(B, n), draft=draft,
                           draft_q=torch.zeros(B, n if L > 1 else 1, L if L > 1 else 1, Vq, device=dev),
                           fresh=torch.ones(B, n, L, dtype=torch.bool, device=dev), passes=zeros(B),
-                          committing_rows=zeros(B), accepted=zeros(B), committed=zeros(B))
+                          committing_rows=zeros(B), testing_rows=zeros(B), accepted=zeros(B), busiest=zeros(B), cap_waits=zeros(B),
+                          committed=zeros(B))
 
     # --- the decoder protocol of runtime.loop ----------------------------------------------------------
     def round_functions(self) -> dict:
@@ -351,7 +427,11 @@ class ZipARDecoder:
         return {"target_forward_passes": passes, "batch_iterations": loop_stats["batch_rounds"],
                 "zipar_window": self.window, "zipar_verify": self.opts.zipar_verify, "zipar_lanes": self.L,
                 "committing_rows": rows, "accepted_drafts": int(counters["accepted"].sum()),
-                "rows_per_forward": rows / passes if passes else 0.0}
+                "rows_per_forward": rows / passes if passes else 0.0,
+                "zipar_commit_lag": self.commit_lag, "zipar_commit": self.opts.zipar_commit,
+                "zipar_init": self.opts.zipar_init, "zipar_keep": self.keep, "zipar_rows": self.R,
+                "most_rows_per_forward": int(counters["busiest"].max()) if passes else 0,
+                "cap_waits": int(counters["cap_waits"].sum()), "testing_rows": int(counters["testing_rows"].sum())}
 
     # --- one forward: static shapes, no host read ---------------------------------------------------
     def zipar_round(self, st: ZipARState, R: int) -> None:
@@ -365,9 +445,13 @@ class ZipARDecoder:
         at = row + 1  # index into the per-row arrays
         codes, written = st.codes.gather(1, at), st.written.gather(1, at)
         above, below = st.codes.gather(1, at - 1), st.codes.gather(1, at + 1)
+        rounds_before = st.row_rounds.gather(1, at)
         real_row = row < H
         above_done = above >= W
-        last_allowed = torch.where(above_done, W - 1, above - self.window)  # the window rule
+        # the window rule: a row starts once the row above holds s codes (the start lag) and then commits
+        # column c while the row above holds c + commit lag codes (ZipAR: the same s; PJD: 8 and 2)
+        started = (codes > 0) | (above >= self.window)
+        last_allowed = torch.where(above_done, W - 1, torch.where(started, above - self.commit_lag, -1))
         allowed = torch.where(real_row, (last_allowed - codes + 1).clamp(0, L), 0)  # codes it may commit now
         tail = real_row & (codes == W) & (written == W - 1) & (row < H - 1)  # K/V of the last code
         if not self.has_eol:
@@ -375,6 +459,14 @@ class ZipARDecoder:
         active = (allowed > 0) | tail
         start = active & (codes == 0)
         stand_in = start & ~above_done if not self.has_eol else torch.zeros_like(start)
+        # lane 0 feeds a token whose K/V are already in its slot (drafts-only commits: the last accepted
+        # draft; or a row that started and committed nothing): it writes a scratch slot instead, so a
+        # filled slot is never rewritten, and sees its own new K/V there, not the old ones
+        if self.has_eol:
+            fed_is_written = st.eol_written.gather(1, at - 1)
+        else:
+            fed_is_written = st.written.gather(1, at - 1) >= W
+        refeed = active & torch.where(codes > 0, written >= codes, start & ~stand_in & fed_is_written)
 
         # --- inputs, positions and K/V slots of the R x L lanes ---------------------------------------
         column = codes[..., None] - 1 + lanes  # [B, R, L] column of the token each lane feeds (-1: start)
@@ -387,23 +479,26 @@ class ZipARDecoder:
             stored = st.draft.gather(1, at[..., None].expand(B, R, L))
             stored_q = st.draft_q.gather(1, at[..., None, None].expand(B, R, L, V))
             stored_fresh = st.fresh.gather(1, at[..., None].expand(B, R, L))
-            # a row that starts now: copies of the codes above (or of its input beyond them)
+            # a row that starts now: copies of the codes above (or of its input beyond them), or random codes
             above_col = (row - 1)[..., None] * Wp + lanes - 1
-            copy_above = st.tokens.gather(1, above_col.clamp(0, T - 1).view(B, -1)).view(B, R, L)
-            copy = torch.where(lanes - 1 < above[..., None], copy_above, lane0[..., None])
-            new_row = (codes == 0)[..., None]
+            if self.random_init:
+                copy = self.random_codes(row[..., None] * Wp + lanes)  # step: raster index + 1, row round 0
+            else:
+                copy_above = st.tokens.gather(1, above_col.clamp(0, T - 1).view(B, -1)).view(B, R, L)
+                copy = torch.where(lanes - 1 < above[..., None], copy_above, lane0[..., None])
+            new_row = ((codes == 0) & (rounds_before == 0))[..., None]  # not a started row that committed nothing
             drafts = torch.where(new_row, copy, stored)
             fresh = new_row | stored_fresh
             inputs = torch.cat([lane0[..., None], drafts[..., 1:]], -1)
         else:
             inputs = lane0[..., None]
         position = (c + raster).clamp(0, c + T - 1)
-        own_slot = live & ~(stand_in[..., None] & (lanes == 0))
+        own_slot = live & ~((stand_in | refeed)[..., None] & (lanes == 0))
         slot = torch.where(own_slot, c + raster, self.scratch[:R])  # [B, R, L]
 
         # --- the cache after this forward's writes: per-row counts -> filled slots ------------------
         trash = self.sink_row
-        feeds_own = active & (codes > 0)  # lane 0 writes the row's last committed code
+        feeds_own = active & (codes > 0) & ~refeed  # lane 0 writes the row's last committed code
         real_start = start & ~stand_in
         if self.has_eol:
             st.eol_written.index_put_((b.expand(B, R), torch.where(real_start, at - 1, trash)),
@@ -418,9 +513,13 @@ class ZipARDecoder:
             filled = filled | (self.slot_is_eol & st.eol_written.gather(1, slot_row))
         before = s.slot_ids <= (c + raster[..., 0])[..., None]  # [B, R, S]: raster order
         context = (filled[:, None, :] & before)[:, :, None, :]  # [B, R, 1, S]
+        if self.commit_drafts:  # a re-fed lane 0 sees its new K/V (scratch), not the old ones in its slot
+            old_self = refeed[..., None] & (s.slot_ids == (c + raster[..., 0])[..., None])  # [B, R, S]
+            context = context & ~(old_self[:, :, None, :] & (lanes == 0)[:, None])
         mine = slot[..., None] == s.slot_ids  # [B, R, L, S]
-        # lane i also sees lanes < i of its row (causal window), but not a stand-in: it is no context
-        shared = mine & (live & ~(stand_in[..., None] & (lanes == 0)))[..., None]
+        # lane i also sees lanes < i of its row (causal window), but not a stand-in (it is no context) nor
+        # a re-fed lane 0 (its row sees the token's K/V in its slot)
+        shared = mine & own_slot[..., None]
         window = shared.long().cumsum(2) > 0
         visible = (context | window | mine).view(B, R * L, -1)
         mask = self.rows_of(visible) | self.cond_visible[:, None, :]
@@ -438,7 +537,10 @@ class ZipARDecoder:
             qx = torch.where(fresh[..., 1:], 1.0, q.gather(3, d[..., None])[..., 0])
             testable = live[..., 1:] & (lanes[1:] <= allowed[..., None] - 1)
             def sampled_test():
-                u = self.uniforms(raster[..., 1:], self.accept_stream)
+                # keyed by raster index: tested at most once, unless lower rows commit drafts only (they
+                # re-test a column in a later forward: then by row round too)
+                test_step = raster[..., 1:] + (rounds_before[..., None] * (T + 1) if self.commit_drafts else 0)
+                u = self.uniforms(test_step, self.accept_stream)
                 passed, _ = self.rule.accept(p[..., :-1, :].reshape(-1, V), d.reshape(-1), qx.reshape(-1),
                                              u.reshape(-1), None)
                 return passed.view(B, R, L - 1)
@@ -464,13 +566,17 @@ class ZipARDecoder:
 
         # --- commit: accepted drafts, then the residual / bonus token ---------------------------------
         commits = torch.where(allowed > 0, k + 1, 0)
+        if self.commit_drafts:  # PJD's release: below the top unfinished row, the accepted drafts only
+            unfinished_row = real_row & (codes < W)
+            top = unfinished_row & (unfinished_row.long().cumsum(1) == 1)
+            commits = torch.where(allowed > 0, k + top.long(), 0)
         values = torch.where(lanes < k[..., None], inputs.roll(-1, 2), nxt[..., None])
         target = torch.where(lanes < commits[..., None], (row * Wp + codes)[..., None] + lanes, T)
         st.tokens.index_put_((b[..., None].expand(B, R, L), target), values)
         new_codes = codes + commits
         st.codes.index_put_((b.expand(B, R), at), new_codes)
         if L > 1:  # accepted drafts were fed at their own slots: their K/V are in place (filled from now on)
-            st.written.index_put_((b.expand(B, R), torch.where(commits > 1, at, trash)), codes + k)
+            st.written.index_put_((b.expand(B, R), torch.where((allowed > 0) & (k > 0), at, trash)), codes + k)
         st.row_rounds.index_put_((b.expand(B, R), at), st.row_rounds.gather(1, at) + active.long())
 
         if L > 1:  # --- next drafts: the Jacobi update, copies for new columns --------------------------
@@ -482,15 +588,27 @@ class ZipARDecoder:
             src = source.clamp(0, L - 1)
             carried = (source >= 0) & (source <= L - 1) & live.gather(2, src)
             new_column = new_codes[..., None] - 1 + lanes
-            copy_above = st.tokens.gather(1, ((row - 1)[..., None] * Wp + new_column).clamp(0, T - 1).view(B, -1))
-            last = st.tokens.gather(1, (row * Wp + new_codes - 1).clamp(0, T - 1))
-            copy = torch.where((new_column < above[..., None]) & (row > 0)[..., None], copy_above.view(B, R, L),
-                               last[..., None])
+            if self.random_init:
+                copy = self.random_codes(rounds[..., None] * (T + 1) + row[..., None] * Wp + new_column + 1)
+            else:
+                copy_above = st.tokens.gather(1, ((row - 1)[..., None] * Wp + new_column).clamp(0, T - 1).view(B, -1))
+                last = st.tokens.gather(1, (row * Wp + new_codes - 1).clamp(0, T - 1))
+                copy = torch.where((new_column < above[..., None]) & (row > 0)[..., None], copy_above.view(B, R, L),
+                                   last[..., None])
             new_drafts = torch.where(carried, y.gather(2, src), copy)
             new_q = p.gather(2, src[..., None].expand(B, R, L, V))
-            update = (commits > 0)[..., None]
+            new_fresh = ~carried
+            if self.keep > 0:  # PJD's keep rule (lossy): the old draft of the column, fed at old lane src + 1
+                old_lane = (src + 1).clamp(max=L - 1)
+                ratio = (p[..., :-1, :].gather(3, d[..., None])[..., 0] / qx).clamp(max=1.0)  # [B, R, L-1]
+                kept = (carried & (source > k[..., None]) & (source + 1 <= L - 1) & live.gather(2, old_lane)
+                        & (ratio.gather(2, (old_lane - 1).clamp(min=0)) > self.keep))
+                new_drafts = torch.where(kept, inputs.gather(2, old_lane), new_drafts)
+                new_q = torch.where(kept[..., None], stored_q.gather(2, old_lane[..., None].expand(B, R, L, V)), new_q)
+                new_fresh = torch.where(kept, fresh.gather(2, old_lane), new_fresh)
+            update = (allowed > 0)[..., None]  # the row took part in the test (plain ZipAR + SJD: it committed)
             st.draft.index_put_((b.expand(B, R), at), torch.where(update, new_drafts, drafts))
-            st.fresh.index_put_((b.expand(B, R), at), torch.where(update, ~carried, fresh))
+            st.fresh.index_put_((b.expand(B, R), at), torch.where(update, new_fresh, fresh))
             st.draft_q.index_put_((b.expand(B, R), at), torch.where(update[..., None], new_q, stored_q))
             st.accepted.add_(torch.where(allowed > 0, k, 0).sum(1))
 
@@ -498,6 +616,16 @@ class ZipARDecoder:
         unfinished = st.lo < H
         st.passes.add_(unfinished.long())
         st.committing_rows.add_((commits > 0).long().sum(1))
+        st.testing_rows.add_((allowed > 0).long().sum(1))
+        st.busiest.copy_(torch.maximum(st.busiest, active.long().sum(1)))
+        if self.capped:  # the row after the served ones, had it been served (rows further down cannot start)
+            next_row = st.lo + R
+            next_codes = st.codes.gather(1, (next_row + 1)[:, None])[:, 0]
+            next_above = codes[:, R - 1]  # before this forward's commits, as the rule read it
+            next_last = torch.where(next_above >= W, W - 1,
+                                    torch.where((next_codes > 0) | (next_above >= self.window),
+                                                next_above - self.commit_lag, -1))
+            st.cap_waits.add_((unfinished & (next_row < H) & (next_last >= next_codes)).long())
         rows = self.stored_rows
         done = (st.codes[:, rows] == W) & ((st.written[:, rows] == W) | (rows == H))
         if not self.has_eol:
@@ -509,4 +637,9 @@ class ZipARDecoder:
 
 @register("zipar", ZipAROptions)
 def run_zipar(engine, batch: DecodeBatch, params, opts: ZipAROptions) -> ZipARDecoder:
+    return ZipARDecoder.start(engine, batch, params, opts)
+
+
+@register("pjd", PJDOptions)
+def run_pjd(engine, batch: DecodeBatch, params, opts: PJDOptions) -> ZipARDecoder:
     return ZipARDecoder.start(engine, batch, params, opts)

@@ -1,0 +1,357 @@
+"""PJD (2-D Jacobi decoding over image rows) on the Zoo model against AR, SJD, SJD-PAC, ZipAR and ZipAR + SJD:
+tokens per forward (TPF), class accuracy and classifier FD with 95 % paired bootstrap intervals, and
+forwards per image against grid size from the step model of ``pjd.md`` §1.7, checked on our counts.
+
+Every setting decodes the same labels with the same random streams (image i draws from (seed, i)), so
+the differences to AR are paired image by image; statistics, parity and the token cache are
+``benchmarks/quality_speed.py``'s (its functions, its cache key). AR, SJD and SJD-PAC are read from
+``quality_speed``'s committed token cache when it holds them for the same key (the same labels, seed,
+sampling, batch and options); every other setting is cached under ``<out>_tokens/`` (interrupted runs
+resume there), with the row statistics of its decode beside it (``<setting>.rows.json``).
+
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py                 # 128 images per setting
+    python benchmarks/pjd_zoo.py --report-only --doc docs/jacobi.md           # tables from the cache
+
+``--doc`` also writes the tables between the ``pjd-zoo`` marker comments of that file.
+
+The PJD settings cap the rows served per forward at 4 (``--zipar-max-rows 4``: 32 query lanes per
+image instead of 9 x 8 on a CPU); the table reports how often the cap made a row wait (``cap waits``).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+import quality_speed as qs  # noqa: E402  (the lead's statistics, cache and metric helpers)
+
+PJD_CAP = {"zipar_max_rows": 4}
+DEFAULT_PER_CLASS = 8  # 128 images: PJD's 4 rows x 8 lanes per forward take ~1 min per 16 images on one CPU thread
+# (name, method, options)
+SETTINGS = [
+    ("AR", "ar", {}),
+    ("SJD", "sjd", {}),
+    ("SJD-PAC", "sjd-pac", {}),
+    ("ZipAR s=4", "zipar", {"zipar_window": 4}),
+    ("ZipAR s=8", "zipar", {"zipar_window": 8}),
+    ("ZipAR s=4 + SJD L=4", "zipar", {"zipar_window": 4, "zipar_verify": "sjd", "zipar_jacobi_window": 4}),
+    ("PJD-E1", "pjd", dict(PJD_CAP)),
+    ("PJD rule", "pjd", dict(PJD_CAP, zipar_commit="drafts")),
+    ("PJD-E1 start 4", "pjd", dict(PJD_CAP, zipar_window=4)),
+    ("PJD rule + keep 0.5", "pjd", dict(PJD_CAP, zipar_commit="drafts", zipar_keep=0.5)),
+]
+# the order a run generates them: the issue's settings cheapest first, then the extra PJD ones
+ORDER = ["AR", "ZipAR s=4", "ZipAR s=8", "SJD-PAC", "ZipAR s=4 + SJD L=4", "PJD-E1", "PJD rule", "SJD",
+         "PJD-E1 start 4", "PJD rule + keep 0.5"]
+SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
+SHARED_CACHE = ("AR", "SJD", "SJD-PAC")  # settings quality_speed caches too
+DOC_BEGIN = "<!-- pjd-zoo:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
+DOC_END = "<!-- pjd-zoo:end -->"
+PAIRS = [("PJD rule", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"), ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4")]
+GRIDS = [(16, False), (24, False), (32, False), (48, True)]  # (side, rows end with an EOL: Lumina-mGPT)
+
+
+class StatsRecorder:
+    """The engine, with every ``generate`` call's row statistics kept (the cache stores tokens only)."""
+
+    def __init__(self, eng):
+        self._eng, self.batches = eng, []
+
+    def __getattr__(self, name):
+        return getattr(self._eng, name)
+
+    def generate(self, **kw):
+        out = self._eng.generate(**kw)
+        self.batches.append({k: out.stats.get(k) for k in ("committing_rows", "testing_rows", "accepted_drafts",
+                                                           "most_rows_per_forward", "cap_waits", "zipar_rows")})
+        return out
+
+
+def resolved(method, opts):
+    from vvs_engine.methods import resolve_options
+
+    return resolve_options(method, opts)
+
+
+def generate(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, log=print):
+    for name, method, opts in settings:
+        key = qs.setting_key(ckpt, method, opts, sampling, labels, seed, batch_size)
+        shared = os.path.join(ROOT, "benchmarks", "results", "quality_speed_tokens", qs._slug(name) + ".npz")
+        if name in SHARED_CACHE and qs.load_cache(shared, qs.digest_of(key)) is not None:
+            log(f"[pjd_zoo] {name}: quality_speed's cache")
+            continue
+        cache = os.path.join(cache_dir, qs._slug(name) + ".npz")
+        if qs.load_cache(cache, qs.digest_of(key)) is not None:
+            log(f"[pjd_zoo] {name}: cached")
+            continue
+        log(f"[pjd_zoo] {name}")
+        rec = StatsRecorder(eng)
+        partial_rows = cache + ".rows.partial.json"
+        if os.path.exists(partial_rows):
+            with open(partial_rows) as f:
+                saved = json.load(f)
+            if saved.get("key") == key:
+                rec.batches = saved["batches"]
+        t0 = time.time()
+        orig = rec.generate
+
+        def generate_and_save(**kw):  # the row statistics follow the resumable token cache batch by batch
+            out = orig(**kw)
+            with open(partial_rows, "w") as f:
+                json.dump({"key": key, "batches": rec.batches}, f)
+            return out
+
+        rec.generate = generate_and_save
+        qs.generate_setting(rec, name, method, opts, labels, seed, sampling, batch_size, cache, key, True, False)
+        with open(cache[: -len(".npz")] + ".rows.json", "w") as f:
+            json.dump({"key": key, "batches": rec.batches}, f)
+        if os.path.exists(partial_rows):
+            os.remove(partial_rows)
+        log(f"[pjd_zoo] {name}: {time.time() - t0:.0f} s")
+
+
+def load_setting(name, method, opts, labels, seed, sampling, batch_size, ckpt, cache_dir):
+    key = qs.setting_key(ckpt, method, opts, sampling, labels, seed, batch_size)
+    for folder in (cache_dir, os.path.join(ROOT, "benchmarks", "results", "quality_speed_tokens")):
+        gen = qs.load_cache(os.path.join(folder, qs._slug(name) + ".npz"), qs.digest_of(key))
+        if gen is not None:
+            gen["tokens"], gen["forwards"] = gen["tokens"].astype(np.int64), gen["forwards"].astype(np.float64)
+            rows = None
+            path = os.path.join(folder, qs._slug(name) + ".rows.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    saved = json.load(f)
+                rows = saved["batches"] if saved.get("key") == key else None
+            return gen, rows
+    return None, None
+
+
+def step_model(start_lag, rows, codes, per_row):
+    """pjd.md §1.7: row r starts about s / v forwards after row r - 1 and the last row needs W / v more:
+    (s (H - 1) + W) / v forwards (v: codes a row commits per forward it commits in)."""
+    return (start_lag * (rows - 1) + codes) / per_row
+
+
+def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, reps, work_dir):
+    from vvs_engine.evaluation.quality import reference_features
+
+    T = eng.tokens_per_image
+    H = W = int(round(T ** 0.5))
+    idx = qs.bootstrap_indices(len(labels), reps, seed)
+    ref = {"cls": qs.ReferenceSet(reference_features("classifier"))}
+    work = qs.WorkCache(work_dir)
+    rows, ar, missing, all_draws = [], None, [], {}
+    for name, method, opts in settings:
+        gen, row_stats = load_setting(name, method, opts, labels, seed, sampling, batch_size, ckpt, cache_dir)
+        if gen is None:
+            missing.append(name)
+            continue
+        digest = hashlib.sha1(np.ascontiguousarray(gen["tokens"]).tobytes()).hexdigest()
+        feats = work.get("features", [digest, list(labels), False],
+                         lambda: qs.image_features(eng, gen["tokens"], labels, inception=False))
+        draws = work.get("draws", [digest, gen["forwards"].tolist(), reps, None, seed, False],
+                         lambda: qs.metric_draws(feats, gen["forwards"], T, ref, idx))
+        all_draws[name] = draws
+        if method == "ar":
+            ar = draws
+        metrics = {k: qs.summarise(v, b, ar.get(k) if (ar is not None and method != "ar") else None)
+                   for k, (v, b) in draws.items()}
+        row = {"name": name, "method": method, "options": resolved(method, opts), "n_images": len(labels),
+               "forwards": float(gen["forwards"].mean()), "gen_seconds": float(gen.get("gen_seconds", -1.0)),
+               **metrics}
+        if method in ("zipar", "pjd"):
+            eff = row["options"]
+            row["start_lag"] = eff["zipar_window"]
+            if row_stats:
+                # v: codes per (row, forward) in which the row could commit (token 0: the prefill's)
+                testing = sum(b["testing_rows"] for b in row_stats)
+                row["codes_per_row_forward"] = len(labels) * (T - 1) / testing
+                row["rows_per_forward"] = testing / float(gen["forwards"].sum())
+                row["most_rows_per_forward"] = max(b["most_rows_per_forward"] for b in row_stats)
+                row["cap_waits"] = sum(b["cap_waits"] for b in row_stats) / len(labels)
+                row["model_forwards"] = step_model(row["start_lag"], H, W, row["codes_per_row_forward"])
+        rows.append(row)
+    if rows and rows[0]["method"] != "ar":
+        raise SystemExit("error: AR's tokens are not cached: run AR first")
+    qs.parity_verdicts(rows)
+    pairs = []  # paired differences between two settings on the same bootstrap draws
+    for a, b in PAIRS:
+        if a in all_draws and b in all_draws:
+            pairs.append({"a": a, "b": b, **{k: qs.summarise(all_draws[a][k][0], all_draws[a][k][1], all_draws[b][k])
+                                             for k in ("class_accuracy", "fd_classifier", "tpf")}})
+    return rows, missing, (H, W), pairs
+
+
+def grid_rows(rows, measured_side):
+    """Forwards per image at each grid of GRIDS: AR, SJD and SJD-PAC at their measured TPF (a model: their
+    acceptance per token need not hold elsewhere), the row-parallel settings by the step model with
+    their measured codes per row per forward."""
+    out = []
+    for r in rows:
+        cells = []
+        for side, eol in GRIDS:
+            tokens = side * (side + eol)
+            if side == measured_side and not eol:
+                f = r["forwards"]
+            elif "codes_per_row_forward" in r:  # the forced line ends need no forward (placed by the schedule)
+                f = step_model(r["start_lag"], side, side, r["codes_per_row_forward"])
+            else:
+                f = (tokens - 1) / (1.0 if r["method"] == "ar" else r["tpf"]["value"])
+            cells.append((f, tokens / f))
+        out.append((r["name"], cells))
+    return out
+
+
+def to_markdown(meta, rows, missing, pairs=()) -> str:
+    H, W = meta["grid"]
+    lines = [f"# PJD on the Zoo model ({H}x{W} tokens)", "", f"Command: `{meta['command']}`", "",
+             f"{meta['n_images']} images per setting ({meta['per_class']} per class), image i seeded with "
+             f"({meta['seed']}, i) in every setting (paired with AR), sampling {meta['sampling']}, batch "
+             f"{meta['batch_size']}, CPU fp32, 1 thread. Intervals: 95 % percentile bootstrap over images "
+             f"({meta['bootstrap']} draws, shared by every setting); Δ = setting − AR on the same draws. Parity: no Δ "
+             "interval (class accuracy, classifier FD) lies wholly on the worse side. Forwards: target forwards "
+             "per image, prefill excluded. PJD: start lag 8, commit lag 2, 8 lanes per row, random new drafts, "
+             "at most 4 rows per forward; E1 = every row commits by the SJD rule (exact per forward), PJD rule "
+             "= rows below the top one commit accepted drafts only (the release).", "",
+             "| setting | forwards / image | TPF | class acc | Δ acc vs AR | FD (classifier) | Δ FD | parity | "
+             "rows / forward | codes / row-forward | cap waits / image |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rpf = f"{r['rows_per_forward']:.2f} (max {r['most_rows_per_forward']})" if "rows_per_forward" in r else "–"
+        cpr = f"{r['codes_per_row_forward']:.2f}" if "codes_per_row_forward" in r else "–"
+        waits = f"{r['cap_waits']:.2f}" if "cap_waits" in r and r["method"] == "pjd" else "–"
+        lines.append(f"| {r['name']} | {r['forwards']:.1f} | {qs._ci(r['tpf'], 2)} | {qs._ci(r['class_accuracy'], 3)} | "
+                     f"{qs._diff(r['class_accuracy'], 3)} | {qs._ci(r['fd_classifier'], 2)} | "
+                     f"{qs._diff(r['fd_classifier'], 2)} | {'yes' if r['parity'] else 'no'} | {rpf} | {cpr} | {waits} |")
+    if missing:
+        lines += ["", f"Not generated yet (no complete cache): {', '.join(missing)}."]
+    if pairs:
+        lines += ["", "## Paired differences between settings", "",
+                  "Δ = first − second on the same images and bootstrap draws (95 % intervals): does the released "
+                  "rule's \"confirm twice\" buy quality over E1 at equal lags?", "",
+                  "| first | second | Δ class acc | Δ FD (classifier) | Δ TPF |", "|---|---|---|---|---|"]
+        for pr in pairs:
+            lines.append(f"| {pr['a']} | {pr['b']} | {qs._diff(pr['class_accuracy'], 3)} | "
+                         f"{qs._diff(pr['fd_classifier'], 2)} | {qs._diff(pr['tpf'], 2)} |")
+    lines += ["", "## The step model (pjd.md §1.7) against our counts", "",
+              "A row starts about s / v forwards after the row above (s: start lag, v: codes a row commits per "
+              "forward in which the window rule lets it commit, measured) and the last row needs W / v more: "
+              "forwards ≈ (s (H − 1) + W) / v. Plain ZipAR has v = 1 and needs (H − 1) s + W − 1 exactly.", "",
+              "| setting | start lag s | v (measured) | forwards measured | model | model / measured |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "model_forwards" in r:
+            lines.append(f"| {r['name']} | {r['start_lag']} | {r['codes_per_row_forward']:.3f} | {r['forwards']:.1f} | "
+                         f"{r['model_forwards']:.1f} | {r['model_forwards'] / r['forwards']:.3f} |")
+    jacobi = [r["model_forwards"] / r["forwards"] for r in rows if r.get("codes_per_row_forward", 1.0) > 1.0]
+    if jacobi:
+        lines += ["", f"With Jacobi windows the model gives {min(jacobi):.2f}–{max(jacobi):.2f} of our counts (our "
+                      "reading: it spends one average v on every row's start delay, while a lower row is held to the "
+                      "pace of the row above by the commit lag, so the wavefront is longer than modelled; the "
+                      "extrapolations below share that bias)."]
+    head = " | ".join(f"{s}x{s}{' + EOL' if e else ''}" for s, e in GRIDS)
+    lines += ["", "## Forwards per image (TPF) against grid size", "",
+              f"Measured at {H}x{W}; elsewhere a model: row-parallel settings by the step model with the v measured "
+              "here (the forced line ends need no forward), AR as T − 1, SJD and SJD-PAC at the TPF measured here "
+              "(their acceptance per token held fixed). 48x48 + EOL is Lumina-mGPT 768's layout. The model has no row "
+              "cap: on wider grids more rows are in flight (about W / s), which the PJD settings' cap of 4 rows "
+              "would limit.", "",
+              f"| setting | {head} |", "|---|" + "---|" * len(GRIDS)]
+    for name, cells in grid_rows(rows, H):
+        lines.append(f"| {name} | " + " | ".join(f"{f:.0f} ({tpf:.2f})" for f, tpf in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_doc(path, md) -> None:
+    """The tables (with their command, without the title) between the marker comments of ``path``."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    body = md.split("\n", 2)[2].strip()
+    body = body.replace("\n## ", "\n#### ")  # the doc's own section levels
+    start, end = text.index(DOC_BEGIN) + len(DOC_BEGIN), text.index(DOC_END)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text[:start] + "\n" + body + "\n" + text[end:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images-per-class", type=int, default=DEFAULT_PER_CLASS,
+                    help=f"images per class (default {DEFAULT_PER_CLASS}: {16 * DEFAULT_PER_CLASS} images)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--bootstrap", type=int, default=1000)
+    ap.add_argument("--settings", default=None, help="comma list of setting names to generate (AR always runs "
+                                                     "first); default all. Known: " + ", ".join(SETTING_BY_NAME))
+    ap.add_argument("--report-only", action="store_true", help="generate nothing; tables from the cache")
+    ap.add_argument("--model", default="zoo-gpt", help="the Zoo target by name: zoo-gpt (16x16, default) or another "
+                                                       "Zoo member with the same tokenizer (zoo-gpt-32 once it ships)")
+    ap.add_argument("--out", default=None, help="output prefix: .md, .json, _tokens/ (default "
+                                                "benchmarks/results/pjd_zoo, or pjd_<model> for another model)")
+    ap.add_argument("--doc", default=None, help="also write the tables between this file's pjd-zoo markers")
+    a = ap.parse_args(argv)
+    if a.images_per_class < 1 or a.batch_size < 1 or a.bootstrap < 1:
+        print("error: --images-per-class, --batch-size and --bootstrap must be >= 1", file=sys.stderr)
+        return 2
+    names = [s.strip() for s in a.settings.split(",")] if a.settings else list(ORDER)
+    bad = [n for n in names if n not in SETTING_BY_NAME]
+    if bad:
+        print(f"error: unknown setting(s) {', '.join(bad)}; known: {', '.join(SETTING_BY_NAME)}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    from vvs_engine import Engine
+    from vvs_engine.errors import VVSError
+    from vvs_engine.zoo import model_path
+
+    default_out = os.path.join(ROOT, "benchmarks", "results", "pjd_zoo" if a.model == "zoo-gpt" else f"pjd_{a.model}")
+    out_given = a.out is not None and os.path.abspath(a.out) != default_out
+    a.out = a.out or default_out
+    paths, ckpt, sampling = qs.zoo_context()
+    if a.model != "zoo-gpt":  # another target, the same tokenizer and classifier; no method here needs a drafter
+        try:
+            paths = {"zoo-gpt": model_path(a.model), "zoo-vq": paths["zoo-vq"], "zoo-classifier": paths["zoo-classifier"]}
+        except VVSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        ckpt = qs.checkpoint_digest(paths)
+    eng = Engine.load(gpt_ckpt=paths["zoo-gpt"], vq_ckpt=paths["zoo-vq"], drafter=paths.get("zoo-drafter"),
+                      **qs.engine_threads(Engine, 1))
+    labels = [c for c in range(eng.config.num_classes) for _ in range(a.images_per_class)]
+    cache_dir = a.out + "_tokens"
+    os.makedirs(cache_dir, exist_ok=True)
+    if not a.report_only:
+        order = ["AR"] + [n for n in names if n != "AR"]
+        generate(eng, [SETTING_BY_NAME[n] for n in order], labels, a.seed, sampling, a.batch_size, ckpt, cache_dir)
+    rows, missing, grid, pairs = report(eng, SETTINGS, labels, a.seed, sampling, a.batch_size, ckpt, cache_dir,
+                                 a.bootstrap, a.out + "_work")
+    command = "OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py" + (
+        f" --model {a.model}" if a.model != "zoo-gpt" else "") + (
+        f" --images-per-class {a.images_per_class}" if a.images_per_class != DEFAULT_PER_CLASS else "") + (
+        f" --settings \"{a.settings}\"" if a.settings else "") + (
+        f" --out {os.path.relpath(a.out, ROOT)}" if out_given else "")
+    meta = {"command": command, "n_images": len(labels), "per_class": a.images_per_class, "seed": a.seed,
+            "sampling": sampling, "batch_size": a.batch_size, "bootstrap": a.bootstrap, "grid": grid,
+            "torch": torch.__version__}
+    md = to_markdown(meta, rows, missing, pairs)
+    with open(a.out + ".md", "w") as f:
+        f.write(md)
+    with open(a.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows, "missing": missing, "pairs": pairs}, f, indent=1, default=str)
+    if a.doc:
+        write_doc(a.doc, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
