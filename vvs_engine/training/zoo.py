@@ -648,20 +648,23 @@ def main(argv=None):
         given = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
         wrong = [k for k in given if k not in defaults]
         if wrong:
-            raise VVSError(f"--grid {a.grid} has no option {', '.join('--' + k.replace('_', '-') for k in wrong)}")
+            raise UsageError(f"--grid {a.grid} has no option {', '.join('--' + k.replace('_', '-') for k in wrong)}")
         if a.grid == 16:
             if a.zoo_dir:
-                raise VVSError("--zoo-dir is for --grid 32 (it names the tokenizer to reuse)")
+                raise UsageError("--zoo-dir is for --grid 32 (it names the tokenizer to reuse)")
             train_all(a.out_dir, seed=a.seed, work_dir=a.work_dir, data_root=a.data, resume=a.resume,
                       threads=a.threads, **given)
         else:
             if a.data:
-                raise VVSError("--data is for --grid 16: the 32x32 member uses the built-in photos")
+                raise UsageError("--data is for --grid 16: the 32x32 member uses the built-in photos")
             train_grid32(a.out_dir, seed=a.seed, work_dir=a.work_dir, zoo_dir=a.zoo_dir, resume=a.resume,
                          threads=a.threads, **given)
-    except (VVSError, UsageError) as e:
+    except UsageError as e:  # the CLI's codes: 2 bad arguments, 1 other user errors
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except VVSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -33,7 +33,7 @@ def _dir(checkpoint_dir: str | None) -> str:
 # name -> (kind, one-line description). The kind is the "kind" field of the checkpoint's JSON.
 MODELS: Dict[str, tuple] = {
     "zoo-gpt": ("gpt", "class-conditional LlamaGen GPT target (16 photo classes, 256 tokens/image)"),
-    "zoo-vq": ("vq", "VQ tokenizer, 64x64 -> 16x16 codes, codebook 1024 x 8"),
+    "zoo-vq": ("vq", "VQ tokenizer, 64x64 -> 16x16 codes (128x128 -> 32x32), codebook 1024 x 8"),
     "zoo-drafter": ("drafter", "EAGLE-style draft head for zoo-gpt"),
     "zoo-gpt-32": ("gpt", "the same GPT at 128 px: 32x32 = 1024 tokens/image on zoo-vq"),
     "zoo-drafter-32": ("drafter", "EAGLE-style draft head for zoo-gpt-32"),
