@@ -61,7 +61,7 @@ def train_drafter(target, tokens: torch.Tensor, labels, steps: int = 600, batch_
     schedule = dict(steps=steps, batch=batch_size, lr=lr, seed=seed, n_sequences=n, n_layer=n_layer,
                     cfg_dropout=cfg_dropout, noise=noise)
     if state_path and save_every:
-        from .zoo import load_train_state
+        from .state import load_train_state
 
         state = load_train_state(state_path, schedule)
         if state is not None:
@@ -126,7 +126,7 @@ def train_drafter(target, tokens: torch.Tensor, labels, steps: int = 600, batch_
         if log and (step + 1) % max(1, steps // 10) == 0:
             log(f"drafter step {step + 1}/{steps} loss {loss.item():.4f} reg {reg.item():.4f} ce {ce.item():.4f}")
         if state_path and save_every and ((step + 1) % save_every == 0 or step + 1 == steps):
-            from .zoo import save_train_state
+            from .state import save_train_state
 
             save_train_state(state_path, schedule=schedule, step=step + 1, model=d.state_dict(),
                              optimizer=opt.state_dict(), scheduler=sched.state_dict(), generator=g.get_state())

@@ -34,6 +34,7 @@ from ..models.gpt import GPT, GPTConfig
 from ..models.vq import VQConfig, VQModel
 from ..zoo import data as zdata
 from .family_images import encode_crops
+from .state import load_train_state, save_train_state
 
 # The shipped configurations. 64x64 crops -> 16x16 = 256 tokens (LlamaGen's 256-px grid).
 IMAGE_SIZE = 64
@@ -70,29 +71,6 @@ def _bar(n: int, desc: str, start: int = 0):
     # mininterval keeps background logs short; the one-line summaries carry the figures.
     return tqdm(range(start, n), desc=desc, initial=start, total=n, mininterval=15, dynamic_ncols=True,
                 file=sys.stderr)
-
-
-def save_train_state(path: str, **state) -> None:
-    """Write a resumable training state (model, optimizer, generator, step ...) atomically: a run killed
-    while writing keeps the previous state file."""
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_train_state(path: str, schedule: dict) -> Optional[dict]:
-    """The state saved by :func:`save_train_state`, or None when ``path`` does not exist. ``schedule``
-    (steps, batch, lr, seed ...) must equal the saved one: resuming under another schedule would give a
-    model that neither schedule describes."""
-    from ..errors import VVSError
-
-    if not path or not os.path.exists(path):
-        return None
-    state = torch.load(path, weights_only=True)
-    if state.get("schedule") != schedule:
-        raise VVSError(f"{path} was saved with schedule {state.get('schedule')}, not {schedule}: delete it to "
-                       f"start over, or resume with the same options")
-    return state
 
 
 def psnr(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -620,8 +598,6 @@ def train_grid32(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, zo
 def main(argv=None):
     """``python -m vvs_engine.training.zoo OUT_DIR [--grid 16|32] [--seed S] [--resume] [--data DIR]
     [--threads N] [--key value]``"""
-    import argparse
-
     from ..errors import OneLineParser, UsageError, VVSError
 
     p = OneLineParser(prog="python -m vvs_engine.training.zoo",
