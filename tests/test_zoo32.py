@@ -118,6 +118,12 @@ def test_cli_generate_selects_the_member(zoo_dir, engine32, tmp_path, capsys):
     assert tokens.shape == (1, 1024)
     want = engine32.generate(class_labels=[3], method="ar", temperature=0.0, decode_images=False)
     np.testing.assert_array_equal(tokens, want.tokens.numpy())
+    # generate-dataset takes the same flag (its model flags are generate's)
+    ds = tmp_path / "ds"
+    assert main(["generate-dataset", "--model", "zoo-gpt-32", "--class-labels", "3", "--temperature", "0",
+                 "--device", "cpu", "--out", str(ds), "--quiet", "--no-images"]) == 0
+    with np.load(ds / "shard-00000.npz") as shard:
+        np.testing.assert_array_equal(shard["tokens"], tokens)
     capsys.readouterr()
     assert main(["generate", "--model", "zoo-vq", "--class-labels", "3", "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip()
