@@ -17,6 +17,11 @@ _suite_cache = None
 
 def pytest_configure(config):
     global _suite_cache
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest -n N: N worker processes share the cores; one torch thread each (the tests' models
+        # are tiny: launch-bound, so processes in parallel beat threads in one)
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     _suite_cache = tempfile.mkdtemp(prefix="vvs-test-cache-")
     for name in CACHE_VARIABLES:
         os.environ[name] = os.path.join(_suite_cache, name.lower())

@@ -33,12 +33,7 @@ METHODS = [
 
 
 @pytest.fixture(scope="module")
-def eng():
-    return tiny_engine(vocab=64, block=36, peak=8.0)
-
-
-@pytest.fixture(scope="module")
-def greedy_ar(eng):
+def greedy_ar(eng):  # this file's own labels (conftest's fixture has spec_models.LABELS)
     return eng.generate(class_labels=LABELS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
 
 

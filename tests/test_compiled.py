@@ -359,3 +359,22 @@ def test_launch_count_sees_every_call_form():
         "runner = Runner(partitions=[])"])
     n = launches.count(code)
     assert (n.kernels, n.gemms, n.custom, n.other) == (1, 1, 1, 3), n
+
+
+def test_per_image_settings_compile_to_the_eager_tokens(monkeypatch):
+    """Images with their own seeds and settings (greedy next to sampled, top-k, top-p, cfg 1) in one
+    compiled batch, one admitted mid-run: the rounds read each row's settings from the persistent
+    buffers admission writes, and give eager's tokens (AR, and EAGLE-2 with its per-row draft ranking
+    and both verification paths)."""
+    monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")
+    torch.manual_seed(0)
+    e = _engine()
+    kw = dict(class_labels=[0, 3, 1], seed=[3, 4, 5], temperature=[1.0, 0.0, 0.7], top_k=[0, 0, 5],
+              top_p=[1.0, 1.0, 0.9], cfg_scale=[3.0, 3.0, 1.0], batch_size=2, decode_images=False)
+    with _fast_inductor():
+        for method in ("ar", "eagle"):
+            eager = e.generate(method=method, compile=False, **kw, **METHODS[method])
+            compiled = e.generate(method=method, compile=True, **kw, **METHODS[method])
+            assert compiled.stats["admissions"] >= 1
+            assert compiled.stats["compiled"] and all(compiled.stats["compiled"].values()), compiled.stats["compiled"]
+            assert torch.equal(eager.tokens, compiled.tokens), method

@@ -78,7 +78,7 @@ def test_bad_input_is_one_line(tiny, tmp_path, capsys):
              (["--class-labels", "0-10"], "out of range"),
              (["--class-labels", "0", "--prompts", str(prompts)], "exactly one"),
              (["--class-labels", "0", "--shard-size", "0"], "--shard-size"),
-             (["--class-labels", "0", "--shard-size", "24"], "multiple of the --batch-size 16"),
+             (["--class-labels", "0", "--shard-size", "24", "--static-batches"], "multiple of the --batch-size 16"),
              (["--class-labels", "0", "--workers", "2"], "add --ray"),
              (["--class-labels", "0", "--max-prompt-tokens", "0"], "--max-prompt-tokens"),
              (["--class-labels", "0", "--method", "nope"], "unknown method"),
@@ -145,23 +145,31 @@ class RecordingEngine:
         return self.engine.generate(**kw)
 
 
-def test_decode_batches_are_global_whatever_the_shard_size(tiny, tmp_path):
-    """Batch j is images [j*B, (j+1)*B) of the job for every shard size (a multiple of B); a shard size
-    that would split a batch is refused before anything is written."""
+def test_a_shard_is_one_queue_and_static_batches_are_global(tiny, tmp_path):
+    """Continuous batching (the default): each shard is one decode-loop call of B images in flight, and
+    the files do not depend on the number of workers. Static batches: batch j is images [j*B, (j+1)*B)
+    of the job for every shard size (a multiple of B), and a shard size that would split a batch is
+    refused before anything is written. Both give the same tokens (this model is fp64-exact enough)."""
     def factory(model):
         return RecordingEngine(dataset.load_engine(model))
 
-    tokens = {}
+    RecordingEngine.calls = []
+    tiny_job(tmp_path / "queue", tiny, shard_size=4, batch_size=2, decode_images=False, engine_factory=factory)
+    assert RecordingEngine.calls == [([0, 1, 2, 3], 2), ([4, 5, 6, 7], 2), ([8, 9], 2)]
+    tokens = {"queue": read_all(tmp_path / "queue")["tokens"]}
     for shard in (2, 4, 6):
         RecordingEngine.calls = []
         tiny_job(tmp_path / f"s{shard}", tiny, shard_size=shard, batch_size=2, decode_images=False,
-                 engine_factory=factory)
-        assert RecordingEngine.calls == [([i, i + 1], 2) for i in range(0, 10, 2)], shard
+                 engine_factory=factory, static_batches=True)
+        starts = [calls[0][0] for calls in RecordingEngine.calls]
+        assert starts == list(range(0, 10, shard)), shard
         tokens[shard] = read_all(tmp_path / f"s{shard}")["tokens"]
-    assert np.array_equal(tokens[2], tokens[4]) and np.array_equal(tokens[2], tokens[6])
+    assert all(np.array_equal(tokens[2], t) for t in tokens.values())
     with pytest.raises(VVSError, match="multiple of the batch size 2"):
-        tiny_job(tmp_path / "bad", tiny, shard_size=3, batch_size=2)
+        tiny_job(tmp_path / "bad", tiny, shard_size=3, batch_size=2, static_batches=True)
     assert not os.path.exists(tmp_path / "bad" / "manifest.json")
+    with pytest.raises(VVSError, match="different settings \\(batching\\)"):  # resume with the other batching
+        tiny_job(tmp_path / "queue", tiny, shard_size=4, batch_size=2, decode_images=False, static_batches=True)
 
 
 def test_identical_runs_write_identical_files(tiny, tmp_path):

@@ -105,7 +105,7 @@ def test_batch_memory_hint_names_the_flag(tmp_path, capsys, no_model_loads):
                                               (40, "e.g. --shard-size 32 or 48")])
 def test_shard_size_suggestion_names_each_size_once(tmp_path, capsys, no_model_loads, shard, suggested):
     err = one_line_error(capsys, ["generate-dataset", "--class-labels", "0-3", "--out", str(tmp_path / "d"),
-                                  "--quiet", "--shard-size", str(shard)])
+                                  "--quiet", "--static-batches", "--shard-size", str(shard)])
     assert err.startswith(f"error: --shard-size {shard} must be a multiple of the --batch-size 16"), err
     assert err.endswith(suggested), err
 

@@ -34,11 +34,6 @@ IDS = [f"vvs-{o['skip_policy']}" if m == "vvs" else f"zipar-{o.get('zipar_verify
 LABELS = [0, 3, 4, 1, 2, 0, 3]  # 7 images: with 2 or 3 rows, most are admitted into a running batch
 
 
-@pytest.fixture(scope="module")
-def eng():
-    return tiny_engine(vocab=64, block=36, peak=8.0)
-
-
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=20, cfg_scale=3.0), dict(temperature=0.0)],
                          ids=["sampled", "greedy"])
 @pytest.mark.parametrize("method,opts", LOOP_METHODS, ids=IDS)
@@ -56,6 +51,39 @@ def test_tokens_do_not_depend_on_admission_or_batch_mates(eng, method, opts, sam
     assert continuous.stats["target_forward_passes"] == static.stats["target_forward_passes"]
     if method == "vvs":  # skips decided per sequence: some happened, and the same ones either way
         assert continuous.stats["skip_steps"] == static.stats["skip_steps"] > 0
+
+
+# Per-image settings in one batch: greedy, sampled, top-k, top-p, another guidance and none (cfg 1).
+MIXED = dict(temperature=[1.0, 0.0, 0.8, 1.0, 1.2, 0.0, 1.0], top_k=[20, 0, 10, 0, 0, 5, 0],
+             top_p=[1.0, 1.0, 1.0, 0.8, 1.0, 1.0, 0.9], cfg_scale=[3.0, 3.0, 1.5, 3.0, 1.0, 2.0, 3.0],
+             seed=[7, 8, 9, 10, 11, 12, 7])
+
+
+@pytest.mark.parametrize("method,opts", LOOP_METHODS, ids=IDS)
+def test_images_with_other_settings_share_a_batch(eng, method, opts):
+    """Images with different seeds and sampling settings (greedy next to sampled, top-k, top-p, other
+    guidance scales) decoded together, most admitted mid-run, equal each image decoded alone with its own
+    settings (fp64)."""
+    kw = dict(method=method, decode_images=False, **opts)
+    mixed = eng.generate(class_labels=LABELS, batch_size=3, **MIXED, **kw)
+    assert mixed.stats["admissions"] >= 2 and "per_image" in mixed.stats["sampling"]
+    for i in (0, 1, 2, 3, 4, 5):
+        alone = eng.generate(class_labels=[LABELS[i]], image_indices=[i], batch_size=1,
+                             **{name: values[i] for name, values in MIXED.items()}, **kw)
+        assert torch.equal(mixed.tokens[i], alone.tokens[0]), f"image {i} ({ {k: v[i] for k, v in MIXED.items()} })"
+        assert mixed.stats["per_image"]["target_forward_passes"][i] == \
+            alone.stats["per_image"]["target_forward_passes"][0]
+
+
+def test_per_image_settings_are_checked(eng):
+    from vvs_engine.errors import VVSError
+
+    with pytest.raises(VVSError, match="temperature has 2 values for 3 images"):
+        eng.generate(class_labels=[0, 1, 2], temperature=[1.0, 0.5], decode_images=False)
+    with pytest.raises(VVSError, match="top-p must be in"):
+        eng.generate(class_labels=[0, 1], top_p=[0.5, 1.5], decode_images=False)
+    with pytest.raises(VVSError, match="seed must be an integer"):
+        eng.generate(class_labels=[0, 1], seed=[0, "x"], decode_images=False)
 
 
 def test_continuous_batching_keeps_rows_busy(eng):

@@ -16,17 +16,7 @@ from vvs_engine.sampling import SamplingParams, guided_logits, process_logits
 from vvs_engine.runtime.target import TargetSession
 from vvs_engine.drafting.tree import children_table
 
-LABELS = [0, 3, 4]
-
-
-@pytest.fixture(scope="module")
-def eng():
-    return tiny_engine(vocab=64, block=36, peak=8.0)
-
-
-@pytest.fixture(scope="module")
-def greedy_ar(eng):
-    return eng.generate(class_labels=LABELS, temperature=0, cfg_scale=3.0, decode_images=False).tokens
+from spec_models import LABELS  # the labels of conftest's greedy_ar
 
 
 @pytest.mark.parametrize("method,opts", [

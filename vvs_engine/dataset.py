@@ -3,10 +3,12 @@
     from vvs_engine import dataset
     dataset.generate("out/c2i", class_labels=dataset.parse_label_ranges("0-15"), per_condition=4, method="vvs")
 
-Shard k holds images [k*S, (k+1)*S) of the job (S = ``shard_size``), whoever generates it, and decode
-batch j is images [j*B, (j+1)*B) of the job (B = ``batch_size``; S is a multiple of B), so every image is
-decoded with the same batch-mates whatever the number of shards or workers: they write the same files,
-byte for byte. The output folder holds ``manifest.json``, ``shard-NNNNN.npz`` (tokens, index, labels,
+Shard k holds images [k*S, (k+1)*S) of the job (S = ``shard_size``), whoever generates it, and a shard
+is one queue of the decode loop: B = ``batch_size`` images in flight, a finished image's rows going to
+the shard's next image between rounds (continuous batching; ``static_batches=True``: batch j is images
+[j*B, (j+1)*B), S a multiple of B). The schedule is a function of the shard alone, so every image is
+decoded with the same batch-mates whatever the number of workers: runs write the same files, byte for
+byte (the shard size is part of the job's identity: in fp32 other batch-mates can flip a near-tie). The output folder holds ``manifest.json``, ``shard-NNNNN.npz`` (tokens, index, labels,
 prompt ids, per-image forward passes; no times, which go to the manifest) and one PNG per image named by
 its global index. A shard is written to temporary files and renamed into place, so the folder only ever
 holds complete shards; a re-run skips them.
@@ -150,26 +152,27 @@ class ShardWorker:
         return str(self.engine.device)
 
     def run_shard(self, indices: Sequence[int], labels, prompts, job: dict, on_batch=None) -> dict:
-        """-> tokens [n, T], the PNGs as bytes, the stats of each batch. ``indices`` is a shard: it starts
-        at a multiple of the batch size, so its batches are the job's global batches."""
-        tokens, pngs, stats = [], [], []
+        """-> tokens [n, T], the PNGs as bytes, the stats of the shard's decode (a list of one). The shard
+        is one call of the decode loop: ``batch_size`` images in flight (continuous batching) or, with
+        ``static_batches``, static batches of the job's global batches (the shard starts at a multiple of
+        the batch size). ``on_batch(k)``: k more images finished."""
         bs = job["batch_size"]
-        check(indices[0] % bs == 0, f"shard starting at image {indices[0]} is not aligned to batches of {bs}")
-        for b in range(0, len(indices), bs):
-            out = self.engine.generate(class_labels=None if labels is None else list(labels[b:b + bs]),
-                                       prompts=None if prompts is None else list(prompts[b:b + bs]),
-                                       method=job["method"], seed=job["seed"], image_indices=list(indices[b:b + bs]),
-                                       decode_images=job["decode_images"], progress=False, batch_size=bs,
-                                       compile=job.get("compile"), **job["sampling"], **job["options"])
-            tokens.append(out.tokens.numpy().astype(np.int64))
-            for img in out.images:
-                buf = io.BytesIO()
-                img.save(buf, format="PNG")
-                pngs.append(buf.getvalue())
-            stats.append(out.stats)
-            if on_batch is not None:
-                on_batch(len(out.tokens))
-        return {"tokens": np.concatenate(tokens), "pngs": pngs, "stats": stats, "device": self.device()}
+        static = bool(job.get("static_batches", False))
+        check(not static or indices[0] % bs == 0,
+              f"shard starting at image {indices[0]} is not aligned to batches of {bs}")
+        out = self.engine.generate(class_labels=None if labels is None else list(labels),
+                                   prompts=None if prompts is None else list(prompts),
+                                   method=job["method"], seed=job["seed"], image_indices=list(indices),
+                                   decode_images=job["decode_images"], progress=False, batch_size=bs,
+                                   static_batches=static, compile=job.get("compile"), on_images=on_batch,
+                                   **job["sampling"], **job["options"])
+        pngs = []
+        for img in out.images:
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            pngs.append(buf.getvalue())
+        return {"tokens": out.tokens.numpy().astype(np.int64), "pngs": pngs, "stats": [out.stats],
+                "device": self.device()}
 
 
 # --- the output folder --------------------------------------------------------------------------
@@ -372,13 +375,15 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
              model: Optional[dict] = None, ray: Optional[str] = None, workers: Optional[int] = None,
              threads: Optional[int] = None, gpus_per_worker: Optional[float] = None,
              max_retries: int = DEFAULT_MAX_RETRIES, progress: bool = True, command: Optional[List[str]] = None,
-             engine_factory: Optional[Callable] = None, compile: Optional[bool] = None, **method_opts) -> dict:
+             engine_factory: Optional[Callable] = None, compile: Optional[bool] = None, static_batches: bool = False,
+             **method_opts) -> dict:
     """Generate ``per_condition`` images for each label (or prompt) into ``out_dir`` as shards; returns
     the job's merged stats. ``model``: ``Engine.load`` arguments (default: the Zoo). ``ray``: None (this
     process), ``"local"`` (start a local Ray cluster of ``workers`` workers), ``"auto"`` or an address
     (connect; one worker per GPU, else per ``threads`` CPUs). Finished shards in ``out_dir`` are kept.
     ``compile``: ``Engine.generate``'s (compiled decode rounds; the same tokens, so not part of the
-    dataset's identity)."""
+    dataset's identity). Each shard is one queue of ``batch_size`` images in flight (continuous
+    batching); ``static_batches=True`` decodes the job's global batches of ``batch_size`` instead."""
     from . import __version__
     from .methods import resolve_options
     from .sampling import SamplingParams
@@ -400,9 +405,9 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     check(n_conditions * per_condition <= MAX_IMAGES,
           f"{n_conditions} conditions x per-class {per_condition} = {n_conditions * per_condition} images; a job "
           f"holds at most {MAX_IMAGES} images (split it over several output folders)")
-    # Decode batch j is images [j*B, (j+1)*B) of the job; a shard of whole batches never splits one, so
-    # the shard size and the number of workers cannot change an image's batch-mates (or its tokens).
-    if shard_size % batch_size:
+    # Static batches: batch j is images [j*B, (j+1)*B) of the job; a shard of whole batches never splits
+    # one, so the shard size and the number of workers cannot change an image's batch-mates.
+    if static_batches and shard_size % batch_size:
         # the nearest multiples of the batch size either side (only the upper one below one batch)
         nearest = sorted({max(batch_size, shard_size // batch_size * batch_size), -(-shard_size // batch_size) * batch_size})
         raise VVSError(f"shard size {shard_size} must be a multiple of the batch size {batch_size} (a decode batch "
@@ -444,7 +449,8 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     # batch_size is part of the identity: in fp32/bf16 it can change a sampled token (README).
     identity = {"engine_version": __version__, "method": method, "method_options": options,
                 "sampling": params.to_dict(), "seed": seed, "n_images": n, "shard_size": shard_size,
-                "batch_size": batch_size, "per_condition": per_condition,
+                "batch_size": batch_size, "batching": "static" if static_batches else "continuous",
+                "per_condition": per_condition,
                 "conditions_sha256": _sha256_json([conds, prompt_ids]),
                 "kind": "labels" if prompts is None else "prompts", "dtype": model["dtype"],
                 "decode_images": bool(decode_images), "model_checksums": model_checksums(model)}
@@ -482,7 +488,7 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
         todo = [k for k in range(n_shards) if k not in done]
         job = {"method": method, "seed": seed, "sampling": params.to_dict(),
                "options": {k: v for k, v in method_opts.items() if v is not None}, "batch_size": batch_size,
-               "decode_images": bool(decode_images), "compile": compile}
+               "static_batches": bool(static_batches), "decode_images": bool(decode_images), "compile": compile}
 
         from tqdm import tqdm
 

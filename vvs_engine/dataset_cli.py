@@ -13,8 +13,7 @@ from .errors import VVSError
 
 
 # generate's flags that generate-dataset does not take (or defines its own way).
-OWN_FLAGS = {"help", "class_labels", "prompts", "out", "no_images", "profile", "quiet", "threads", "batch_size",
-             "static_batches"}
+OWN_FLAGS = {"help", "class_labels", "prompts", "out", "no_images", "profile", "quiet", "threads", "batch_size"}
 
 
 def add_dataset_parser(sub, generate_parser) -> None:
@@ -108,7 +107,7 @@ def cmd_generate_dataset(args) -> int:
             cfg_scale=args.cfg_scale, seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size,
             decode_images=not args.no_images, model=model, ray=args.ray, workers=args.workers, threads=threads,
             gpus_per_worker=args.gpus_per_worker, max_retries=args.max_retries, progress=not args.quiet,
-            compile=args.compile,
+            compile=args.compile, static_batches=args.static_batches,
             **{name: getattr(args, name) for name in args.method_option_names})
     except KeyboardInterrupt:
         print(resume_hint(args.out), file=sys.stderr)

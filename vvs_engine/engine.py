@@ -20,7 +20,7 @@ from .checkpoint import config_path, load_into, read_project_config, read_state_
 from .errors import VVSError, check
 from .models.gpt import GPT, GPT_PRESETS, GPTConfig, checked_gpt_config, gpt_config
 from .models.vq import VQ_PRESETS, VQConfig, VQModel, checked_vq_config, to_uint8
-from .sampling import SamplingParams
+from .sampling import RowSettings, SamplingParams, SamplingScope
 from .runtime.target import TargetSession
 from . import threads as _threads  # noqa: F401  (records torch's thread count at import, see threads.py)
 
@@ -104,6 +104,33 @@ class GenerationOutput:
     prompts: Optional[List[str]]
     images: List[Any] = field(default_factory=list)  # PIL images when a tokenizer is loaded
     stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class ImageSpec:
+    """One image to decode: its condition (a class label or a prompt), the key of its random numbers
+    (``seed``, ``index``: image ``index`` of a generation with that seed) and its sampling settings."""
+
+    label: Optional[int] = None
+    prompt: Optional[str] = None
+    seed: int = 0
+    index: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+def _both(first, second):
+    """One callback calling both (either may be None)."""
+    if first is None or second is None:
+        return first or second
+    return lambda k: (first(k), second(k))
+
+
+def _per_image(name: str, value, n: int) -> list:
+    """One value for every image, or a list with one per image -> a list of n values."""
+    if isinstance(value, (list, tuple)):
+        check(len(value) == n, f"{name} has {len(value)} values for {n} images (give one, or one per image)")
+        return list(value)
+    return [value] * n
 
 
 class Engine:
@@ -251,12 +278,37 @@ class Engine:
         return emb, mask
 
     # --- generation ---------------------------------------------------------------------------
+    def image_batch(self, specs: Sequence[ImageSpec], pad_to: int, scope: SamplingScope,
+                    clean_captions: bool = True):
+        """The ``DecodeBatch`` of ``specs`` (a decoder's start or an admission), padded to ``pad_to`` rows
+        by repeating the first image; each row carries its own seed, image index and (unless ``scope``
+        is one setting) sampling settings."""
+        from .methods.common import DecodeBatch
+        from .rng import CounterRNG
+
+        pick = list(specs) + [specs[0]] * (pad_to - len(specs))
+        by_label = pick[0].label is not None
+        cond, key_mask = self.condition_rows([x.label for x in pick] if by_label else None,
+                                             None if by_label else [x.prompt for x in pick], scope.use_cfg,
+                                             clean_captions)
+        index = torch.tensor([x.index for x in pick], dtype=torch.long, device=self.device)
+        rng = CounterRNG([x.seed for x in pick], index)
+        rows = None if scope.uniform is not None else RowSettings.of([x.sampling for x in pick], self.device)
+        return DecodeBatch(cond, key_mask, rng, len(specs), rows)
+
+    def decoder_for(self, method: str, method_opts: dict, scope: SamplingScope):
+        """(make_decoder(batch) -> a prefilled decoder of ``runtime.loop``, the method's resolved options)."""
+        from .methods import get_method
+
+        make, opts = get_method(method, self, dict(method_opts))
+        return (lambda batch: make(self, batch, scope, opts)), opts
+
     def generate(self, class_labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
-                 method: str = "ar", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 cfg_scale: float = 4.0, seed: int = 0, decode_images: bool = True, progress: bool = False,
+                 method: str = "ar", temperature=1.0, top_k=0, top_p=1.0, cfg_scale=4.0, seed=0,
+                 decode_images: bool = True, progress: bool = False,
                  batch_size: int = 16, image_indices: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, clean_captions: bool = True, compile: Optional[bool] = None,
-                 static_batches: bool = False, **method_opts) -> GenerationOutput:
+                 static_batches: bool = False, on_images=None, **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt), ``batch_size`` images in flight. Returns tokens,
         PIL images (when a tokenizer is loaded) and stats. Image i draws its random numbers from
         (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size, on
@@ -270,16 +322,20 @@ class Engine:
         each round kind captured as a CUDA graph (None = on for CUDA; never off CUDA). Continuous
         batching: a finished image's rows are given to the next pending image between rounds;
         ``static_batches=True`` decodes ``batch_size`` images at a time to the end instead (for
-        comparison; the same tokens, to the extent just said)."""
+        comparison; the same tokens, to the extent just said). ``seed``, ``temperature``, ``top_k``,
+        ``top_p`` and ``cfg_scale`` take one value for every image or a list with one per image: images
+        with different settings share the batch, each decoded as it would be alone. ``on_images(k)``: called
+        as k more images finish."""
         from .methods import get_method
         from .runtime.compiled import resolve as resolve_compile
-        from .methods.common import DecodeBatch, retire_finished
-        from .rng import CounterRNG
+        from .methods.common import retire_finished
         from .runtime import loop
 
-        params = SamplingParams(temperature, top_k, top_p, cfg_scale).validate()
-        make_decoder, opts = get_method(method, self, method_opts)
-        check_seed(seed)
+        for name, value in (("temperature", temperature), ("top-k", top_k), ("top-p", top_p), ("cfg-scale", cfg_scale),
+                            ("seed", seed)):  # the scalars checked before anything else, as always
+            for x in (value if isinstance(value, (list, tuple)) else [value]):
+                check_seed(x) if name == "seed" else SamplingParams(**{name.replace("-", "_"): x}).validate()
+        make_method, opts = get_method(method, self, method_opts)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise VVSError(f"batch-size must be an integer >= 1, got {batch_size!r}")
         if class_labels is not None and prompts is not None:
@@ -291,9 +347,19 @@ class Engine:
             raise VVSError("prompts must be a list of strings (one image each), e.g. [\"a cat\"]")
         n = len(labels) if labels is not None else len(prompts)
         check(n > 0, "no prompts given")
+        settings = [SamplingParams(*values) for values in zip(
+            _per_image("temperature", temperature, n), _per_image("top-k", top_k, n),
+            _per_image("top-p", top_p, n), _per_image("cfg-scale", cfg_scale, n))]
+        seeds = _per_image("seed", seed, n)
+        scope = SamplingScope.of(settings)
+        params = settings[0]
+
+        def make_decoder(batch):
+            return make_method(self, batch, scope, opts)
+
         # Before any compute: options the model and image allow, and a batch the device can hold.
         check_method_fits(self.shape, opts)
-        check_batch_fits(self.shape, opts, n, batch_size, params.use_cfg, self.device, self.dtype)
+        check_batch_fits(self.shape, opts, n, batch_size, scope.use_cfg, self.device, self.dtype)
 
         if image_indices is None:
             image_indices = list(range(n))
@@ -307,20 +373,18 @@ class Engine:
         use_graphs = self.device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
         bar = _progress_bar(n, progress, method, self.tokens_per_image)
 
+        specs = [ImageSpec(labels[i] if labels is not None else None, prompts[i] if labels is None else None,
+                           seeds[i], image_indices[i], settings[i]) for i in range(n)]
+
         def batch_of(images, pad_to):
             """The DecodeBatch of images (positions in this call's lists), padded by repeating the first."""
-            pick = list(images) + [images[0]] * (pad_to - len(images))
-            cond, key_mask = self.condition_rows([labels[i] for i in pick] if labels is not None else None,
-                                                 [prompts[i] for i in pick] if labels is None else None,
-                                                 params.use_cfg, clean_captions)
-            index = torch.tensor([image_indices[i] for i in pick], dtype=torch.long, device=self.device)
-            return DecodeBatch(cond, key_mask, CounterRNG(seed, index), len(images))
+            return self.image_batch([specs[i] for i in images], pad_to, scope, clean_captions)
 
         with torch.inference_mode():  # the one loop (runtime.loop): every method is a decoder on it
-            out = loop.run(lambda batch: make_decoder(self, batch, params, opts), batch_of, n, min(batch_size, n),
+            out = loop.run(make_decoder, batch_of, n, min(batch_size, n),
                            self.tokens_per_image, static=static_batches, compile=compile, use_graphs=use_graphs,
                            retire=retire_finished(), on_tokens=bar.tokens if bar is not None else None,
-                           on_images=bar.images if bar is not None else None)
+                           on_images=_both(bar.images if bar is not None else None, on_images))
         if bar is not None:
             bar.close()
         tokens = out.tokens
@@ -343,8 +407,9 @@ class Engine:
         from dataclasses import asdict, is_dataclass
 
         stats["options"] = asdict(opts) if is_dataclass(opts) else {}  # the method's options, defaults filled in
-        stats["sampling"] = params.to_dict()
-        stats["seed"] = seed
+        stats["sampling"] = params.to_dict() if scope.uniform is not None else \
+            {"per_image": [x.to_dict() for x in settings]}
+        stats["seed"] = seed if not isinstance(seed, (list, tuple)) else list(seeds)
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
         from .kernels.flash import describe
 

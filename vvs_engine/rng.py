@@ -78,10 +78,14 @@ class CounterRNG:
     int64 device tensor ``[B]`` (e.g. each image's own round counter), so the loop needs no host read.
     """
 
-    def __init__(self, seed: int, image_index: torch.Tensor):
+    def __init__(self, seed, image_index: torch.Tensor):
+        """``seed``: one int for every image, or one per image (images of different requests)."""
         image_index = torch.as_tensor(image_index, dtype=torch.long)
         self.device = image_index.device
-        seed_t = torch.tensor(_signed(int(seed) % (1 << 64)), dtype=torch.long, device=self.device)
+        if isinstance(seed, (list, tuple)):
+            seed_t = torch.tensor([_signed(int(x) % (1 << 64)) for x in seed], dtype=torch.long, device=self.device)
+        else:
+            seed_t = torch.tensor(_signed(int(seed) % (1 << 64)), dtype=torch.long, device=self.device)
         self.key = mix64(mix64(seed_t + GOLDEN) ^ (image_index * GOLDEN + MIX2))  # [B]
         self._lanes = {}
         self._stream_offsets = {}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.reference import additive_mask
-from ..sampling import SamplingParams, guided_logits, process_logits
+from ..sampling import RowSampling, SamplingParams, guided_logits, process_logits
 from .tree import DraftTree, static_layout, tree_structure
 
 
@@ -39,19 +39,23 @@ class DraftSession:
     """The drafter's KV cache and tree building for B sequences (rows ``[cond_0..B-1; uncond_0..B-1]``
     under CFG). Every length is a per-sequence device tensor [B]; every shape is static."""
 
-    def __init__(self, drafter, rows: int, n_slots: int, params: SamplingParams, spec: TreeSpec):
+    def __init__(self, drafter, rows: int, n_slots: int, params: RowSampling, spec: TreeSpec):
         self.drafter, self.rows, self.spec = drafter, rows, spec
         self.batch = rows // 2 if params.use_cfg else rows
         self.kv = drafter.new_cache(rows, n_slots)
         self.S = self.kv.n_slots
         self.device = drafter.fc.weight.device
         self.slot_ids = torch.arange(self.S, device=self.device)
-        # Trees rank drafts by the guided, processed drafter distribution; greedy runs rank by the
-        # untempered one (a one-hot would leave nothing to rank).
+        # Trees rank drafts by the guided, processed drafter distribution; greedy rows rank by the
+        # untempered one (a one-hot would leave nothing to rank). ``params`` is the decoder's: with
+        # per-row settings its rows change at admission, so the draft view is derived in each round.
+        if isinstance(params, SamplingParams):
+            params = RowSampling(params, None, self.batch, self.device)
         self.params = params
-        self.dparams = SamplingParams(params.temperature if params.temperature > 0 else 1.0,
-                                      params.top_k, params.top_p, params.cfg_scale)
-        self.sample_drafts = spec.kind != "dynamic" and params.temperature > 0
+        self._uniform_dparams = params.draft_view() if params.uniform is not None else None
+        # static trees sample their drafts in sampled rows (greedy rows take the top ranks)
+        self.sample_drafts = spec.kind != "dynamic" and (params.scope.sampled if params.uniform is None
+                                                         else params.uniform.temperature > 0)
         self.layout = None
         if spec.kind in ("static", "chain"):
             from .tree import STATIC_TREES, chain_choices
@@ -94,10 +98,23 @@ class DraftSession:
 
         F_ = h.shape[1]
         lg = self.drafter.logits(h, position_rows)
-        tok, lp = kernels.draft_topk(lg.reshape(-1, lg.shape[-1]), self.dparams.cfg_scale if self.params.use_cfg
-                                     else 1.0, self.dparams.temperature, self.dparams.top_k, self.dparams.top_p, k)
+        dparams = self.dparams
+        if dparams.uniform is not None:
+            u = dparams.uniform
+            tok, lp = kernels.draft_topk(lg.reshape(-1, lg.shape[-1]), u.cfg_scale if self.params.use_cfg else 1.0,
+                                         u.temperature, u.top_k, u.top_p, k)
+        else:  # per-row settings: the same distribution per row (torch; the fused kernel takes one setting)
+            from ..kernels.reference import stable_topk
+
+            p = process_logits(guided_logits(lg.float(), dparams), dparams)  # [B, F, V]
+            tok = stable_topk(p.reshape(-1, p.shape[-1]), k)
+            lp = p.reshape(-1, p.shape[-1]).gather(1, tok).log()
         lp = lp.to(h.dtype if h.dtype == torch.float64 else torch.float32)
         return lp.reshape(self.batch, F_, k), tok.reshape(self.batch, F_, k)
+
+    @property
+    def dparams(self) -> RowSampling:
+        return self._uniform_dparams if self._uniform_dparams is not None else self.params.draft_view()
 
     def _q(self, h: torch.Tensor, position: torch.Tensor):
         """drafter features [rows, F, D] at drafter ``position`` [B] -> (processed guided distribution
@@ -236,6 +253,8 @@ class DraftSession:
 
             # Exp(1) per node and token; u = 1 gives 0, clamped so a zero-probability token never wins
             race = (-torch.log(rng.uniform(step, Streams.TREE, (N, V)))).clamp(min=1e-30)
+            if self.params.uniform is None and self.params.scope.greedy:  # greedy rows: the top ranks
+                race = torch.where(self.params.per_row(self.params.temperature == 0, race), 1.0, race)
         for d, level in enumerate(self.static_levels):
             lvl, kids = level["nodes"], level["kids"]  # nodes at depth d already have tokens; get their q
             if d == 0:

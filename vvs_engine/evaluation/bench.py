@@ -215,7 +215,8 @@ def throughput_setting(engine, setting: Setting, batch_size: int, n_images: int,
     if _takes_lantern_k(setting.method) and "lantern_k" not in opts and engine.vq is None:
         opts["lantern_k"] = lantern_k(engine)
     kw = dict(method=setting.method, temperature=args.temperature, cfg_scale=args.cfg_scale, decode_images=False,
-              batch_size=batch_size, cuda_graphs=args.graphs, compile=getattr(args, "compile", None), **opts)
+              batch_size=batch_size, cuda_graphs=args.graphs, compile=getattr(args, "compile", None),
+              static_batches=getattr(args, "static_batches", False), **opts)
     eager = {**kw, "cuda_graphs": False, "compile": False}
     engine.generate(class_labels=[label_of(0)], seed=10_000, **{**eager, "batch_size": 1})  # one-off setup
     with OpCounter() as ops:  # the warm-up batch, eager: compute ops per committed token at this batch size
@@ -264,7 +265,7 @@ def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, com
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "command": command}, f, indent=2, default=str)
     lines = [f"# Batched throughput ({tag})", "", f"Written by `{command}`.", ""]
-    for k in ("device", "hardware", "dtype", "model", "cfg_scale", "temperature", "workers"):
+    for k in ("device", "hardware", "dtype", "model", "batching", "cfg_scale", "temperature", "workers"):
         if k in meta:
             lines.append(f"- {k}: {meta[k]}")
     lines += ["", "Images/s and TPF: the timed images (seed 0). Compute ops per committed token: "
@@ -276,10 +277,10 @@ def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, com
     base_ips = {r["setting"]: r["images_per_s"] for r in rows if r["batch_size"] == 1}
     for r in rows:
         sp = r["tpf_per_image"]
-        rel = r["images_per_s"] / base_ips[r["setting"]] if r["setting"] in base_ips else float("nan")
+        rel = f"{r['images_per_s'] / base_ips[r['setting']]:.2f}x" if r["setting"] in base_ips else "-"
         spread = " / ".join(f"{sp[k]:.2f}" for k in ("min", "median", "max")) if sp else "-"
         same = r.get("identical_to_batch1")
-        lines.append(f"| {r['setting']} | {r['batch_size']} | {r['images']} | {r['images_per_s']:.3f} | {rel:.2f}x | "
+        lines.append(f"| {r['setting']} | {r['batch_size']} | {r['images']} | {r['images_per_s']:.3f} | {rel} | "
                      f"{r['tpf']:.2f} | {spread} | {'-' if same is None else f'{same:.0%}'} | "
                      f"{r['ops_per_token']:.1f} |")
     with open(base + ".md", "w") as f:
@@ -513,6 +514,9 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--batch-sizes", default=None, metavar="B1,B2,...",
                    help="measure mode: images/s and TPF at these batch sizes (a batch table) instead of latency")
+    p.add_argument("--static-batches", action="store_true",
+                   help="--batch-sizes: decode static batches of B images to the end instead of keeping B images "
+                        "in flight (continuous batching, the default); for comparison")
     p.add_argument("--jobs", type=int, default=1,
                    help="--batch-sizes: settings measured in this many worker processes side by side (default 1)")
     p.add_argument("--images", type=int, default=None,
@@ -585,6 +589,7 @@ def main(argv=None) -> int:
             write_report({"meta": meta, "blocks": blocks}, args.out, tag, plot=False)  # kept if a later model runs out of time
     elif args.batch_sizes:
         meta["mode"] = "batch"
+        meta["batching"] = "static" if args.static_batches else "continuous"
         eng, desc = load_model("tiny" if args.quick and args.model == "zoo" else args.model, device, dtype, args.quick)
         meta["model"] = desc
         sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})

@@ -20,7 +20,7 @@ from ..runtime.masks import causal_local
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .registry import register
-from .common import DecodeBatch
+from .common import DecodeBatch, row_sampling
 
 
 @dataclass
@@ -41,7 +41,8 @@ class ARDecoder:
     RESULTS = ("tokens", "passes")
 
     def __init__(self, engine, batch: DecodeBatch, params):
-        self.engine, self.params, self.rng = engine, params, batch.rng
+        self.engine, self.rng = engine, batch.rng
+        self.params = params = row_sampling(params, batch, batch.cond.device)
         self.session = s = TargetSession(engine.gpt, batch.cond, batch.size, params.use_cfg, batch.key_mask)
         self.c, self.T, self.device = s.c, s.T, s.device
         # The RNG's stream- and lane-offset caches are filled here, eagerly: filled inside a compiled step
@@ -92,14 +93,16 @@ class ARDecoder:
         return "ar_step"
 
     def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
-        newcomers = ARDecoder(self.engine, batch, self.params)
+        newcomers = ARDecoder(self.engine, batch, self.params.scope)
         self.session.admit_rows(rows, newcomers.session)
+        self.params.admit(rows, newcomers.params)
         self.rng.key.index_copy_(0, rows, newcomers.rng.key)
         for name, value in zip(("tokens", "count", "last", "passes"), newcomers.state.tensors()):
             getattr(self.state, name).index_copy_(0, rows, value)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         self.session.keep_rows(keep)
+        self.params.keep_rows(keep)
         self.rng = self.rng.rows(keep)
         self.state = ARState(*(t.index_select(0, keep) for t in self.state.tensors()))
         self._constants(keep.numel())

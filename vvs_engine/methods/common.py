@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ..rng import CounterRNG
+from ..sampling import RowSampling, RowSettings
 
 
 @dataclass
@@ -24,10 +25,17 @@ class DecodeBatch:
     key_mask: Optional[torch.Tensor]
     rng: CounterRNG
     n_real: int
+    sampling: Optional[RowSettings] = None  # each row's settings (None: the decoder's one setting)
 
     @property
     def size(self) -> int:
         return self.rng.batch
+
+
+def row_sampling(scope, batch: DecodeBatch, device) -> RowSampling:
+    """A decoder's sampling settings for ``batch``: ``scope`` is a ``SamplingScope`` (or one
+    ``SamplingParams`` for every row); the batch's rows bring their own settings where it is mixed."""
+    return RowSampling(scope, batch.sampling, batch.size, device)
 
 
 RETIRE_ENV = "VVS_RETIRE_FINISHED"

@@ -55,7 +55,7 @@ from ..rng import Streams, sample_inverse_cdf_one_pass
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
 from .registry import register
-from .common import DecodeBatch
+from .common import DecodeBatch, row_sampling
 from .options import option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
@@ -215,7 +215,8 @@ class JacobiDecoder:
         return decoder
 
     def __init__(self, engine, batch: DecodeBatch, params, opts: SJDOptions, rule):
-        self.engine, self.params, self.opts, self.rule, self.rng = engine, params, opts, rule, batch.rng
+        self.engine, self.opts, self.rule, self.rng = engine, opts, rule, batch.rng
+        self.params = params = row_sampling(params, batch, batch.cond.device)
         self.policy = opts.jacobi_init
         self.coupling = getattr(opts, "coupling", "none")
         self.declare_old_q = bool(getattr(opts, "coupling_declares_old_q", False))
@@ -309,10 +310,8 @@ class JacobiDecoder:
         ok = self.test_drafts(p, next_tokens, st.draft_q, u[:, :L]) & (lanes < L - 1)  # [B, L]
         residual = self.rule.residual(p.reshape(-1, V), st.draft_q.reshape(-1, V), next_tokens.reshape(-1),
                                       None).view(B, L, V)
-        if params.greedy:
-            stop_token = residual.argmax(-1)
-        else:
-            stop_token = sample_inverse_cdf_one_pass(residual, u[:, 2 * L - 1, None].expand(B, L))
+        stop_token = params.pick(lambda: residual.argmax(-1),
+                                 lambda: sample_inverse_cdf_one_pass(residual, u[:, 2 * L - 1, None].expand(B, L)))
         # The next iteration's carried drafts, one per prediction p[j] (j = 0..L-1).
         y = self.redraw(p, next_tokens, ok, residual, u[:, L - 1: 2 * L - 1], st.n_committed)
 
@@ -350,9 +349,11 @@ class JacobiDecoder:
         The exact rule's test u * q(x) < p(x) reads p(x) as a masked sum (the same number as a gather:
         one non-zero term), so the compiled round computes it in the pass that computes p; other rules
         get the flat batch of rows through their ``accept``."""
+        return self.params.pick(lambda: p.argmax(-1) == next_tokens,
+                                lambda: self._test_sampled(p, next_tokens, draft_q, u_test))
+
+    def _test_sampled(self, p, next_tokens, draft_q, u_test):
         B, L, V = p.shape
-        if self.params.greedy:
-            return p.argmax(-1) == next_tokens
         qx = draft_q.gather(2, next_tokens[..., None])[..., 0]
         if type(self.rule).accept is AcceptanceRule.accept:
             return u_test * qx < value_at(p, next_tokens)
@@ -412,8 +413,9 @@ class JacobiDecoder:
     def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
         """Rows ``rows`` take ``batch``'s images: their prefill runs on a decoder of their own, whose
         caches, keys and state are then copied in (in place: compiled, captured rounds stay valid)."""
-        newcomers = self.start(self.engine, batch, self.params, self.opts, self.rule)
+        newcomers = self.start(self.engine, batch, self.params.scope, self.opts, self.rule)
         self.session.admit_rows(rows, newcomers.session)
+        self.params.admit(rows, newcomers.params)
         self.rng.key.index_copy_(0, rows, newcomers.rng.key)
         for f in fields(self.state):
             getattr(self.state, f.name).index_copy_(0, rows, getattr(newcomers.state, f.name))
@@ -422,6 +424,7 @@ class JacobiDecoder:
         """Go on with rows ``keep`` only: per-row buffers, both CFG halves of the KV cache and the RNG
         keys are gathered. Every row decodes on its own, so the kept rows' tokens do not change."""
         self.session.keep_rows(keep)
+        self.params.keep_rows(keep)
         self.rng = self.rng.rows(keep)
         self.B = keep.numel()
         st = self.state

@@ -49,7 +49,7 @@ from ..errors import VVSError
 from ..rng import sample_inverse_cdf_one_pass
 from ..sampling import value_at
 from .registry import register
-from .common import DecodeBatch
+from .common import DecodeBatch, row_sampling
 from .jacobi import JacobiDecoder, SJDOptions, gumbel, one_hot, random_step
 from .options import option
 
@@ -260,7 +260,7 @@ class PACDecoder(JacobiDecoder):
         return gumbel(u[:, : n * V].view(B, n, V))
 
     def sample(self, dist, u):
-        return dist.argmax(-1) if self.params.greedy else sample_inverse_cdf_one_pass(dist, u)
+        return self.params.pick(lambda: dist.argmax(-1), lambda: sample_inverse_cdf_one_pass(dist, u))
 
     # --- the candidate table ------------------------------------------------------------------------
     def new_table(self, chain, n_kept, stale_p, alts, alts_valid, noise, u_fresh, tokens, n_new):
@@ -392,10 +392,8 @@ class PACDecoder(JacobiDecoder):
         x = st.cand[:, 0].gather(1, old_depth)  # old candidate 0 one depth below
         q_old = st.table_q.gather(1, old_depth[..., None].expand(B, M, V))
         if self.variant == "exact":
-            if params.greedy:
-                ok = P.argmax(-1) == x
-            else:
-                ok = u_ac * q_old.gather(2, x[..., None])[..., 0] < value_at(P, x)
+            ok = params.pick(lambda: P.argmax(-1) == x,
+                             lambda: u_ac * q_old.gather(2, x[..., None])[..., 0] < value_at(P, x))
             res = self.rule.residual(P.reshape(-1, V), q_old.reshape(-1, V), x.reshape(-1), None).view(B, M, V)
             has_old = col < M - 1
             c0 = torch.where(has_old, torch.where(ok, x, self.sample(res, u_res)), self.sample(P, u_res))
@@ -437,7 +435,8 @@ class PACDecoder(JacobiDecoder):
         """First-accepted-sibling verification (the engine's tree verifier) -> (path [B, M], A [B],
         last [B], root [B])."""
         forest = _Forest(node_tokens, children, node_q, self.M - 1)
-        out = verify_tree(forest, p, self.rule, u_node, u_next, self.params.greedy)
+        out = self.params.pick(lambda: verify_tree(forest, p, self.rule, u_node, u_next, True),
+                               lambda: verify_tree(forest, p, self.rule, u_node, u_next, False))
         return out.path, out.n_accepted, out.last, out.next_token
 
     def verify_released(self, node_tokens, children, p, node_q, u_node, u_next):
@@ -456,10 +455,9 @@ class PACDecoder(JacobiDecoder):
             cid = child.clamp(min=0)
             x = node_tokens.gather(1, cid)
             qn = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
-            if self.params.greedy:
-                ok = r.argmax(-1) == x
-            else:
-                ok = u_node.gather(1, cid) * qn.gather(2, x[..., None])[..., 0] < r.gather(2, x[..., None])[..., 0]
+            ok = self.params.pick(
+                lambda: r.argmax(-1) == x,
+                lambda: u_node.gather(1, cid) * qn.gather(2, x[..., None])[..., 0] < r.gather(2, x[..., None])[..., 0])
             # node n is its parent's child of rank branch(n): its test is this rank's test at its parent
             at_node = (has & ok).gather(1, tr.parent.clamp(min=0)[None].expand(B, N))
             passed = torch.where((tr.branch == rank) & (tr.parent >= 0), at_node, passed)

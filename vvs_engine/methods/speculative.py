@@ -20,7 +20,7 @@ index and the round number, so an image's tokens do not depend on its batch-mate
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -33,7 +33,7 @@ from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
-from .common import DecodeBatch
+from .common import DecodeBatch, row_sampling
 from .options import option
 from . import schedule as sched
 
@@ -197,7 +197,8 @@ class SpeculativeRounds:
     and ``skip_round`` take no arguments, update :attr:`state` in place and never read the host."""
 
     def __init__(self, engine, batch: DecodeBatch, params, opts: SpecOptions, rule):
-        self.engine, self.params, self.opts, self.rule, self.rng = engine, params, opts, rule, batch.rng
+        self.engine, self.opts, self.rule, self.rng = engine, opts, rule, batch.rng
+        self.params = params = row_sampling(params, batch, batch.cond.device)
         B = self.batch = batch.size
         spec = opts.tree_spec()
         self.nodes = spec.max_nodes
@@ -357,8 +358,11 @@ class SpeculativeRounds:
         u = kernels.counter_uniform(self.rng.key, st.round, self.verify_streams, N, self.node_lanes,
                                     fuse_when_compiled=True)
         u_accept, u_sample = u[:, 0], u[:, 1, 0]
-        res = verify_tree(tree, p, self.rule, u_accept, u_sample, params.greedy, logits=logits[:, off:],
-                          hidden=H[:B, off:], engine=self.engine)  # the conditional rows' features
+        # a greedy row verifies its drafts as deterministic ones, whatever the batch-mates drew
+        res = params.pick(lambda: verify_tree(replace(tree, sampled=False) if tree.sampled else tree, p, self.rule, u_accept, u_sample, True,
+                                              logits=logits[:, off:], hidden=H[:B, off:], engine=self.engine),
+                          lambda: verify_tree(tree, p, self.rule, u_accept, u_sample, False, logits=logits[:, off:],
+                                              hidden=H[:B, off:], engine=self.engine))  # conditional rows' features
         path, n_acc, next_token = res.path, res.n_accepted, res.next_token
         node = off + path.clamp(min=0)  # [B, Dmax + 1] query index of each accepted node
         dst = tree_start[:, None] + path_slots
@@ -418,18 +422,18 @@ class SpeculativeRounds:
         skipped = torch.where(j[None] + 1 < a[:, None], st.chain_tokens.roll(-1, 1), st.tree.tokens[:, :1])
         p = process_logits(chain_logits, self.params)  # [B, Cmax, V]
         u = self.rng.uniform(st.round, Streams.CHAIN, (Cmax + 1,))
-        if self.params.greedy:
-            ok = p.argmax(-1) == skipped
-        else:
-            ok, _ = self.rule.accept(p.flatten(0, 1), skipped.flatten(), torch.ones(B * Cmax, device=self.dev),
-                                     u[:, :Cmax].flatten(), None)
-            ok = ok.view(B, Cmax)
+        def sampled_test():
+            passed, _ = self.rule.accept(p.flatten(0, 1), skipped.flatten(), torch.ones(B * Cmax, device=self.dev),
+                                         u[:, :Cmax].flatten(), None)
+            return passed.view(B, Cmax)
+
+        ok = self.params.pick(lambda: p.argmax(-1) == skipped, sampled_test)
         bad = ~ok & (j[None] < a[:, None])
         rollback = bad.any(1) & active
         k = torch.where(bad, j[None], Cmax - 1).min(1).values  # first rejected chain position
         p_k = p.gather(1, k[:, None, None].expand(B, 1, p.shape[-1]))[:, 0]
         residual = self.rule.residual(p_k, None, skipped.gather(1, k[:, None])[:, 0], None)
-        token = residual.argmax(-1) if self.params.greedy else sample_inverse_cdf(residual, u[:, Cmax])
+        token = self.params.pick(lambda: residual.argmax(-1), lambda: sample_inverse_cdf(residual, u[:, Cmax]))
         return rollback, k + 1, token
 
     def _skip(self) -> None:
@@ -521,7 +525,8 @@ class SpeculativeRounds:
     def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
         """Sequences ``rows`` take ``batch``'s images: their prefill runs on a decoder of their own, whose
         target and drafter caches, keys and state are then copied in (in place)."""
-        newcomers = SpeculativeRounds(self.engine, batch, self.params, self.opts, self.rule)
+        newcomers = SpeculativeRounds(self.engine, batch, self.params.scope, self.opts, self.rule)
+        self.params.admit(rows, newcomers.params)
         model_rows = self.target.cfg_rows(rows)  # both CFG rows of each sequence
         self.target.admit_rows(rows, newcomers.target)
         for mine, theirs in ((self.draft.kv.k, newcomers.draft.kv.k), (self.draft.kv.v, newcomers.draft.kv.v)):
@@ -545,6 +550,7 @@ class SpeculativeRounds:
         ones' tokens do not change; the rest stop costing compute."""
         st, rows = self.state, self.target.cfg_rows(keep)  # both CFG rows of each sequence
         self.target.keep_rows(keep)
+        self.params.keep_rows(keep)
         self.draft.keep_rows(keep)
         self.rng, self.batch = self.rng.rows(keep), keep.numel()
         for name in SEQUENCE_STATE + ("out",):

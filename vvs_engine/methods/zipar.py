@@ -71,7 +71,7 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .registry import register
-from .common import DecodeBatch
+from .common import DecodeBatch, row_sampling
 from .options import option
 
 VERIFY_MODES = ("none", "sjd")
@@ -237,7 +237,8 @@ class ZipARDecoder:
 
     def __init__(self, engine, batch: DecodeBatch, params, opts: ZipAROptions, rule=None):
         self.engine, self.opts = engine, opts
-        self.params, self.rng = params, batch.rng
+        self.params, self.rng = row_sampling(params, batch, batch.cond.device), batch.rng
+        params = self.params
         self.rule = rule if rule is not None else ExactRule()
         self.geometry = geo = row_geometry(engine.gpt)
         self.window, self.L = opts.zipar_window, opts.lanes
@@ -323,8 +324,9 @@ class ZipARDecoder:
 
     def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
         """Rows ``rows`` take ``batch``'s images (prefilled on a decoder of their own), in place."""
-        newcomers = self.start(self.engine, batch, self.params, self.opts, self.rule)
+        newcomers = self.start(self.engine, batch, self.params.scope, self.opts, self.rule)
         self.session.admit_rows(rows, newcomers.session)
+        self.params.admit(rows, newcomers.params)
         self.cond_visible.copy_((self.session.slot_ids < self.c) & self.session.key_valid)
         self.rng.key.index_copy_(0, rows, newcomers.rng.key)
         for f in fields(self.state):
@@ -332,6 +334,7 @@ class ZipARDecoder:
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         self.session.keep_rows(keep)
+        self.params.keep_rows(keep)
         self.cond_visible = (self.session.slot_ids < self.c) & self.session.key_valid
         self.rng, self.B = self.rng.rows(keep), keep.numel()
         self.batch_ids = torch.arange(self.B, device=self.device)[:, None]
@@ -428,19 +431,19 @@ class ZipARDecoder:
         p = self.processed(h).view(B, R, L, V)
 
         # --- acceptance: the longest passing prefix of the drafts the window rule allows -------------
-        greedy = self.params.greedy
+        pick = self.params.pick  # greedy rows' result, sampled rows' result
         if L > 1:
             d = inputs[..., 1:]  # [B, R, L-1]: draft of lane i tested against lane i-1's output
             q = stored_q[..., 1:, :]
             qx = torch.where(fresh[..., 1:], 1.0, q.gather(3, d[..., None])[..., 0])
             testable = live[..., 1:] & (lanes[1:] <= allowed[..., None] - 1)
-            if greedy:
-                ok = p[..., :-1, :].argmax(-1) == d
-            else:
+            def sampled_test():
                 u = self.uniforms(raster[..., 1:], self.accept_stream)
-                ok, _ = self.rule.accept(p[..., :-1, :].reshape(-1, V), d.reshape(-1), qx.reshape(-1), u.reshape(-1),
-                                         None)
-                ok = ok.view(B, R, L - 1)
+                passed, _ = self.rule.accept(p[..., :-1, :].reshape(-1, V), d.reshape(-1), qx.reshape(-1),
+                                             u.reshape(-1), None)
+                return passed.view(B, R, L - 1)
+
+            ok = pick(lambda: p[..., :-1, :].argmax(-1) == d, sampled_test)
             ok = ok & testable
             k = ok.long().cumprod(-1).sum(-1)  # [B, R] accepted drafts
             n_tested = testable.long().sum(-1)
@@ -456,10 +459,8 @@ class ZipARDecoder:
         p_k = p.gather(2, k[..., None, None].expand(B, R, 1, V))[..., 0, :]
         residual = self.rule.residual(p_k.reshape(-1, V), q_k.reshape(-1, V), rejected.reshape(-1), None).view(B, R, V)
         decided = row * Wp + codes + k  # raster index of the token after the accepted prefix
-        if greedy:
-            nxt = residual.argmax(-1)
-        else:
-            nxt = sample_inverse_cdf(residual, self.uniforms(decided, self.sample_stream))
+        nxt = pick(lambda: residual.argmax(-1),
+                   lambda: sample_inverse_cdf(residual, self.uniforms(decided, self.sample_stream)))
 
         # --- commit: accepted drafts, then the residual / bonus token ---------------------------------
         commits = torch.where(allowed > 0, k + 1, 0)
@@ -474,10 +475,9 @@ class ZipARDecoder:
 
         if L > 1:  # --- next drafts: the Jacobi update, copies for new columns --------------------------
             rounds = st.row_rounds.gather(1, at)  # after this forward: a new step for the next samples
-            if greedy:
-                y = p.argmax(-1)
-            else:
-                y = sample_inverse_cdf(p, self.uniforms(rounds[..., None] * (T + 1) + raster + 1, self.update_stream))
+            y = pick(lambda: p.argmax(-1),
+                     lambda: sample_inverse_cdf(p, self.uniforms(rounds[..., None] * (T + 1) + raster + 1,
+                                                                 self.update_stream)))
             source = commits[..., None] - 1 + lanes  # new lane i holds the column old lane (commits - 1 + i) decided
             src = source.clamp(0, L - 1)
             carried = (source >= 0) & (source <= L - 1) & live.gather(2, src)
