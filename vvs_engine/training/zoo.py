@@ -432,13 +432,14 @@ GRID32_IMAGE_SIZE = 128  # zoo-vq downsamples 4x and is convolutional: 128 px ->
 GPT32_CONFIG = dict(GPT_CONFIG, block_size=32 * 32)  # the same net: 2-D RoPE, no learned positions
 
 # Sized (docs/zoo.md) to finish on ONE niced CPU thread of the shared 2-core machine in about 2 h
-# (measured: a batch-4 fp32 step costs about 7 s of CPU, 10-15 s of wall time under contention).
+# (measured: a batch-4 fp32 step took about 8 s of wall time at half a core, 3-4x that under heavy
+# contention; encoding the crops about 28 min).
 # Each sequence has 4x the tokens of the 16x16 member, so a batch holds fewer sequences: 4 x 1024 tokens
-# per step. 200 crops per class (3 200 sequences, 3.3 M tokens) are more than the run reads (1.3 M), and
+# per step. 200 crops per class (3 200 sequences, 3.3 M tokens) are more than the run reads (2.5 M), and
 # encoding at 128 px costs minutes per thousand crops; the held-out set is the first 32 crops of each
 # class's held-out stream (the 64-px Zoo's held-out band and seed), its loss costs ~0.5 s per sequence.
 GRID32_DEFAULTS = dict(n_encode_per_class=200, n_heldout_per_class=32,
-                       gpt_steps=320, gpt_batch=4, gpt_lr=2e-3,
+                       gpt_steps=600, gpt_batch=4, gpt_lr=2e-3,
                        drafter_steps=120, drafter_batch=4, drafter_lr=1e-3,
                        save_every=10, log_every=10, train_loss_sequences=128)
 
