@@ -9,7 +9,8 @@ Class accuracy is the shipped classifier's, on the images resized to its 64-px i
 zoo-gpt's are used as they are). Intervals are Wilson 95 % intervals of a proportion; at 32 images
 they are wide, so this is a sanity check, not a quality measurement. The drafter columns run EAGLE
 (``--method eagle``, defaults) with each target's own drafter on ``--drafter-images`` of those labels
-(evenly spaced; EAGLE is slow on a CPU) and report tokens per target forward. The training figures come from ``train_report-32.json`` next to the checkpoints.
+(evenly spaced; EAGLE is slow on a CPU) and report tokens per target forward. The training figures
+come from ``train_report-32.json`` next to the checkpoints.
 """
 from __future__ import annotations
 

@@ -495,7 +495,7 @@ def train_grid32(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, zo
             report = json.load(f)
     vq_path = model_path("zoo-vq", zoo_dir)
     report.update(seed=seed, hyperparameters=hp, threads=torch.get_num_threads(), torch=torch.__version__,
-                  image_size=GRID32_IMAGE_SIZE, tokenizer=vq_path)
+                  image_size=GRID32_IMAGE_SIZE, tokenizer="zoo-vq" + (f" from {zoo_dir}" if zoo_dir else " (shipped)"))
 
     def save_report():
         with open(report_path, "w") as f:
