@@ -359,12 +359,10 @@ def verify_cache(eng, gen: dict, name, method, opts, labels, seed, sampling, bat
 # --- metrics ----------------------------------------------------------------------------------------
 def image_features(eng, tokens, labels, inception: bool) -> dict:
     """Per-image quantities every metric is computed from (so bootstrap draws need no new images)."""
-    from vvs_engine.evaluation.quality import as_float_images, classifier_features, get_inception, load_classifier
+    from vvs_engine.evaluation.quality import classifier_features, classifier_input, get_inception, load_classifier
 
     images = eng.decode_images(torch.as_tensor(tokens))
-    x = as_float_images(images)
-    if x.shape[-1] != 64 or x.shape[-2] != 64:  # the classifier and the reference crops are 64 x 64
-        x = torch.nn.functional.interpolate(x, size=(64, 64), mode="bilinear", align_corners=False, antialias=True)
+    x = classifier_input(images)  # the classifier and the reference crops are 64 x 64 (zoo-gpt-32's 128 px resized)
     net = load_classifier()
     with torch.no_grad():
         pred = net(x).argmax(-1).numpy()

@@ -66,6 +66,11 @@ def build_parser() -> Parser:
     g = sub.add_parser("generate", help="generate images (writes tokens.npz, stats.json, PNGs)",
                        description="Generate one image per class label (or prompt).")
     m = g.add_argument_group("model")
+    from .zoo import TARGETS
+
+    m.add_argument("--model", default=None, metavar="NAME",
+                   help=f"a Zoo target by name: {', '.join(TARGETS)} (32x32 tokens, 128 px); loads its own "
+                        f"drafter and zoo-vq (default without --gpt-ckpt: zoo-gpt)")
     m.add_argument("--gpt-ckpt", default=None, metavar="PATH",
                    help="target checkpoint: official LlamaGen .pt/.pth or the project's .safetensors (+ .json "
                         "config). Default: the shipped Zoo model")
@@ -151,6 +156,9 @@ def build_parser() -> Parser:
     zt.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     zt.add_argument("--resume", action="store_true",
                     help="keep the stages whose outputs already exist in --out (after an interrupted run)")
+    zt.add_argument("--grid", type=int, default=16, choices=(16, 32),
+                    help="16: the whole 64-px Zoo (default); 32: zoo-gpt-32 and zoo-drafter-32 at 128 px on the "
+                         "shipped zoo-vq (python -m vvs_engine.training.zoo --grid 32 has every option)")
     add_threads_flag(zt)
     zt.set_defaults(func=cmd_zoo_train)
 
@@ -258,6 +266,15 @@ def prepare_out_dir(path: str) -> str:
     return path
 
 
+def resolve_model_flag(args) -> None:
+    """``--model NAME`` (a Zoo target) -> the files it names in ``args.gpt_ckpt`` / ``vq_ckpt`` / ``drafter``
+    (flags given explicitly win), so every later check and the loader see ordinary paths."""
+    from .zoo import resolve_model
+
+    args.gpt_ckpt, args.vq_ckpt, args.drafter = resolve_model(args.model, args.gpt_ckpt, args.vq_ckpt, args.drafter,
+                                                              args.model_dir, cli=True)
+
+
 def cmd_generate(args) -> int:
     from .engine import (Engine, check_batch_fits, check_load_args, check_method_fits, check_seed, peek_shape,
                          resolve_device, resolve_dtype)
@@ -270,6 +287,7 @@ def cmd_generate(args) -> int:
         raise VVSError("give either --class-labels or --prompts, not both")
     if args.class_labels is None and args.prompts is None:
         raise VVSError("give --class-labels (class-conditional) or --prompts FILE (text-conditional)")
+    resolve_model_flag(args)
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
                     t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
                     image_size=args.image_size, cli=True, vq_model=args.vq_model)
@@ -503,6 +521,9 @@ def cmd_zoo_train(args) -> int:
     require_zoo_extra("zoo train")
     prepare_out_dir(args.out)
     threads = apply_threads(args.threads)
+    if args.grid == 32:
+        return _exit_code(call("vvs_engine.training.zoo", "train_grid32", args.out, args.seed, None, None,
+                               args.resume, print, threads))
     return _exit_code(call("vvs_engine.training.zoo", "train_all", args.out, args.seed, None, None, args.resume,
                            print, threads))
 

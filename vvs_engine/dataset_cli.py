@@ -85,7 +85,11 @@ def cmd_generate_dataset(args) -> int:
         ids, prompts = dataset.read_prompt_file(args.prompts)
     device = args.device  # "auto": each worker takes its GPU when it has one (dataset.load_engine)
     from .engine import check_load_args
+    from .zoo import resolve_model
 
+    # --model NAME (a Zoo target) -> its files; explicit --vq-ckpt / --drafter win
+    args.gpt_ckpt, args.vq_ckpt, args.drafter = resolve_model(args.model, args.gpt_ckpt, args.vq_ckpt, args.drafter,
+                                                              args.model_dir, cli=True)
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
                     t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
                     image_size=args.image_size, cli=True, vq_model=args.vq_model)

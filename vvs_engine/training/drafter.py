@@ -33,14 +33,18 @@ def _condition_batch(target, labels, idx, drop):
 
 def train_drafter(target, tokens: torch.Tensor, labels, steps: int = 600, batch_size: int = 16,
                   lr: float = 1e-3, seed: int = 0, log=print, n_layer: int = 1, loss_weights=None,
-                  cfg_dropout: float = 0.1, noise: float = 0.2, progress: bool = True) -> Drafter:
+                  cfg_dropout: float = 0.1, noise: float = 0.2, progress: bool = True,
+                  state_path: str | None = None, save_every: int = 0) -> Drafter:
     """Teacher-forced EAGLE training: features come from the frozen target run on real token
     sequences (10% of rows with the null condition, like CFG dropout); loss
     ``SmoothL1(f̂, f) + 0.1 * CE(target head on f, on f̂)``, uniform feature noise, AdamW.
 
     ``labels``: class labels [N] (c2i) or :class:`PromptConditions` (text families).
     ``loss_weights``: optional callable ``(feats [B,T,D], logits [B,T,V]) -> [B,T]`` weights for the
-    classification term (CASCADE's redundancy re-weighting plugs in here)."""
+    classification term (CASCADE's redundancy re-weighting plugs in here).
+    ``state_path``: with ``save_every`` > 0 the head, optimizer, schedule and batch generator are saved
+    there every ``save_every`` steps, and a state found there at the start is resumed (same schedule
+    required), drawing the batches an uninterrupted run would."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     tc = target.config
@@ -53,19 +57,34 @@ def train_drafter(target, tokens: torch.Tensor, labels, steps: int = 600, batch_
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, steps // 30)) * max(0.05, 1 - s / steps))
     n = tokens.shape[0]
-    it = range(steps)
+    start = 0
+    schedule = dict(steps=steps, batch=batch_size, lr=lr, seed=seed, n_sequences=n, n_layer=n_layer,
+                    cfg_dropout=cfg_dropout, noise=noise)
+    if state_path and save_every:
+        from .state import load_train_state
+
+        state = load_train_state(state_path, schedule)
+        if state is not None:
+            d.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            g.set_state(state["generator"])
+            start = int(state["step"])
+            if log:
+                log(f"train drafter: resumed at step {start}/{steps} from {state_path}")
+    it = range(start, steps)
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(it, desc="train drafter", dynamic_ncols=True)
+        it = tqdm(it, desc="train drafter", dynamic_ncols=True, initial=start, total=steps)
     import time
 
     t_start = time.perf_counter()
     for step in it:
-        if log and step == 5 and steps > 10:  # after a few steps: an estimate of the whole run
-            per_step = (time.perf_counter() - t_start) / step
-            log(f"train drafter: {per_step:.2f} s/step over the first {step} steps: about "
-                f"{per_step * steps / 60:.1f} min for {steps} steps")
+        if log and step == start + 5 and steps - start > 10:  # after a few steps: an estimate of the rest
+            per_step = (time.perf_counter() - t_start) / 5
+            log(f"train drafter: {per_step:.2f} s/step over the first 5 steps: about "
+                f"{per_step * (steps - start) / 60:.1f} min for {steps - start} steps")
         idx = torch.randint(0, n, (batch_size,), generator=g)
         tok = tokens[idx]
         drop = torch.rand(batch_size, generator=g) < cfg_dropout
@@ -106,6 +125,11 @@ def train_drafter(target, tokens: torch.Tensor, labels, steps: int = 600, batch_
             it.set_postfix(loss=f"{loss.item():.4f}", top1=f"{acc.item():.3f}")
         if log and (step + 1) % max(1, steps // 10) == 0:
             log(f"drafter step {step + 1}/{steps} loss {loss.item():.4f} reg {reg.item():.4f} ce {ce.item():.4f}")
+        if state_path and save_every and ((step + 1) % save_every == 0 or step + 1 == steps):
+            from .state import save_train_state
+
+            save_train_state(state_path, schedule=schedule, step=step + 1, model=d.state_dict(),
+                             optimizer=opt.state_dict(), scheduler=sched.state_dict(), generator=g.get_state())
     for p, t in zip(target.parameters(), was_trainable):
         p.requires_grad_(t)
     return d.eval()

@@ -34,6 +34,7 @@ from ..models.gpt import GPT, GPTConfig
 from ..models.vq import VQConfig, VQModel
 from ..zoo import data as zdata
 from .family_images import encode_crops
+from .state import load_train_state, save_train_state
 
 # The shipped configurations. 64x64 crops -> 16x16 = 256 tokens (LlamaGen's 256-px grid).
 IMAGE_SIZE = 64
@@ -64,11 +65,12 @@ def _lr_factor(step: int, steps: int, warmup: int, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
-def _bar(n: int, desc: str):
+def _bar(n: int, desc: str, start: int = 0):
     from tqdm import tqdm
 
     # mininterval keeps background logs short; the one-line summaries carry the figures.
-    return tqdm(range(n), desc=desc, mininterval=15, dynamic_ncols=True, file=sys.stderr)
+    return tqdm(range(start, n), desc=desc, initial=start, total=n, mininterval=15, dynamic_ncols=True,
+                file=sys.stderr)
 
 
 def psnr(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -177,9 +179,16 @@ def classifier_accuracy(net, images: torch.Tensor, labels: torch.Tensor, batch: 
 # Target GPT
 # --------------------------------------------------------------------------------------------------
 def train_gpt(tokens: torch.Tensor, labels: torch.Tensor, num_classes: int, steps: int, batch: int, lr: float,
-              seed: int, log: Callable = print, config: Optional[dict] = None, amp: bool = True) -> GPT:
-    """Teacher-forced next-token CE on VQ codes [N, 256] with class dropout (label -> null class with
-    probability ``class_dropout_prob``) so the model supports classifier-free guidance."""
+              seed: int, log: Callable = print, config: Optional[dict] = None, amp: bool = True,
+              state_path: Optional[str] = None, save_every: int = 0, log_every: int = 0) -> GPT:
+    """Teacher-forced next-token CE on VQ codes [N, T] with class dropout (label -> null class with
+    probability ``class_dropout_prob``) so the model supports classifier-free guidance.
+
+    ``state_path``: with ``save_every`` > 0 the model, optimizer, batch generator and smoothed loss are
+    saved there every ``save_every`` steps, and a state found there at the start is resumed (same
+    schedule required). The batches and class dropout come from one seeded generator saved with the
+    state, so a resumed run draws the batches an uninterrupted one would. ``log_every``: a one-line
+    progress report (loss, s/step, time left) every that many steps."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 3)
     cfg = GPTConfig(**dict(config or GPT_CONFIG, num_classes=num_classes))
@@ -190,7 +199,18 @@ def train_gpt(tokens: torch.Tensor, labels: torch.Tensor, num_classes: int, step
                             lr=lr, betas=(0.9, 0.95))
     n = tokens.shape[0]
     ema = None
-    for step in (bar := _bar(steps, "train gpt")):
+    start = 0
+    schedule = dict(steps=steps, batch=batch, lr=lr, seed=seed, n_sequences=n, config=cfg.to_dict())
+    state = load_train_state(state_path, schedule) if state_path and save_every else None
+    if state is not None:
+        gpt.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        g.set_state(state["generator"])
+        start, ema = int(state["step"]), state["ema"]
+        log(f"gpt: resumed at step {start}/{steps} from {state_path}")
+    seconds_before = float(state["seconds"]) if state is not None else 0.0
+    t_start = time.perf_counter()
+    for step in (bar := _bar(steps, "train gpt", start)):
         for pg in opt.param_groups:
             pg["lr"] = lr * _lr_factor(step, steps, warmup=min(100, steps // 10))
         idx = torch.randint(0, n, (batch,), generator=g)
@@ -207,6 +227,16 @@ def train_gpt(tokens: torch.Tensor, labels: torch.Tensor, num_classes: int, step
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{ema:.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
+        done = step + 1
+        if save_every and state_path and (done % save_every == 0 or done == steps):
+            # seconds: training wall time over every process of a resumed run
+            save_train_state(state_path, schedule=schedule, step=done, ema=ema, model=gpt.state_dict(),
+                             optimizer=opt.state_dict(), generator=g.get_state(),
+                             seconds=seconds_before + time.perf_counter() - t_start)
+        if log_every and (done % log_every == 0 or done == steps):
+            per_step = (time.perf_counter() - t_start) / (done - start)
+            log(f"gpt step {done}/{steps}: smoothed loss {ema:.3f}, lr {opt.param_groups[0]['lr']:.2e}, "
+                f"{per_step:.2f} s/step, about {per_step * (steps - done) / 60:.0f} min left")
     log(f"gpt: {steps} steps, {gpt.num_params() / 1e6:.2f} M params, smoothed train loss {ema:.3f}")
     return gpt.eval()
 
@@ -395,24 +425,225 @@ def train_all(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, data_
     return report
 
 
-def main(argv=None):
-    """``python -m vvs_engine.training.zoo OUT_DIR [--seed S] [--resume] [--data DIR] [--threads N] [--key value]``"""
-    import argparse
+# --------------------------------------------------------------------------------------------------
+# The 32x32-token member: zoo-gpt-32 and zoo-drafter-32 on the shipped tokenizer
+# --------------------------------------------------------------------------------------------------
+GRID32_IMAGE_SIZE = 128  # zoo-vq downsamples 4x and is convolutional: 128 px -> 32x32 = 1024 codes
+GPT32_CONFIG = dict(GPT_CONFIG, block_size=32 * 32)  # the same net: 2-D RoPE, no learned positions
 
-    p = argparse.ArgumentParser(description="Retrain the Zoo (tokenizer, classifier, target, drafter) from scratch")
+# Sized (docs/zoo.md) to finish on ONE niced CPU thread of the shared 2-core machine in about 2 h
+# (measured: a batch-4 fp32 step took about 8 s of wall time at half a core, 3-4x that under heavy
+# contention; encoding the crops about 28 min).
+# Each sequence has 4x the tokens of the 16x16 member, so a batch holds fewer sequences: 4 x 1024 tokens
+# per step. 200 crops per class (3 200 sequences, 3.3 M tokens) are more than the run reads (2.5 M), and
+# encoding at 128 px costs minutes per thousand crops; the held-out set is the first 32 crops of each
+# class's held-out stream (the 64-px Zoo's held-out band and seed), its loss costs ~0.5 s per sequence.
+GRID32_DEFAULTS = dict(n_encode_per_class=200, n_heldout_per_class=32,
+                       gpt_steps=600, gpt_batch=4, gpt_lr=2e-3,
+                       drafter_steps=120, drafter_batch=4, drafter_lr=1e-3,
+                       save_every=10, log_every=10, train_loss_sequences=128)
+
+
+def train_grid32(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, zoo_dir: Optional[str] = None,
+                 resume: bool = False, log: Callable = print, threads: Optional[int] = None,
+                 gpt_config: Optional[dict] = None, **overrides) -> dict:
+    """Train the 32x32-token member of the Zoo: ``zoo-gpt-32`` and its drafter ``zoo-drafter-32``.
+
+    The recipe of :func:`train_all`, at 128 px: the same classes, crop boxes (``make_crops`` draws a
+    crop's box before resizing it, so the 128-px crops are the 64-px crops' boxes at twice the
+    resolution), held-out band and seeds. The shipped ``zoo-vq`` (from ``zoo_dir``, default the
+    package's checkpoints) encodes them; it and ``zoo-classifier`` are reused, not retrained.
+
+    Writes ``zoo-gpt-32`` and ``zoo-drafter-32`` (bf16 safetensors + json) and ``train_report-32.json``
+    to ``out_dir``. ``work_dir`` (default ``$VVS_CACHE/zoo_work/<out name>``) holds the encoded codes
+    and the training states, saved every ``save_every`` steps; ``resume=True`` continues from them
+    (and skips finished stages), otherwise stale states are deleted first. ``gpt_config``: another
+    target architecture (default ``GPT32_CONFIG``; its ``block_size`` must stay 1024), e.g. a tiny one
+    for tests.
+
+    The target trains in fp32: bf16 autocast, faster for the 256-token member, was 7x slower per step
+    at 1024 tokens on this CPU (27.9 vs 3.9 s of CPU for one batch-2 step)."""
+    from ..checkpoint import load_into, read_state_dict
+    from ..checkpoint import read_config
+    from ..engine import load_vq
+    from ..zoo import model_path
+
+    gpt_config = dict(gpt_config or GPT32_CONFIG)
+
+    hp = dict(GRID32_DEFAULTS)
+    unknown = set(overrides) - set(hp)
+    if unknown:
+        raise ValueError(f"unknown training options for the 32x32 member: {sorted(unknown)}")
+    hp.update(overrides)
+    if threads:
+        torch.set_num_threads(threads)
+    os.makedirs(out_dir, exist_ok=True)
+    if work_dir is None:  # never inside out_dir: that may be the package's checkpoints folder
+        cache = os.path.expanduser(os.environ.get("VVS_CACHE", "~/.cache/vvs_engine"))
+        work_dir = os.path.join(cache, "zoo_work", os.path.basename(os.path.abspath(out_dir)))
+    os.makedirs(work_dir, exist_ok=True)
+    gpt_state = os.path.join(work_dir, "zoo-gpt-32.state.pt")
+    drafter_state = os.path.join(work_dir, "zoo-drafter-32.state.pt")
+    if not resume:
+        for p in (gpt_state, drafter_state):
+            if os.path.exists(p):
+                os.remove(p)
+    report_path = os.path.join(out_dir, "train_report-32.json")
+    report = {}
+    if resume and os.path.exists(report_path):
+        with open(report_path) as f:
+            report = json.load(f)
+    vq_path = model_path("zoo-vq", zoo_dir)
+    report.update(seed=seed, hyperparameters=hp, threads=torch.get_num_threads(), torch=torch.__version__,
+                  image_size=GRID32_IMAGE_SIZE, tokenizer="zoo-vq" + (f" from {zoo_dir}" if zoo_dir else " (shipped)"))
+
+    def save_report():
+        with open(report_path, "w") as f:
+            json.dump(report, f, indent=2)
+
+    t_all = time.perf_counter()
+    vq = load_vq(vq_path)
+    grid = GRID32_IMAGE_SIZE // vq.downsample
+    if grid * grid != gpt_config["block_size"]:
+        raise ValueError(f"{vq_path} downsamples {vq.downsample}x: {GRID32_IMAGE_SIZE} px gives a {grid}x{grid} "
+                         f"grid, not 32x32")
+    class_names = list(zdata.CLASS_NAMES)
+    nc = len(class_names)
+    extra_common = dict(classes=class_names, image_size=GRID32_IMAGE_SIZE, seed=seed, tokenizer="zoo-vq")
+
+    # ---- data: the target's crops (the first n_encode_per_class of each class's stream) and held-out ----
+    codes_path = os.path.join(work_dir, "codes-32.pt")
+    if resume and os.path.exists(codes_path):
+        c = torch.load(codes_path, weights_only=True)
+        tr_codes, ho_codes, tr_y, ho_y = c["train"], c["heldout"], c["train_labels"], c["heldout_labels"]
+        log(f"data: {len(tr_codes)} train and {len(ho_codes)} held-out code grids from {codes_path}")
+    else:
+        t0 = time.perf_counter()
+        sources = zdata.photo_sources()
+        tr_x, tr_y_np = zdata.make_crops(hp["n_encode_per_class"], seed, "train", GRID32_IMAGE_SIZE, sources)
+        ho_x, ho_y_np = zdata.make_crops(hp["n_heldout_per_class"], seed, "heldout", GRID32_IMAGE_SIZE, sources)
+        report["crop_seconds"] = time.perf_counter() - t0
+        log(f"data: {nc} classes, {len(tr_x)} train and {len(ho_x)} held-out {GRID32_IMAGE_SIZE}-px crops "
+            f"({report['crop_seconds']:.0f} s)")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            tr_codes = encode_crops(vq, tr_x, batch=64, desc="encode train")
+            ho_codes = encode_crops(vq, ho_x, batch=64, desc="encode held-out")
+        tr_y, ho_y = torch.from_numpy(tr_y_np), torch.from_numpy(ho_y_np)
+        del tr_x
+        torch.save({"train": tr_codes, "heldout": ho_codes, "train_labels": tr_y, "heldout_labels": ho_y},
+                   codes_path)
+        report["encode_seconds"] = time.perf_counter() - t0
+        ho_rec = decode_codes(vq, ho_codes, batch=32)
+        report["vq_heldout_psnr"] = float(psnr(ho_rec, zdata.to_tensor(ho_x)).mean())
+        del ho_rec, ho_x
+        log(f"vq at {GRID32_IMAGE_SIZE} px: held-out PSNR {report['vq_heldout_psnr']:.2f} dB; encoding took "
+            f"{report['encode_seconds'] / 60:.1f} min")
+    if tr_codes.shape[1] != gpt_config["block_size"]:
+        raise ValueError(f"{codes_path} holds {tr_codes.shape[1]} codes per image, not {gpt_config['block_size']}")
+    report["data"] = dict(classes=class_names, n_target_train=len(tr_codes), n_heldout=len(ho_codes),
+                          heldout="right-most 25% of each photo's width")
+    report["vq_codebook_usage_train"] = int(torch.unique(tr_codes).numel())
+    save_report()
+
+    # ---- target ----
+    gpt_path = os.path.join(out_dir, "zoo-gpt-32.safetensors")
+    if resume and _exists(out_dir, "zoo-gpt-32"):
+        gpt = GPT(GPTConfig.from_dict(read_config(gpt_path)["config"]))
+        load_into(gpt, read_state_dict(gpt_path), "gpt")
+        gpt.eval()
+        log("gpt: loaded the finished " + gpt_path)
+    else:
+        t0 = time.perf_counter()
+        gpt = train_gpt(tr_codes, tr_y, nc, hp["gpt_steps"], hp["gpt_batch"], hp["gpt_lr"], seed, log,
+                        config=gpt_config, amp=False, state_path=gpt_state, save_every=hp["save_every"],
+                        log_every=hp["log_every"])
+        # the training loop's wall time summed over the processes of a resumed run (saved in the state)
+        report["gpt_seconds"] = float(torch.load(gpt_state, weights_only=True)["seconds"])
+        report["gpt_seconds_this_process"] = time.perf_counter() - t0
+        # Round to the shipped bf16 weights before measuring, so the figures describe what ships.
+        gpt.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in gpt.state_dict().items()})
+        save_model(gpt, gpt_path, gpt.config.to_dict(), "gpt", extra_common, dtype=torch.bfloat16)
+        save_report()
+    if "gpt_heldout_loss" not in report:
+        t0 = time.perf_counter()
+        report["gpt_params"] = gpt.num_params()
+        report["gpt_heldout_loss"] = gpt_loss(gpt, ho_codes, ho_y, batch=16)
+        g = torch.Generator().manual_seed(seed + 5)
+        sub = torch.randperm(len(tr_codes), generator=g)[: hp["train_loss_sequences"]]
+        report["gpt_train_loss"] = gpt_loss(gpt, tr_codes[sub], tr_y[sub], batch=16)
+        report["loss_eval_seconds"] = time.perf_counter() - t0
+        save_report()
+    log(f"gpt: held-out loss {report['gpt_heldout_loss']:.3f} nats/token on {len(ho_codes)} crops "
+        f"(train subset of {hp['train_loss_sequences']}: {report['gpt_train_loss']:.3f}; uniform "
+        f"{math.log(1024):.3f})")
+
+    # ---- drafter ----
+    if not (resume and _exists(out_dir, "zoo-drafter-32")):
+        from .drafter import train_drafter
+
+        t0 = time.perf_counter()
+        torch.manual_seed(seed)
+        dr = train_drafter(gpt, tr_codes, tr_y, steps=hp["drafter_steps"], batch_size=hp["drafter_batch"],
+                           lr=hp["drafter_lr"], seed=seed, log=log, progress=False, state_path=drafter_state,
+                           save_every=max(1, hp["save_every"] // 2))
+        report["drafter_seconds"] = time.perf_counter() - t0
+        save_model(dr, os.path.join(out_dir, "zoo-drafter-32.safetensors"), dr.config.to_dict(), "drafter",
+                   extra_common, dtype=torch.bfloat16)
+    report["total_seconds_last_process"] = time.perf_counter() - t_all
+    save_report()
+    log(f"zoo-gpt-32: done -> {out_dir} (this process {report['total_seconds_last_process'] / 60:.1f} min)")
+    return report
+
+
+def main(argv=None):
+    """``python -m vvs_engine.training.zoo OUT_DIR [--grid 16|32] [--seed S] [--resume] [--data DIR]
+    [--threads N] [--key value]``"""
+    from ..errors import OneLineParser, UsageError, VVSError
+
+    p = OneLineParser(prog="python -m vvs_engine.training.zoo",
+                      description="Retrain the Zoo (tokenizer, classifier, target, drafter) from scratch; "
+                                  "--grid 32: train the 32x32-token member (zoo-gpt-32, zoo-drafter-32) on "
+                                  "the shipped tokenizer")
     p.add_argument("out_dir")
+    p.add_argument("--grid", type=int, default=16, choices=(16, 32),
+                   help="16: the whole 64-px Zoo (default); 32: zoo-gpt-32 + zoo-drafter-32 at 128 px")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None)
-    p.add_argument("--data", default=None, help="image folder with one sub-folder per class")
+    p.add_argument("--data", default=None, help="image folder with one sub-folder per class (--grid 16)")
+    p.add_argument("--zoo-dir", default=None, help="--grid 32: folder of the zoo-vq to reuse (default: shipped)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--threads", type=int, default=None)
-    for k, v in DEFAULTS.items():
-        p.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
-    a = p.parse_args(argv)
-    over = {k: getattr(a, k) for k in DEFAULTS}
-    train_all(a.out_dir, seed=a.seed, work_dir=a.work_dir, data_root=a.data, resume=a.resume,
-              threads=a.threads, **over)
+    keys = dict(DEFAULTS)
+    keys.update({k: v for k, v in GRID32_DEFAULTS.items() if k not in keys})
+    for k, v in keys.items():
+        p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None,
+                       help=f"default {DEFAULTS.get(k, '-')} (--grid 16), {GRID32_DEFAULTS.get(k, '-')} (--grid 32)")
+    try:
+        a = p.parse_args(argv)
+        defaults = DEFAULTS if a.grid == 16 else GRID32_DEFAULTS
+        given = {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+        wrong = [k for k in given if k not in defaults]
+        if wrong:
+            raise UsageError(f"--grid {a.grid} has no option {', '.join('--' + k.replace('_', '-') for k in wrong)}")
+        if a.grid == 16:
+            if a.zoo_dir:
+                raise UsageError("--zoo-dir is for --grid 32 (it names the tokenizer to reuse)")
+            train_all(a.out_dir, seed=a.seed, work_dir=a.work_dir, data_root=a.data, resume=a.resume,
+                      threads=a.threads, **given)
+        else:
+            if a.data:
+                raise UsageError("--data is for --grid 16: the 32x32 member uses the built-in photos")
+            train_grid32(a.out_dir, seed=a.seed, work_dir=a.work_dir, zoo_dir=a.zoo_dir, resume=a.resume,
+                         threads=a.threads, **given)
+    except UsageError as e:  # the CLI's codes: 2 bad arguments, 1 other user errors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except VVSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
