@@ -109,6 +109,11 @@ SETTINGS = [
     ("SJD-PAC W=4 D=3", "sjd-pac", {"pac_width": 4, "pac_depth": 3}),
     ("SJD-PAC W=3 D=4", "sjd-pac", {"pac_width": 3, "pac_depth": 4, "jacobi_window": 40}),
     ("ZipAR s=8", "zipar", {"zipar_window": 8}),
+    # PJD (the row-parallel method's Jacobi rows; E1 exact per forward is the preset), the same settings
+    # and cache keys as benchmarks/pjd_zoo.py, so either script's 512-image tokens serve both
+    ("PJD-E1", "pjd", {"zipar_max_rows": 4}),
+    ("PJD-E1 start 4", "pjd", {"zipar_max_rows": 4, "zipar_window": 4}),
+    ("PJD rule", "pjd", {"zipar_max_rows": 4, "zipar_commit": "drafts"}),
 ]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 # The core settings, in the order a run generates them (cheapest first, so a short run finishes some).
@@ -125,7 +130,7 @@ FRONTIER = ["ZipAR s=2", "ZipAR s=8", "SCD L=8", "SCD L=32", "SJD-PAC W=2 D=3", 
             "EAGLE-2 n=30 d=3", "EAGLE-2 n=90 d=6", "GSD G=3", "GSD G=14", "GSD G=8 maximal", "SJD L=8",
             "SJD L=32", "SJD random init", "CASCADE drafter", "CASCADE llamagen", "CASCADE lumina-final",
             "VVS-U i=2 reject", "VVS-U i=3 fill", "VVS-U i=3 reject", "VVS-U i=4 fill", "VVS-U i=4 reject",
-            "VVS-D s=0.3 fill"]
+            "VVS-D s=0.3 fill", "PJD-E1", "PJD-E1 start 4", "PJD rule"]
 
 
 def available_settings() -> list:
@@ -193,6 +198,71 @@ def parity_verdicts(rows: list) -> str | None:
         if r["parity"] and r["method"] != "ar" and (best is None or r["tpf"]["value"] > best["tpf"]["value"]):
             best = r
     return best["name"] if best else None
+
+
+# --- per-family fronts and the VVS question --------------------------------------------------------
+# VVS is a family per base rule: skipping is judged against the same rule without skips.
+VVS_BASE = {"exact": "EAGLE-2", "lantern++": "LANTERN++", None: "LANTERN d=0.2"}  # accept= -> base setting
+FAMILY_OF_METHOD = {"ar": "AR", "eagle": "EAGLE", "lantern": "LANTERN", "lantern++": "LANTERN++", "sjd": "SJD",
+                    "gsd": "GSD", "scd": "SCD", "sjd-pac": "SJD-PAC", "cascade": "CASCADE", "zipar": "ZipAR",
+                    "pjd": "PJD"}
+WITHIN_POINTS = 0.02  # the fronts' second column: class accuracy at most 2 points below AR's
+
+
+def family_of(method: str, opts: dict) -> str:
+    """The front a setting belongs to: its method, VVS split by the rule it verifies with."""
+    if method != "vvs":
+        return FAMILY_OF_METHOD.get(method, method)
+    accept = opts.get("accept")
+    if accept in ("gsd", "cascade"):
+        return "VVS + " + accept.upper()  # compositions: their own fronts (no published base)
+    return {"exact": "VVS over exact", "lantern++": "VVS over LANTERN++"}.get(accept, "VVS over LANTERN")
+
+
+def within_points(row: dict, points: float = WITHIN_POINTS) -> bool:
+    """A small-loss verdict: class accuracy's point estimate at most ``points`` below AR's, and the
+    distance metrics (classifier FD, FID) not detectably worse (their paired intervals reach 0)."""
+    if row["method"] == "ar":
+        return True
+    acc = row.get("class_accuracy")
+    if acc is None or "diff" not in acc or acc["diff"] < -points:
+        return False
+    return at_parity({k: v for k, v in row.items() if k != "class_accuracy"})
+
+
+def family_fronts(rows: list) -> list:
+    """One entry per family (in table order): its settings, and the highest-TPF setting at parity and
+    within ``WITHIN_POINTS`` (None where no setting qualifies)."""
+    fronts = {}
+    for r in rows:
+        if "error" in r or r["method"] == "ar":
+            continue
+        f = fronts.setdefault(family_of(r["method"], r.get("options", {})),
+                              {"settings": [], "parity": None, "within": None})
+        f["settings"].append(r["name"])
+        for verdict, ok in (("parity", r["parity"]), ("within", within_points(r))):
+            if ok and (f[verdict] is None or r["tpf"]["value"] > f[verdict]["tpf"]["value"]):
+                f[verdict] = r
+    return [dict(family=name, **f) for name, f in fronts.items()]
+
+
+def vvs_answer(rows: list) -> list:
+    """VVS against its base rule: per VVS family over a base, its best setting at parity (and within
+    2 points) next to the base family's, and every VVS setting's paired difference to the base setting
+    it skips on (what skipping alone costs at an equal rule: ``vs_base`` from :func:`evaluate`)."""
+    by_family = {f["family"]: f for f in family_fronts(rows)}
+    out = []
+    for accept, base_name in VVS_BASE.items():
+        fam = family_of("vvs", {"accept": accept})
+        base_row = next((r for r in rows if r["name"] == base_name and "error" not in r), None)
+        if fam not in by_family or base_row is None:
+            continue
+        base_fam = by_family.get(family_of(base_row["method"], base_row.get("options", {})))
+        settings = [r for r in rows if "error" not in r and r["method"] == "vvs" and
+                    family_of("vvs", r.get("options", {})) == fam]
+        out.append({"family": fam, "base_setting": base_name, "base_family": base_fam, "vvs": by_family[fam],
+                    "settings": settings})
+    return out
 
 
 # --- the token cache ---------------------------------------------------------------------------------
@@ -333,6 +403,21 @@ def generate_setting(eng, name, method, opts, labels, seed, sampling, batch_size
         if partial and os.path.exists(partial):
             os.remove(partial)
     return res
+
+
+SKIP_SAMPLE = 2  # images per class whose skip fraction is measured (a re-run of those images)
+
+
+def skip_fraction(eng, name, method, opts, labels, seed, sampling) -> dict:
+    """VVS's skipped rounds / all rounds on the first ``SKIP_SAMPLE`` images of every class, re-decoded
+    with their own image indices (the skip decision is per sequence, so they skip exactly as in the
+    cached run; the token cache keeps no round counts)."""
+    chosen = [i for c in sorted(set(labels)) for i in [j for j, lab in enumerate(labels) if lab == c][:SKIP_SAMPLE]]
+    print(f"[quality_speed] {name}: skip fraction on {len(chosen)} images", flush=True)
+    out = eng.generate(class_labels=[labels[i] for i in chosen], method=method, seed=seed, image_indices=chosen,
+                       batch_size=len(chosen), decode_images=False, **sampling, **opts)
+    skips, verified = int(out.stats.get("skip_steps", 0)), int(out.stats.get("verified_steps", 0))
+    return {"value": skips / max(skips + verified, 1), "images": len(chosen)}
 
 
 def ops_per_token(eng, method, opts, label, seed, sampling) -> float:
@@ -527,7 +612,9 @@ def to_markdown(meta: dict, rows: list, fastest, missing=()) -> str:
              f"**Fastest setting at parity: {fastest or 'none'}**", ""]
     if missing:
         lines += [f"Not yet in the table ({len(missing)}): {', '.join(missing)}.", ""]
-    lines += ["| setting | TPF | ops/token | images/s | class acc | Δ acc vs AR | FD (classifier) | Δ FD | FID | Δ FID "
+    lines += fronts_markdown(rows) + vvs_markdown(rows)
+    lines += ["## Every setting", "",
+              "| setting | TPF | ops/token | images/s | class acc | Δ acc vs AR | FD (classifier) | Δ FD | FID | Δ FID "
               "| precision | recall | parity |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -544,6 +631,60 @@ def to_markdown(meta: dict, rows: list, fastest, missing=()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _best(r):
+    if r is None:
+        return "none", "–", "–"
+    return r["name"], _ci(r["tpf"], 2), _diff(r["class_accuracy"], 3)
+
+
+def fronts_markdown(rows: list) -> list:
+    lines = ["## Per-family fronts", "",
+             f"Each family's highest-TPF setting at parity, and at \"within {WITHIN_POINTS * 100:.0f} points\" "
+             f"(class accuracy's point estimate at most {WITHIN_POINTS * 100:.0f} points below AR's, classifier FD and FID "
+             f"not detectably worse) for users who accept a small loss. VVS is one family per base rule.", "",
+             "| family | settings | fastest at parity | TPF | Δ acc vs AR | fastest within 2 points | TPF | Δ acc vs AR |",
+             "|---|---|---|---|---|---|---|---|"]
+    for f in family_fronts(rows):
+        p, w = _best(f["parity"]), _best(f["within"])
+        lines.append(f"| {f['family']} | {len(f['settings'])} | {p[0]} | {p[1]} | {p[2]} | {w[0]} | {w[1]} | {w[2]} |")
+    return lines + [""]
+
+
+def vvs_verdict(answer: list) -> str:
+    """One plain sentence per VVS family: does skipping reach parity at a TPF above its base rule's best?"""
+    parts = []
+    for a in answer:
+        v, b = a["vvs"]["parity"], a["base_family"]["parity"] if a["base_family"] else None
+        vt = f"{v['name']} at TPF {v['tpf']['value']:.2f}" if v else "no setting at parity"
+        bt = f"{b['name']} at TPF {b['tpf']['value']:.2f}" if b else "no setting at parity"
+        faster = v is not None and (b is None or v["tpf"]["value"] > b["tpf"]["value"])
+        parts.append(f"{a['family']}: {vt} against its base rule's best, {bt}: "
+                     f"{'VVS is faster at parity' if faster else 'VVS is not faster at parity'}.")
+    return " ".join(parts)
+
+
+def vvs_markdown(rows: list) -> list:
+    answer = vvs_answer(rows)
+    if not answer:
+        return []
+    lines = ["## VVS against its base rule", "", vvs_verdict(answer), "",
+             "Skipping alone at an equal rule: each VVS setting against the same rule without skips (the base "
+             "setting), paired image by image (Δ = VVS − base, 95 % bootstrap intervals). Skip fraction: skipped "
+             f"rounds / all rounds on {SKIP_SAMPLE} images per class re-decoded.", "",
+             "| VVS setting | base setting | skip fraction | TPF | base TPF | Δ acc vs base | Δ FD vs base | parity (vs AR) |",
+             "|---|---|---|---|---|---|---|---|"]
+    by_name = {r["name"]: r for r in rows if "error" not in r}
+    for a in answer:
+        base = by_name[a["base_setting"]]
+        for r in a["settings"]:
+            vs = r.get("vs_base", {})
+            skip = f"{r['skip_fraction']['value']:.2f}" if r.get("skip_fraction") else "–"
+            lines.append(f"| {r['name']} | {a['base_setting']} | {skip} | "
+                         f"{_ci(r['tpf'], 2)} | {_ci(base['tpf'], 2)} | {_diff(vs.get('class_accuracy'), 3)} | "
+                         f"{_diff(vs.get('fd_classifier'), 2)} | {'yes' if r['parity'] else 'no'} |")
+    return lines + [""]
+
+
 README_BEGIN = "<!-- quality-speed:begin"
 README_END = "<!-- quality-speed:end -->"
 
@@ -552,20 +693,21 @@ def readme_block(meta: dict, rows: list, fastest, missing=()) -> str:
     """The README's quote of the table: TPF, class accuracy and classifier FD with their differences to AR
     (95 % intervals) and the parity verdict, for every complete setting."""
     lines = [f"{README_BEGIN} (generated by `python benchmarks/quality_speed.py --images-per-class "
-             f"{meta['n_images'] // 16} --report-only --readme docs/benchmarks.md`; do not edit) -->",
+             f"{meta['n_images'] // 16} --report-only --readme README.md --readme docs/benchmarks.md`; do not edit) -->",
              f"{meta['n_images']} images per setting ({meta['labels']}), paired with AR by seed; 95 % bootstrap "
-             f"intervals; parity = no Δ interval wholly on the worse side. Fastest at parity: "
-             f"**{fastest or 'none'}**. Full table (FID, precision/recall, ops per token): "
+             f"intervals; parity = no Δ interval wholly on the worse side; within 2 points = class accuracy at "
+             f"most 2 points below AR's, FD and FID not detectably worse. Fastest at parity: "
+             f"**{fastest or 'none'}**. Every setting (FID, precision/recall, ops per token, VVS's skip fractions): "
              f"`benchmarks/results/quality_speed.md`." + (f" Not yet run at this size: {', '.join(missing)}."
                                                           if missing else ""), "",
-             "| setting | TPF | class acc | Δ acc vs AR | FD (classifier) | Δ FD | parity |",
+             "| family | fastest at parity | TPF | Δ acc vs AR | fastest within 2 points | TPF | Δ acc vs AR |",
              "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            continue
-        lines.append(f"| {r['name']} | {_ci(r['tpf'], 2)} | {_ci(r['class_accuracy'], 3)} | "
-                     f"{_diff(r['class_accuracy'], 3)} | {_ci(r['fd_classifier'], 2)} | {_diff(r['fd_classifier'], 2)} | "
-                     f"{'yes' if r['parity'] else 'no'} |")
+    for f in family_fronts(rows):
+        p, w = _best(f["parity"]), _best(f["within"])
+        lines.append(f"| {f['family']} | {p[0]} | {p[1]} | {p[2]} | {w[0]} | {w[1]} | {w[2]} |")
+    verdict = vvs_verdict(vvs_answer(rows))
+    if verdict:
+        lines += ["", "**VVS against its base rule** (best at parity, same rule without skips): " + verdict]
     lines.append(README_END)
     return "\n".join(lines)
 
@@ -583,35 +725,75 @@ def write_readme(path: str, block: str) -> None:
         f.write(text[:i] + block + text[j + len(README_END):])
 
 
+def place_labels(ax, points: list, fontsize: int = 7) -> list:
+    """Annotate ``points`` [(x, y, text)] so no two labels overlap each other or leave the axes: each
+    label takes the first free spot among offsets around its point at growing distances (measured
+    with the figure's renderer), with a leader line when it moved away."""
+    renderer = ax.figure.canvas.get_renderer()
+    box = ax.get_window_extent(renderer)
+    taken, texts = [], []
+    offsets = [(dx * r, dy * r) for r in (6, 16, 28, 42, 58) for dx, dy in
+               ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1.5), (0, -1.5))]
+    for x, y, text in points:
+        for k, (dx, dy) in enumerate(offsets):
+            t = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+                            ha="left" if dx >= 0 else "right", va="bottom" if dy >= 0 else "top",
+                            arrowprops=dict(arrowstyle="-", lw=0.5, color="grey") if k >= 8 else None)
+            bb = t.get_window_extent(renderer).expanded(1.05, 1.1)
+            inside = box.x0 <= bb.x0 and bb.x1 <= box.x1 and box.y0 <= bb.y0 and bb.y1 <= box.y1
+            if inside and not any(bb.overlaps(o) for o in taken):
+                taken.append(bb)
+                texts.append(t)
+                break
+            t.remove()
+    return texts
+
+
 def plot(rows: list, path: str, fastest=None) -> None:
+    """TPF against Δ class accuracy and Δ classifier FD to AR (paired 95 % intervals), one colour per
+    family, each family's front joined; labels on every family's fastest setting at parity (or its
+    fastest, marked "(loss)", where none is), placed so they do not overlap."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if "error" not in r]
-    ar = next(r for r in ok if r["method"] == "ar")
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
-    for ax, key, label in ((axes[0], "class_accuracy", "class accuracy (higher is better)"),
-                           (axes[1], "fd_classifier", "FD in classifier features (lower is better)")):
-        ax.axhspan(*ar[key]["ci"], color="grey", alpha=0.2, label="AR 95 % interval")
-        for r in ok:
-            m, t = r[key], r["tpf"]
-            # a bootstrap FD interval can lie above the full-set value (resamples repeat images): clip at 0
-            ax.errorbar(t["value"], m["value"], yerr=[[max(0.0, m["value"] - m["ci"][0])],
-                                                      [max(0.0, m["ci"][1] - m["value"])]],
-                        xerr=[[max(0.0, t["value"] - t["ci"][0])], [max(0.0, t["ci"][1] - t["value"])]],
-                        fmt="o" if r["parity"] else "x",
-                        ms=6, capsize=2, color="C2" if r["parity"] else "C3")
-            ax.annotate(r["name"] + (" *" if r["name"] == fastest else ""), (t["value"], m["value"]), fontsize=8,
-                        xytext=(4, 4), textcoords="offset points")
+    ok = [r for r in rows if "error" not in r and r["method"] != "ar"]
+    ar = next(r for r in rows if "error" not in r and r["method"] == "ar")
+    fronts = family_fronts(rows)
+    colour = {f["family"]: plt.get_cmap("tab20")(i % 20) for i, f in enumerate(fronts)}
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5))
+    for ax, key, sign, label in ((axes[0], "class_accuracy", +1, "Δ class accuracy vs AR (higher is better)"),
+                                 (axes[1], "fd_classifier", -1, "Δ FD in classifier features vs AR (lower is better)")):
+        ax.axhline(0.0, color="grey", lw=0.8)
+        for f in fronts:
+            mine = sorted((r for r in ok if r["name"] in f["settings"]), key=lambda r: r["tpf"]["value"])
+            for r in mine:
+                m, t = r[key], r["tpf"]
+                # an FD difference's interval need not hold the full-set value (resamples repeat images)
+                ax.errorbar(t["value"], m["diff"], yerr=[[max(0.0, m["diff"] - m["diff_ci"][0])],
+                                                         [max(0.0, m["diff_ci"][1] - m["diff"])]],
+                            fmt="o" if r["parity"] else "x", ms=5, capsize=2, color=colour[f["family"]], lw=0.8)
+            # the front: settings no other of the family beats on both TPF and this metric
+            front = [r for r in mine if not any(o["tpf"]["value"] > r["tpf"]["value"] and
+                                                sign * o[key]["diff"] >= sign * r[key]["diff"] for o in mine)]
+            ax.plot([r["tpf"]["value"] for r in front], [r[key]["diff"] for r in front], "-",
+                    color=colour[f["family"]], lw=1.0, label=f"{f['family']} ({len(mine)})")
+        labels = []
+        for f in fronts:
+            r = f["parity"] or max((r for r in ok if r["name"] in f["settings"]), key=lambda r: r["tpf"]["value"])
+            text = r["name"] + (" *" if r["name"] == fastest else "") + ("" if r["parity"] else " (loss)")
+            labels.append((r["tpf"]["value"], r[key]["diff"], text))
         ax.set_xlabel("TPF (tokens per target forward)", fontsize=10)
         ax.set_ylabel(label, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-    fig.suptitle(f"Quality vs TPF on the Zoo, {ar['n_images']} images per setting (95 % bootstrap intervals; "
-                 f"green o = at AR parity, red x = detectably worse; * = fastest at parity)", fontsize=10)
-    fig.tight_layout()
+        ax.legend(fontsize=7, loc="lower left" if sign > 0 else "upper left", ncol=2, title="family (settings)",
+                  title_fontsize=7)
+        fig.tight_layout(rect=(0, 0, 1, 0.95))
+        place_labels(ax, sorted(labels, key=lambda p: -p[0]))
+    fig.suptitle(f"Quality vs TPF on the Zoo, {ar['n_images']} images per setting, paired with AR (95 % bootstrap "
+                 f"intervals; o = at AR parity, x = detectably worse; lines: each family's front; * = fastest at "
+                 f"parity)", fontsize=10)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -634,7 +816,7 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
     ref = {"cls": ReferenceSet(reference_features("classifier"))}
     if inception:
         ref["inc"] = ReferenceSet(reference_features("inception"))
-    rows, ar, missing = [], None, []
+    rows, ar, missing, all_draws = [], None, [], {}
     for name, method, opts in settings:
         key = setting_key(ckpt_key, method, opts, sampling, labels, seed, batch_size, str(eng.device))
         cache = os.path.join(cache_dir, _slug(name) + ".npz") if cache_dir else None
@@ -664,6 +846,7 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
                          lambda: metric_draws(feats, gen["forwards"], eng.tokens_per_image, ref, idx, inception_reps))
         if method == "ar":
             ar = draws
+        all_draws[name] = draws
         metrics = {k: summarise(v, b, ar.get(k) if (ar is not None and method != "ar") else None)
                    for k, (v, b) in draws.items()}
         row = {"name": name, "method": method, "options": opts, "n_images": len(labels),
@@ -675,7 +858,16 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
                                   if k in gen},
                "digest": digest_of(key)}
         row.update(metrics)
+        if method == "vvs":
+            skips = work.get("skips", [token_digest, method, opts, sampling, seed, SKIP_SAMPLE],
+                             lambda: skip_fraction(eng, name, method, opts, labels, seed, sampling))
+            row["skip_fraction"] = {k: float(v) for k, v in skips.items()}
         rows.append(row)
+    for row in rows:  # VVS against the same rule without skips, paired image by image
+        base = VVS_BASE.get(row.get("options", {}).get("accept"))
+        if row.get("method") == "vvs" and "error" not in row and base in all_draws:
+            row["vs_base"] = {k: summarise(*all_draws[row["name"]][k], all_draws[base][k])
+                              for k in PARITY_METRICS if k in all_draws[base]}
     ok = [r for r in rows if "error" not in r]
     if ok and ok[0]["method"] != "ar":
         raise VVSError("AR's tokens are not cached: the table needs AR (run it first)")
@@ -722,8 +914,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quality_speed"),
                     help="output prefix: .md, .json, _tokens/ (committed), _work/ (ignored); "
                          "default benchmarks/results/quality_speed")
-    ap.add_argument("--readme", default=None, help="also write the table's summary into this file between its "
-                                                   "quality-speed markers (docs/benchmarks.md)")
+    ap.add_argument("--readme", action="append", default=None,
+                    help="also write the fronts' summary into this file between its quality-speed markers "
+                         "(repeatable: README.md and docs/benchmarks.md)")
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "quality_speed.png"), help="Pareto plot path")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--batch-size", type=int, default=16, help="images decoded together (default 16; part of the "
@@ -818,9 +1011,9 @@ def main(argv=None) -> int:
     print(md)
     if a.plot and any(r["method"] == "ar" for r in rows):
         plot(rows, a.plot, fastest)
-    if a.readme:
+    for path in a.readme or ():
         try:
-            write_readme(a.readme, readme_block(meta, rows, fastest, missing))
+            write_readme(path, readme_block(meta, rows, fastest, missing))
         except (VVSError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

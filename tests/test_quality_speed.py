@@ -58,10 +58,68 @@ def test_parity_and_fastest_at_parity():
     lines = md.splitlines()
     assert lines[2] == "Command: `python benchmarks/quality_speed.py --x`"
     assert "**Fastest setting at parity: faster at parity**" in md
-    table = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| setting")]
+    every = lines[lines.index("## Every setting"):]
+    table = [ln for ln in every if ln.startswith("| ") and not ln.startswith("| setting")]
     assert len(table) == len(rows) and all(ln.count("|") == 14 for ln in table)
     assert "0.500 [0.460, 0.540]" in table[0] and table[1].endswith("| no |")
     assert "-0.100, -0.020" in table[1]
+
+
+def _fam_row(name, method, opts, tpf, acc_diff, acc_ci, fd_ci=(-1.0, 1.0)):
+    r = _row(name, method, acc_ci, fd_ci, tpf)
+    r["options"], r["class_accuracy"]["diff"] = opts, acc_diff
+    return r
+
+
+def test_family_fronts_within_two_points_and_the_vvs_verdict(tmp_path):
+    ar = _row("AR", "ar", None, None, 1.0)
+    for k in ("class_accuracy", "fd_classifier"):
+        del ar[k]["diff"], ar[k]["diff_ci"]
+    rows = [ar,
+            _fam_row("LANTERN++", "lantern++", {}, 2.8, -0.006, (-0.05, 0.04)),
+            _fam_row("LANTERN++ l=3", "lantern++", {"lantern_lambda": 3.0}, 3.2, -0.015, (-0.06, -0.001)),
+            _fam_row("LANTERN++ l=9", "lantern++", {"lantern_lambda": 9.0}, 3.9, -0.05, (-0.09, -0.01)),
+            _fam_row("VVS-U i=2 LANTERN++", "vvs", {"accept": "lantern++"}, 4.4, -0.03, (-0.07, -0.002)),
+            _fam_row("VVS-U i=4 LANTERN++", "vvs", {"accept": "lantern++"}, 3.4, -0.01, (-0.05, 0.03)),
+            _fam_row("VVS-U i=2 exact", "vvs", {"accept": "exact"}, 2.5, 0.0, (-0.04, 0.04), fd_ci=(0.2, 1.0)),
+            _fam_row("SJD", "sjd", {}, 2.1, -0.02, (-0.07, 0.03))]
+    ar["n_images"] = 32
+    qs.parity_verdicts(rows)
+    fronts = {f["family"]: f for f in qs.family_fronts(rows)}
+    assert list(fronts) == ["LANTERN++", "VVS over LANTERN++", "VVS over exact", "SJD"]
+    assert fronts["LANTERN++"]["parity"]["name"] == "LANTERN++"  # l=3's accuracy interval is wholly below 0
+    assert fronts["LANTERN++"]["within"]["name"] == "LANTERN++ l=3"  # 1.5 points down: within 2
+    assert fronts["VVS over LANTERN++"]["parity"]["name"] == "VVS-U i=4 LANTERN++"
+    assert fronts["VVS over exact"]["parity"] is None and fronts["VVS over exact"]["within"] is None  # FD worse
+    assert fronts["SJD"]["within"]["name"] == "SJD"  # exactly 2 points down counts as within
+    answer = qs.vvs_answer(rows)
+    assert [a["family"] for a in answer] == ["VVS over LANTERN++"]  # EAGLE-2, the exact base, is not in rows
+    verdict = qs.vvs_verdict(answer)
+    assert "VVS-U i=4 LANTERN++ at TPF 3.40" in verdict and "LANTERN++ at TPF 2.80" in verdict
+    assert "VVS is faster at parity" in verdict
+    rows[5]["parity"] = False  # without its parity setting VVS over LANTERN++ is not faster
+    assert "VVS is not faster at parity" in qs.vvs_verdict(qs.vvs_answer(rows))
+    block = qs.readme_block({"n_images": 32, "labels": "l"}, rows, None)
+    assert block.count("\n| ") == 1 + 4 and "VVS against its base rule" in block
+    qs.plot(rows, str(tmp_path / "fronts.png"))
+    assert (tmp_path / "fronts.png").stat().st_size > 0
+
+
+def test_labels_are_placed_without_overlap():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.set_xlim(0, 10)
+    ax.set_ylim(0, 10)
+    points = [(5.0, 5.0 + 0.01 * i, f"a long label {i}") for i in range(6)]  # all on one spot
+    texts = qs.place_labels(ax, points)
+    assert len(texts) >= 4
+    boxes = [t.get_window_extent(fig.canvas.get_renderer()) for t in texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    plt.close(fig)
 
 
 def test_tiny_run_metrics_cache_and_report(tmp_path, monkeypatch):
@@ -70,6 +128,17 @@ def test_tiny_run_metrics_cache_and_report(tmp_path, monkeypatch):
     eng = tiny_engine(vocab=64, block=16, peak=4.0, dtype=__import__("torch").float32)
     settings = [qs.SETTING_BY_NAME["AR"], qs.SETTING_BY_NAME["EAGLE-2"]]
     labels = [0, 0, 1, 1, 2, 2]
+    # VVS over exact: its skip fraction (a re-decode of SKIP_SAMPLE images per class) and the paired
+    # difference to EAGLE-2, the same rule without skips
+    vvs = qs.SETTING_BY_NAME["VVS-U i=2 exact"]
+    vrows, _, _ = qs.evaluate(eng, settings + [vvs], labels, 0, {"temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                                                "cfg_scale": 3.0}, inception=False, reps=30,
+                              ckpt_key="tiny", show=False, ops=False)
+    skip = vrows[2]["skip_fraction"]
+    assert skip["images"] == 6 and 0.2 < skip["value"] < 0.5  # every other round skips once decoding is under way
+    assert set(vrows[2]["vs_base"]) == {"class_accuracy", "fd_classifier"}
+    assert vrows[2]["vs_base"]["class_accuracy"]["diff"] == pytest.approx(
+        vrows[2]["class_accuracy"]["value"] - vrows[1]["class_accuracy"]["value"])
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 3.0}
     kw = dict(inception=False, reps=30, cache_dir=str(tmp_path / "tok"), ckpt_key="tiny", show=False,
               work_dir=str(tmp_path / "work"))

@@ -33,6 +33,16 @@ FLAGS = ["--method", "ar", "--rows", str(ROWS), "--queue-size", str(QUEUE), "--m
          "--request-timeout", "300", "--threads", "1"]
 
 
+
+def deploy_argv(argv):
+    """``vvs-engine serve ARGV --ray`` without the waiting: the CLI's parsing, then the deployment."""
+    from vvs_engine.cli import build_parser, method_options, pick_device
+
+    args = build_parser().parse_args(["serve", *argv])
+    if args.ray is None:
+        args.ray = "auto"
+    return ray_serve.deploy_checked(args, method_options(args), pick_device(args.device))
+
 @pytest.fixture(scope="module")
 def cluster():
     """One local cluster for the module: 2 CPUs (one per replica), no dashboard, a small object store.
@@ -49,7 +59,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def url(cluster):
     started = time.monotonic()
-    address = ray_serve.deploy_argv([*FLAGS, "--num-replicas", str(REPLICAS), "--port", "0"])
+    address = deploy_argv([*FLAGS, "--num-replicas", str(REPLICAS), "--port", "0"])
     print(f"deployed {REPLICAS} replicas in {time.monotonic() - started:.1f} s")
     return address
 
@@ -149,7 +159,7 @@ def test_ray_queue_overflow_is_429(url, cluster):
     1 request at a time and queues 1 more for: a third concurrent request is refused by Ray with 429
     and a Retry-After, the two others are served."""
     serve.shutdown()  # (a new proxy then binds the new deployment's port)
-    small = ray_serve.deploy_argv([*FLAGS, "--num-replicas", "1", "--max-ongoing-requests", "1",
+    small = deploy_argv([*FLAGS, "--num-replicas", "1", "--max-ongoing-requests", "1",
                                    "--max-queued-requests", "1", "--port", "0"])
     statuses = {}
 

@@ -26,7 +26,6 @@ import argparse
 import signal
 import sys
 import time
-from typing import List
 
 from ..errors import VVSError
 
@@ -36,7 +35,7 @@ RAY_RETRY_AFTER_S = 5  # Ray's own 429s know no image rate: the app's answer whe
 
 
 def max_ongoing_requests(args) -> int:
-    from .cli import RAY_HEADROOM_REQUESTS, queue_size
+    from .server import RAY_HEADROOM_REQUESTS, queue_size
 
     if args.max_ongoing_requests is not None:
         return args.max_ongoing_requests
@@ -77,7 +76,7 @@ class EngineReplica:
     asks ``__serve_build_asgi_app__`` for it after ``__init__``)."""
 
     def __init__(self, args: argparse.Namespace, method_opts: dict, device: str):
-        from .cli import build_server
+        from .server import build_server
 
         # (not ``self.app``: Ray's ASGI wrapper, which this class becomes a base of, has that property)
         self.engine_worker, self.http_app, _ = build_server(args, method_opts, replica_device(device))
@@ -134,23 +133,16 @@ def deploy(args, method_opts: dict, device: str, port: int) -> str:
     return f"http://{args.host}:{port}"
 
 
-def deploy_argv(argv: List[str]) -> str:
-    """``vvs-engine serve ARGV --ray ...`` without the waiting: parse and check the flags as the CLI
-    does, deploy on the Ray cluster this process is connected to, return the URL (the tests' entry;
-    stop with ``ray.serve.shutdown()``)."""
-    from ..cli import build_parser, method_options, pick_device
-
-    args = build_parser().parse_args(["serve", *argv])
-    if args.ray is None:
-        args.ray = "auto"
-    device = pick_device(args.device)
-    method_opts = method_options(args)
+def deploy_checked(args, method_opts: dict, device: str) -> str:
+    """Check the parsed ``serve`` flags as the CLI does and deploy on the Ray cluster this process is
+    connected to, without waiting; returns the URL (the tests' entry: they parse with the CLI's parser,
+    which this package does not import; stop with ``ray.serve.shutdown()``)."""
     _check(args, method_opts, device)
     return deploy(args, method_opts, device, _free_port(args.host, args.port))
 
 
 def _check(args, method_opts: dict, device: str) -> None:
-    from .cli import check_args
+    from .server import check_args
 
     check_args(args, method_opts, device)
     try:
@@ -165,9 +157,9 @@ def _check(args, method_opts: dict, device: str) -> None:
 def _free_port(host: str, port: int) -> int:
     """``port`` if it is free (a port in use fails now, before minutes of loading), or with 0 a free
     one: Ray's proxy binds the port itself, so it is checked and released here (a small race)."""
-    from .cli import _bind
+    from .server import bind
 
-    listener = _bind(host, port)
+    listener = bind(host, port)
     try:
         return listener.getsockname()[1]
     finally:
