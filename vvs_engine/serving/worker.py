@@ -91,9 +91,10 @@ class RequestQueue:
     images, the set in flight, and cancellation. ``submit`` and ``cancel`` are called from the front
     end's thread, everything else from the engine thread; one condition variable guards it all."""
 
-    def __init__(self, engine, max_waiting_images: int, metrics: ServerMetrics):
+    def __init__(self, engine, max_waiting_images: int, metrics: ServerMetrics, rows: int = 0):
         self.engine = engine
         self.max_waiting = max_waiting_images
+        self.rows = rows  # images the loop holds in flight at most (free ones take waiting images next round)
         self.metrics = metrics
         self.T = engine.tokens_per_image
         self.cond = threading.Condition()
@@ -109,7 +110,10 @@ class RequestQueue:
         with self.cond:
             if (not self.accepting and not internal) or self.closed:
                 raise NotAccepting("the server is not accepting requests (starting or shutting down)")
-            if len(self.waiting) + request.n > self.max_waiting and not internal:
+            # the bound is on images that will still wait after the next admission: rows that are
+            # free now take waiting images at the next round, so a burst into an idle server is not refused
+            free_rows = max(0, self.rows - len(self.in_flight))
+            if len(self.waiting) + request.n > self.max_waiting + free_rows and not internal:
                 raise QueueFull(self._retry_after())
             self.waiting.extend(request.jobs)
             if not internal:
@@ -253,7 +257,7 @@ class EngineWorker:
         self.use_graphs = engine.device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
         self.model_name = model_name
         self.metrics = ServerMetrics(model_name, method)
-        self.queue = RequestQueue(engine, max_waiting_images, self.metrics)
+        self.queue = RequestQueue(engine, max_waiting_images, self.metrics, rows)
         self.ready = threading.Event()
         self.image_size: Optional[tuple] = None  # (width, height) of the warm-up image
         self.error: Optional[BaseException] = None
