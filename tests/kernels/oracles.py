@@ -75,17 +75,22 @@ def accept_walk_oracle(accepted, first_child, next_sibling, max_depth: int):
 
 
 def lantern_mass_oracle(p, tokens, neighbors, delta: float, ratio: bool):
+    """Walks the neighbours one by one, keeping the last prefix whose mass fits the bound. In float32
+    scalars, as the op computes (p is float32 there, the bound a float32 product, the prefix sums a
+    float32 running sum): a float64 walk with a tolerance disagrees on near-ties (an absolute
+    tolerance of 1e-7 swallowed bounds of 1e-8 when p[x] was tiny)."""
     relaxed, m_star = [], []
     for row in range(p.shape[0]):
         x = int(tokens[row])
-        px = float(p[row, x])
-        bound = (delta - 1.0) * px if ratio else delta
-        c, best, m = 0.0, 0.0, 0
+        px = p[row, x].float()
+        bound = (delta - 1.0) * px if ratio else torch.tensor(delta, dtype=torch.float32)
+        c, best, m = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32), 0
         for j, nb in enumerate(neighbors[x].tolist()):
-            c += float(p[row, nb]) if nb >= 0 else 0.0
-            if c <= bound + 1e-7 * max(1.0, abs(bound)):
+            if nb >= 0:
+                c = c + p[row, nb].float()
+            if bool(c <= bound):
                 best, m = c, j + 1
-        relaxed.append(px + best)
+        relaxed.append(float(px + best))
         m_star.append(m)
     return torch.tensor(relaxed), torch.tensor(m_star)
 
