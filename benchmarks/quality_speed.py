@@ -642,12 +642,18 @@ def fronts_markdown(rows: list) -> list:
              f"Each family's highest-TPF setting at parity, and at \"within {WITHIN_POINTS * 100:.0f} points\" "
              f"(at parity, or class accuracy's point estimate at most {WITHIN_POINTS * 100:.0f} points below AR's with "
              f"classifier FD and FID not detectably worse) for users who accept a small loss. VVS is one family per base rule.", "",
-             "| family | settings | fastest at parity | TPF | Δ acc vs AR | fastest within 2 points | TPF | Δ acc vs AR |",
-             "|---|---|---|---|---|---|---|---|"]
-    for f in family_fronts(rows):
-        p, w = _best(f["parity"]), _best(f["within"])
-        lines.append(f"| {f['family']} | {len(f['settings'])} | {p[0]} | {p[1]} | {p[2]} | {w[0]} | {w[1]} | {w[2]} |")
+             ] + fronts_table(rows, counts=True)
     return lines + [""]
+
+
+def fronts_table(rows: list, counts: bool) -> list:
+    """The fronts as markdown table lines (with the number of settings per family when ``counts``)."""
+    lines = ["| family |" + (" settings |" if counts else "") + " fastest at parity | TPF | Δ acc vs AR | "
+             "fastest within 2 points | TPF | Δ acc vs AR |", "|---" * (7 + counts) + "|"]
+    for f in family_fronts(rows):
+        n = f" {len(f['settings'])} |" if counts else ""
+        lines.append(f"| {f['family']} |{n} " + " | ".join(_best(f["parity"]) + _best(f["within"])) + " |")
+    return lines
 
 
 def vvs_verdict(answer: list) -> str:
@@ -700,11 +706,7 @@ def readme_block(meta: dict, rows: list, fastest, missing=()) -> str:
              f"**{fastest or 'none'}**. Every setting (FID, precision/recall, ops per token, VVS's skip fractions): "
              f"`benchmarks/results/quality_speed.md`." + (f" Not yet run at this size: {', '.join(missing)}."
                                                           if missing else ""), "",
-             "| family | fastest at parity | TPF | Δ acc vs AR | fastest within 2 points | TPF | Δ acc vs AR |",
-             "|---|---|---|---|---|---|---|"]
-    for f in family_fronts(rows):
-        p, w = _best(f["parity"]), _best(f["within"])
-        lines.append(f"| {f['family']} | {p[0]} | {p[1]} | {p[2]} | {w[0]} | {w[1]} | {w[2]} |")
+             ] + fronts_table(rows, counts=False)
     verdict = vvs_verdict(vvs_answer(rows))
     if verdict:
         lines += ["", "**VVS against its base rule** (best at parity, same rule without skips): " + verdict]

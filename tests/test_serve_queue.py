@@ -28,7 +28,7 @@ def test_queue_size_counts_images_beyond_the_free_rows():
     assert len(queue.take(rows)) == rows  # the loop admits two: no row is free any more
     with pytest.raises(QueueFull):
         queue.submit(_request(1))  # two images wait, the queue holds two
-    without_rows = RequestQueue(types.SimpleNamespace(tokens_per_image=16), queue_size, ServerMetrics("m", "ar"))
+    without_rows = RequestQueue(types.SimpleNamespace(tokens_per_image=16), queue_size, ServerMetrics("m", "ar"), 0)
     without_rows.accepting = True
     without_rows.submit(_request(2))
     with pytest.raises(QueueFull):

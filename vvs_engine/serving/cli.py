@@ -12,7 +12,7 @@ import sys
 import threading
 
 from ..errors import VVSError
-from .server import DEFAULT_ROWS, RAY_HEADROOM_REQUESTS, bind, build_server, check_args, queue_size  # noqa: F401
+from .server import DEFAULT_ROWS, RAY_HEADROOM_REQUESTS, bind, build_server, check_args
 
 
 

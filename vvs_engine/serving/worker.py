@@ -91,7 +91,7 @@ class RequestQueue:
     images, the set in flight, and cancellation. ``submit`` and ``cancel`` are called from the front
     end's thread, everything else from the engine thread; one condition variable guards it all."""
 
-    def __init__(self, engine, max_waiting_images: int, metrics: ServerMetrics, rows: int = 0):
+    def __init__(self, engine, max_waiting_images: int, metrics: ServerMetrics, rows: int):
         self.engine = engine
         self.max_waiting = max_waiting_images
         self.rows = rows  # images the loop holds in flight at most (free ones take waiting images next round)
