@@ -35,13 +35,17 @@ METHODS = {  # method -> options: small trees, a skip schedule that skips on a 4
     "pjd": dict(zipar_window=2, zipar_commit_lag=1, zipar_jacobi_window=3, zipar_commit="drafts", zipar_keep=0.5,
                 zipar_max_rows=2),
 }
-# Which decodes CI compiles (each a cold Inductor compile per round kind, ~20 s each here): every round
+# Which decodes CI compiles (each a cold Inductor compile per round kind, ~5-50 s each here): every round
 # kind once, sampled where the method samples drafts or acceptance uniforms, greedy for AR too and for
-# the rules whose greedy path differs (CASCADE, GSD). VVS_TEST_COMPILED_ALL=1 runs every method both ways.
-RUNS = {"ar": (True, False), "eagle": (False,), "lantern": (True,), "vvs": (False,), "cascade": (True,),
-        "sjd": (False,), "gsd": (True,), "scd": (False,), "sjd-pac": (False,), "zipar": (False,), "pjd": (False,)}
+# the rules whose greedy path differs (CASCADE, GSD). "mixed" is a batch of images with their own seeds
+# and settings (greedy next to sampled, top-k, top-p, cfg 1), one admitted mid-run: it compiles the
+# sampled round (the greedy-only round is a graph of its own) and checks per-row settings on the way.
+# VVS_TEST_COMPILED_ALL=1 runs every method every way.
+RUNS = {"ar": ("greedy", "mixed"), "eagle": ("mixed",), "lantern": ("greedy",), "vvs": ("sampled",),
+        "cascade": ("greedy",), "sjd": ("sampled",), "gsd": ("greedy",), "scd": ("sampled",),
+        "sjd-pac": ("sampled",), "zipar": ("sampled",), "pjd": ("sampled",)}
 if os.environ.get("VVS_TEST_COMPILED_ALL") == "1":
-    RUNS = {method: (True, False) for method in METHODS}
+    RUNS = {method: ("greedy", "sampled", "mixed") for method in METHODS}
 # the round kinds each method must have run compiled
 KINDS = {"ar": {"ar_step"}, "vvs": {"verify", "skip", "verify_after_skip"}, "sjd": {"jacobi"}, "gsd": {"jacobi"},
          "scd": {"jacobi"}, "sjd-pac": {"jacobi"}, "zipar": {"zipar"}, "pjd": {"zipar"}}
@@ -57,15 +61,18 @@ def _fast_inductor():
     return inductor_config.patch({"cpp.vec_isa_ok": False})
 
 
-def _generate(e, method, greedy, compile):
-    kw = dict(class_labels=[0, 3], method=method, seed=3, batch_size=2, decode_images=False,
-              temperature=0.0 if greedy else 1.0, compile=compile, **METHODS[method])
-    return e.generate(**kw)
+def _generate(e, method, mode, compile):
+    if mode == "mixed":
+        kw = dict(class_labels=[0, 3, 1], seed=[3, 4, 5], temperature=[1.0, 0.0, 0.7], top_k=[0, 0, 5],
+                  top_p=[1.0, 1.0, 0.9], cfg_scale=[3.0, 3.0, 1.0])
+    else:
+        kw = dict(class_labels=[0, 3], seed=3, temperature=0.0 if mode == "greedy" else 1.0)
+    return e.generate(method=method, batch_size=2, decode_images=False, compile=compile, **kw, **METHODS[method])
 
 
 @pytest.fixture(scope="module")
 def runs():
-    """{(method, greedy): (eager output, compiled output)} and the recorded code per round kind."""
+    """{(method, mode): (eager output, compiled output)} and the recorded code per round kind."""
     torch.manual_seed(0)
     e = _engine()
     out = {}
@@ -74,8 +81,8 @@ def runs():
     try:
         with _fast_inductor(), launches.recording() as codes:
             for method in METHODS:
-                for greedy in RUNS[method]:
-                    out[method, greedy] = (_generate(e, method, greedy, False), _generate(e, method, greedy, True))
+                for mode in RUNS[method]:
+                    out[method, mode] = (_generate(e, method, mode, False), _generate(e, method, mode, True))
     finally:
         if prev is None:
             os.environ.pop("VVS_RETIRE_FINISHED")
@@ -87,9 +94,11 @@ def runs():
 @pytest.mark.parametrize("method", list(METHODS))
 def test_compiled_tokens_equal_eager(runs, method):
     _, out, _ = runs
-    for greedy in RUNS[method]:
-        eager, comp = out[method, greedy]
-        assert torch.equal(eager.tokens, comp.tokens), (method, greedy)
+    for mode in RUNS[method]:
+        eager, comp = out[method, mode]
+        assert torch.equal(eager.tokens, comp.tokens), (method, mode)
+        if mode == "mixed":  # one image waited for a free row: admission wrote its settings mid-run
+            assert comp.stats["admissions"] >= 1
         assert "compiled" not in eager.stats or eager.stats["compiled"] == {}
         compiled = comp.stats["compiled"]
         assert compiled and all(compiled.values()), compiled
@@ -99,8 +108,8 @@ def test_compiled_tokens_equal_eager(runs, method):
 def test_sampled_differs_from_greedy(runs):
     """Negative control: the sampled runs really sample (else greedy == sampled would test nothing)."""
     _, out, _ = runs
-    both = [m for m in METHODS if len(RUNS[m]) == 2]
-    assert both and any(not torch.equal(out[m, True][1].tokens, out[m, False][1].tokens) for m in both)
+    both = [(m, mode) for m in METHODS for mode in RUNS[m] if mode != "greedy" and "greedy" in RUNS[m]]
+    assert both and any(not torch.equal(out[m, "greedy"][1].tokens[:2], out[m, mode][1].tokens[:2]) for m, mode in both)
 
 
 def test_compiled_ar_step_has_no_cache_sized_temporaries(runs, monkeypatch):
@@ -126,7 +135,7 @@ def test_compiled_ar_step_has_no_cache_sized_temporaries(runs, monkeypatch):
 
     monkeypatch.setattr(gpt_module, "write_kv", write_through_view)
     with _fast_inductor(), launches.recording() as old:
-        _generate(e, "ar", True, True)
+        _generate(e, "ar", "greedy", True)
     assert old["ar_step"] and big(old["ar_step"][0]), "the negative control should allocate cache copies"
 
 
@@ -173,10 +182,11 @@ def test_gpu_style_count_reads_triton_kernels():
 def test_compile_failure_falls_back_to_eager(runs, monkeypatch):
     e, out, _ = runs
     monkeypatch.setenv(FORCE_FAIL_ENV, "verify")
+    monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")  # as the fixture ran: one decoder shape, one warning
     with _fast_inductor(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = _generate(e, "eagle", False, True)
-    assert torch.equal(res.tokens, out["eagle", False][0].tokens)
+        res = _generate(e, "eagle", "mixed", True)
+    assert torch.equal(res.tokens, out["eagle", "mixed"][0].tokens)
     assert res.stats["compiled"]["verify"] is False
     msgs = [str(w.message) for w in caught if "torch.compile of round 'verify' failed" in str(w.message)]
     assert len(msgs) == 1 and "\n" not in msgs[0]
@@ -364,20 +374,14 @@ def test_launch_count_sees_every_call_form():
     assert (n.kernels, n.gemms, n.custom, n.other) == (1, 1, 1, 3), n
 
 
-def test_per_image_settings_compile_to_the_eager_tokens(monkeypatch):
+def test_per_image_settings_compile_to_the_eager_tokens(runs):
     """Images with their own seeds and settings (greedy next to sampled, top-k, top-p, cfg 1) in one
     compiled batch, one admitted mid-run: the rounds read each row's settings from the persistent
     buffers admission writes, and give eager's tokens (AR, and EAGLE-2 with its per-row draft ranking
-    and both verification paths)."""
-    monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")
-    torch.manual_seed(0)
-    e = _engine()
-    kw = dict(class_labels=[0, 3, 1], seed=[3, 4, 5], temperature=[1.0, 0.0, 0.7], top_k=[0, 0, 5],
-              top_p=[1.0, 1.0, 0.9], cfg_scale=[3.0, 3.0, 1.0], batch_size=2, decode_images=False)
-    with _fast_inductor():
-        for method in ("ar", "eagle"):
-            eager = e.generate(method=method, compile=False, **kw, **METHODS[method])
-            compiled = e.generate(method=method, compile=True, **kw, **METHODS[method])
-            assert compiled.stats["admissions"] >= 1
-            assert compiled.stats["compiled"] and all(compiled.stats["compiled"].values()), compiled.stats["compiled"]
-            assert torch.equal(eager.tokens, compiled.tokens), method
+    and both verification paths). The decodes are the fixture's "mixed" runs."""
+    _, out, _ = runs
+    for method in ("ar", "eagle"):
+        eager, compiled = out[method, "mixed"]
+        assert compiled.stats["admissions"] >= 1
+        assert compiled.stats["compiled"] and all(compiled.stats["compiled"].values()), compiled.stats["compiled"]
+        assert torch.equal(eager.tokens, compiled.tokens), method

@@ -267,6 +267,11 @@ class CascadeRule(AcceptanceRule):
         self._key, self._terms = key, (S, depth_score, gate)
         return self._terms
 
+    def end_tree(self):
+        # Dropped after each forest, so a compiled round starts from the state it was traced with (a
+        # memo kept across rounds is a guard that fails on the next call: one recompile per round kind).
+        self._key = self._terms = None
+
     # --- the rule ---------------------------------------------------------------------------------
     def credit(self, r, x, ctx):
         """-> (A [M] relaxation credit, moved [M, V] bool breadth tokens) for the children ctx.child."""

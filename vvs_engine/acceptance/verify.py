@@ -49,6 +49,9 @@ class AcceptanceRule:
         """A rule's own greedy test ([M] bool), or None for the default (argmax of the relaxed r)."""
         return None
 
+    def end_tree(self):
+        """Called once a forest is verified: a rule that memoised per-tree terms drops them."""
+
     def accept(self, r, x, qx, u, ctx):
         px = r.gather(1, x[:, None])[:, 0]
         return u * qx < px, None
@@ -296,6 +299,7 @@ def verify_tree_torch(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: tor
             r = torch.where(rej[:, None], rule.residual(r, q_norm, x, moved), r)
         if q is not None:
             q = torch.where(rej[:, None], q.scatter(1, x[:, None], 0.0), q)
+    rule.end_tree()
     from ..kernels.reference import walk_accepted
 
     path, n_accepted, last = walk_accepted(accepted_child.view(B, N), flat.max_depth)

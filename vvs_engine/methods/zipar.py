@@ -323,7 +323,9 @@ class ZipARDecoder:
         dev = self.device = s.device
         self.scratch = (self.c + self.T + torch.arange(R * L, device=dev)).view(R, L)  # a slot per lane
         self.window_lanes = torch.arange(L, device=dev)
-        self.row_lanes = {}  # R -> arange(R), made once per round size
+        # made here, not on first use inside the round: a dict filled while the round is traced is a
+        # guard that fails on the next call (one recompile of every ZipAR/PJD round)
+        self.row_lanes = torch.arange(R, device=dev)
         self.vocab = torch.arange(engine.config.vocab_size, device=dev)
         self.stored_rows = torch.arange(1, self.H + 1, device=dev)  # where rows 0 .. H - 1 sit in the per-row arrays
         self.batch_ids = torch.arange(self.B, device=dev)[:, None]
@@ -439,9 +441,7 @@ class ZipARDecoder:
         committed code (or its start, or its tail) and, with SJD, its drafts; commit."""
         B, L, V, H, W, Wp, c, T = self.B, self.L, self.V, self.H, self.W, self.Wp, self.c, self.T
         s, lanes, b = self.session, self.window_lanes, self.batch_ids
-        if R not in self.row_lanes:
-            self.row_lanes[R] = torch.arange(R, device=self.device)
-        row = st.lo[:, None] + self.row_lanes[R]  # [B, R]
+        row = st.lo[:, None] + self.row_lanes[:R]  # [B, R]
         at = row + 1  # index into the per-row arrays
         codes, written = st.codes.gather(1, at), st.written.gather(1, at)
         above, below = st.codes.gather(1, at - 1), st.codes.gather(1, at + 1)
