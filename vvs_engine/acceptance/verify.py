@@ -299,7 +299,9 @@ def verify_tree_torch(tree, p: torch.Tensor, rule: AcceptanceRule, u_accept: tor
             r = torch.where(rej[:, None], rule.residual(r, q_norm, x, moved), r)
         if q is not None:
             q = torch.where(rej[:, None], q.scatter(1, x[:, None], 0.0), q)
-    rule.end_tree()
+    end_tree = getattr(rule, "end_tree", None)  # rules outside this class hierarchy (bench's replay) may lack it
+    if end_tree is not None:
+        end_tree()
     from ..kernels.reference import walk_accepted
 
     path, n_accepted, last = walk_accepted(accepted_child.view(B, N), flat.max_depth)
