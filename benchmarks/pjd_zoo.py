@@ -42,7 +42,7 @@ DEFAULT_PER_CLASS = 8  # 128 images: PJD's 4 rows x 8 lanes per forward take ~1 
 SETTINGS = [
     ("AR", "ar", {}),
     ("SJD", "sjd", {}),
-    ("SJD-PAC", "sjd-pac", {}),
+    ("SJD-PAC", "sjd-pac", {"pac_width": 3, "pac_depth": 3}),  # W = D = 3: the default when this table was made
     ("ZipAR s=4", "zipar", {"zipar_window": 4}),
     ("ZipAR s=8", "zipar", {"zipar_window": 8}),
     ("ZipAR s=4 + SJD L=4", "zipar", {"zipar_window": 4, "zipar_verify": "sjd", "zipar_jacobi_window": 4}),
@@ -55,7 +55,8 @@ SETTINGS = [
 ORDER = ["AR", "ZipAR s=4", "ZipAR s=8", "SJD-PAC", "ZipAR s=4 + SJD L=4", "PJD-E1", "PJD rule", "SJD",
          "PJD-E1 start 4", "PJD rule + keep 0.5"]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
-SHARED_CACHE = ("AR", "SJD", "SJD-PAC")  # settings quality_speed caches too
+# settings quality_speed caches too: this table's name -> quality_speed's name
+SHARED_CACHE = {"AR": "AR", "SJD": "SJD", "SJD-PAC": "SJD-PAC W=3 D=3"}
 DOC_BEGIN = "<!-- pjd-zoo:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
 DOC_END = "<!-- pjd-zoo:end -->"
 PAIRS = [("PJD rule", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"), ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4")]
@@ -87,7 +88,8 @@ def resolved(method, opts):
 def generate(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, log=print):
     for name, method, opts in settings:
         key = qs.setting_key(ckpt, method, opts, sampling, labels, seed, batch_size)
-        shared = os.path.join(ROOT, "benchmarks", "results", "quality_speed_tokens", qs._slug(name) + ".npz")
+        shared = os.path.join(ROOT, "benchmarks", "results", "quality_speed_tokens",
+                              qs._slug(SHARED_CACHE.get(name, name)) + ".npz")
         if name in SHARED_CACHE and qs.load_cache(shared, qs.digest_of(key)) is not None:
             log(f"[pjd_zoo] {name}: quality_speed's cache")
             continue
@@ -124,11 +126,12 @@ def generate(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir,
 def load_setting(name, method, opts, labels, seed, sampling, batch_size, ckpt, cache_dir):
     key = qs.setting_key(ckpt, method, opts, sampling, labels, seed, batch_size)
     for folder in (cache_dir, os.path.join(ROOT, "benchmarks", "results", "quality_speed_tokens")):
-        gen = qs.load_cache(os.path.join(folder, qs._slug(name) + ".npz"), qs.digest_of(key))
+        slug = qs._slug(name if folder == cache_dir else SHARED_CACHE.get(name, name))
+        gen = qs.load_cache(os.path.join(folder, slug + ".npz"), qs.digest_of(key))
         if gen is not None:
             gen["tokens"], gen["forwards"] = gen["tokens"].astype(np.int64), gen["forwards"].astype(np.float64)
             rows = None
-            path = os.path.join(folder, qs._slug(name) + ".rows.json")
+            path = os.path.join(folder, slug + ".rows.json")
             if os.path.exists(path):
                 with open(path) as f:
                     saved = json.load(f)

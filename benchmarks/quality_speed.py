@@ -69,13 +69,14 @@ SETTINGS = [
     ("GSD G=3", "gsd", {"gsd_group": 3}),
     ("GSD G=8", "gsd", {"gsd_group": 8}),
     ("GSD G=14", "gsd", {"gsd_group": 14}),
-    ("SCD", "scd", {}),  # maximal coupling (lossless)
-    ("SJD-PAC", "sjd-pac", {}),  # the exact variant, W = 3, D = 3 (lossless)
+    # (the defaults until the frontier showed faster settings at parity: now named by their options)
+    ("SCD L=16", "scd", {"jacobi_window": 16}),  # maximal coupling (lossless)
+    ("SJD-PAC W=3 D=3", "sjd-pac", {"pac_width": 3, "pac_depth": 3}),  # the exact variant (lossless)
     ("CASCADE", "cascade", {}),  # the engine preset (target-hidden breadth source)
     ("CASCADE drafter", "cascade", {"cascade_source": "drafter"}),
     ("CASCADE llamagen", "cascade", {"cascade_variant": "llamagen"}),
     ("CASCADE lumina-final", "cascade", {"cascade_variant": "lumina-final"}),
-    # ZipAR (lossy): the default window (the best of benchmarks/results/zipar_zoo.md) and the smallest
+    # ZipAR (lossy): the window of benchmarks/results/zipar_zoo.md's choice and the smallest (the default now)
     ("ZipAR s=4", "zipar", {"zipar_window": 4}),
     ("ZipAR s=2", "zipar", {"zipar_window": 2}),
     # compositions no published system has
@@ -118,7 +119,7 @@ SETTINGS = [
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 # The core settings, in the order a run generates them (cheapest first, so a short run finishes some).
 CORE = ["AR", "SJD", "GSD G=8", "VVS-U i=2 fill", "CASCADE", "VVS-U i=2 + GSD", "VVS-U i=2 + CASCADE",
-        "VVS-D s=0.65 fill", "LANTERN++", "LANTERN d=0.2", "EAGLE-2", "ZipAR s=4", "SCD", "SJD-PAC"]
+        "VVS-D s=0.65 fill", "LANTERN++", "LANTERN d=0.2", "EAGLE-2", "ZipAR s=4", "SCD L=16", "SJD-PAC W=3 D=3"]
 CORE_IMAGES_PER_CLASS = 32
 # The frontier run (issue: every method's quality-speed front), cheapest first so each hour finishes
 # settings; the VVS question (VVS over an equal base rule) before the rest of the spec-decoding fronts.
@@ -263,6 +264,72 @@ def vvs_answer(rows: list) -> list:
         out.append({"family": fam, "base_setting": base_name, "base_family": base_fam, "vvs": by_family[fam],
                     "settings": settings})
     return out
+
+
+# --- defaults against the evidence -------------------------------------------------------------------
+# A method's default options should be its family's fastest setting at AR parity on the Zoo. The method
+# whose defaults stand for each family; a default kept otherwise on purpose has its reason here (printed
+# in the report). tests/test_quality_speed.py checks today's defaults against the committed report.
+DEFAULT_OF_FAMILY = {"EAGLE": "eagle", "LANTERN": "lantern", "LANTERN++": "lantern++", "VVS over LANTERN": "vvs",
+                     "SJD": "sjd", "GSD": "gsd", "SCD": "scd", "SJD-PAC": "sjd-pac", "CASCADE": "cascade",
+                     "ZipAR": "zipar", "PJD": "pjd"}
+KEPT_DEFAULTS = {
+    "VVS over LANTERN": "the published setting (VVS-U, every 2nd round skipped, over LANTERN δ = 0.2), kept so "
+                        "that `--method vvs` is the paper's method",
+    "PJD": "PJD's published lags (start 8, commit 2, 8 lanes, random drafts) with the exact commit rule E1; "
+           "the table's PJD rows cap the rows per forward at 4 to bound the CPU cost",
+}
+
+
+def default_verdicts(rows: list) -> list:
+    """Per family of :data:`DEFAULT_OF_FAMILY`: the setting equal to the method's default options (today's
+    code; None if not measured), the fastest at parity, and a verdict: ``follows`` (the default is the
+    fastest at parity), ``no parity`` (no setting of the family is at parity: nothing to follow), ``kept``
+    (a reason in :data:`KEPT_DEFAULTS`) or ``differs`` (a faster setting at parity than the default)."""
+    from vvs_engine.methods import resolve_options
+
+    fronts = {f["family"]: f for f in family_fronts(rows)}
+    out = []
+    for family, method in DEFAULT_OF_FAMILY.items():
+        if family not in fronts:
+            continue
+        default = resolve_options(method, {})
+        members = [r for r in rows if "error" not in r and r["method"] != "ar"
+                   and family_of(r["method"], r.get("options", {})) == family]
+        default_row = next((r for r in members if r["method"] == method
+                            and resolve_options(method, r.get("options", {})) == default), None)
+        fastest = fronts[family]["parity"]
+        if fastest is None:
+            verdict = "no parity"
+        elif default_row is not None and default_row["name"] == fastest["name"]:
+            verdict = "follows"
+        elif family in KEPT_DEFAULTS:
+            verdict = "kept"
+        else:
+            verdict = "differs"
+        out.append({"family": family, "method": method, "default": default_row, "fastest": fastest,
+                    "verdict": verdict, "reason": KEPT_DEFAULTS.get(family, "")})
+    return out
+
+
+def defaults_markdown(rows: list) -> list:
+    verdicts = default_verdicts(rows)
+    if not verdicts:
+        return []
+    text = {"follows": "follows the evidence", "no parity": "no setting at parity yet, the default stays",
+            "kept": "kept on purpose", "differs": "**differs: a faster setting is at parity**"}
+    lines = ["## Defaults against the evidence", "",
+             "Each method's default options (`--method NAME` with no other option) against its family's fastest "
+             "setting at parity in this table.", "",
+             "| family | method | default is | its TPF | at parity | fastest at parity | TPF | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for v in verdicts:
+        d, f = v["default"], v["fastest"]
+        verdict = text[v["verdict"]] + (f" ({v['reason']})" if v["reason"] else "")
+        lines.append(f"| {v['family']} | `{v['method']}` | {d['name'] if d else 'not measured'} | "
+                     f"{_ci(d['tpf'], 2) if d else '–'} | {('yes' if d['parity'] else 'no') if d else '–'} | "
+                     f"{f['name'] if f else 'none'} | {_ci(f['tpf'], 2) if f else '–'} | {verdict} |")
+    return lines + [""]
 
 
 # --- the token cache ---------------------------------------------------------------------------------
@@ -612,7 +679,7 @@ def to_markdown(meta: dict, rows: list, fastest, missing=()) -> str:
              f"**Fastest setting at parity: {fastest or 'none'}**", ""]
     if missing:
         lines += [f"Not yet in the table ({len(missing)}): {', '.join(missing)}.", ""]
-    lines += fronts_markdown(rows) + vvs_markdown(rows)
+    lines += fronts_markdown(rows) + vvs_markdown(rows) + defaults_markdown(rows)
     lines += ["## Every setting", "",
               "| setting | TPF | ops/token | images/s | class acc | Δ acc vs AR | FD (classifier) | Δ FD | FID | Δ FID "
               "| precision | recall | parity |",

@@ -198,8 +198,8 @@ METHODS = [
     ("VVS-U i=2", "vvs", {"skip_policy": "uniform", "skip_interval": 2}, ("verify", "skip", "verify_after_skip")),
     ("SJD", "sjd", {}, ("jacobi_iteration",)),
     ("GSD", "gsd", {}, ("jacobi_iteration",)),
-    ("SCD", "scd", {}, ("jacobi_iteration",)),
-    ("SJD-PAC", "sjd-pac", {}, ("jacobi_iteration",)),
+    ("SCD", "scd", {"jacobi_window": 16}, ("jacobi_iteration",)),  # the defaults of the committed table (pinned)
+    ("SJD-PAC", "sjd-pac", {"pac_width": 3}, ("jacobi_iteration",)),
 ]
 # Rows of benchmarks/results/spec_zoo.json (16 images, sampled) that hold each method's acceptance.
 SPEC_ZOO_ROWS = {"EAGLE-2": "EAGLE-2", "LANTERN d=0.2": "LANTERN d=0.2", "LANTERN++": "LANTERN++",
@@ -207,9 +207,9 @@ SPEC_ZOO_ROWS = {"EAGLE-2": "EAGLE-2", "LANTERN d=0.2": "LANTERN d=0.2", "LANTER
 # The quality-speed cache (512 images) where it has the method at its default options (preferred).
 QS_CACHE = {"EAGLE-2": "EAGLE_2.npz", "LANTERN d=0.2": "LANTERN_d_0_2.npz", "LANTERN++": "LANTERN__.npz",
             "CASCADE": "CASCADE.npz", "VVS-U i=2": "VVS_U_i_2_fill.npz", "SJD": "SJD.npz", "GSD": "GSD_G_8.npz",
-            "SCD": "SCD.npz", "SJD-PAC": "SJD_PAC.npz"}
+            "SCD": "SCD_L_16.npz", "SJD-PAC": "SJD_PAC_W_3_D_3.npz"}
 # Target tokens per Jacobi iteration (the default window; SJD-PAC's counts every tree node).
-JACOBI_WINDOW = {"SJD-PAC": 32}
+JACOBI_WINDOW = {"SJD-PAC": 32, "SCD": 16}
 STATIC_TREE_METHODS = ("LANTERN++", "CASCADE")
 
 

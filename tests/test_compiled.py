@@ -29,7 +29,7 @@ METHODS = {  # method -> options: small trees, a skip schedule that skips on a 4
     "sjd": dict(jacobi_window=3),
     "gsd": dict(jacobi_window=3),
     "scd": dict(jacobi_window=3, coupling="gumbel"),  # the Gumbel noise's own counter-RNG draw
-    "sjd-pac": dict(jacobi_window=14),  # W = D = 3: a main chain of 4
+    "sjd-pac": dict(jacobi_window=14, pac_width=3),  # W = D = 3: a main chain of 4
     "zipar": dict(zipar_window=2),
     # every PJD rule in one compile: lags 2 / 1, random drafts, drafts-only commits, the keep rule, a row cap
     "pjd": dict(zipar_window=2, zipar_commit_lag=1, zipar_jacobi_window=3, zipar_commit="drafts", zipar_keep=0.5,

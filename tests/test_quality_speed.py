@@ -270,3 +270,24 @@ def test_fast_reference_metrics_equal_the_library_ones():
         w = precision_recall(ref, fake[i], 3)
         assert (p, r) == (w["precision"], w["recall"])
         assert rs.fd(fake[i]) == pytest.approx(frechet_distance_features(fake[i], ref), rel=1e-8)
+
+
+def test_defaults_follow_the_committed_evidence():
+    """Each method's default options (today's code) are its family's fastest setting at AR parity in the
+    committed 512-image report, or a documented exception; a faster setting at parity than the default
+    is caught (negative control: SCD's L = 8 row made the fastest)."""
+    import copy
+    import json
+
+    with open(os.path.join(os.path.dirname(COMMITTED), "quality_speed.json")) as f:
+        rows = json.load(f)["rows"]
+    verdicts = {v["family"]: v for v in qs.default_verdicts(rows)}
+    assert {"EAGLE", "GSD", "SCD", "SJD-PAC", "ZipAR"} <= set(verdicts)
+    assert [f for f, v in verdicts.items() if v["verdict"] == "differs"] == []
+    assert all(v["reason"] for v in verdicts.values() if v["verdict"] == "kept")
+    for family in ("SCD", "SJD-PAC", "ZipAR"):  # measured and at parity: the default is the fastest
+        assert verdicts[family]["verdict"] == "follows", (family, verdicts[family]["default"])
+    control = copy.deepcopy(rows)
+    fast = next(r for r in control if r["name"] == "SCD L=8")
+    fast["tpf"]["value"] = 99.0
+    assert {v["family"]: v["verdict"] for v in qs.default_verdicts(control)}["SCD"] == "differs"

@@ -93,11 +93,12 @@ def test_sjd_pac_toy_joint_is_exact_and_the_released_sampler_is_not():
     joint = exact_joint(eng)
     V = 4
     for init in ("random", "copy-left"):
-        out = toy_sample(eng, 3000, "sjd-pac", jacobi_window=14, jacobi_init=init)
+        out = toy_sample(eng, 3000, "sjd-pac", jacobi_window=14, pac_width=3, jacobi_init=init)
         assert out.stats["accepted_alternatives"] > 500 and out.stats["accepted_drafts_carried"] > 500
         stat, dof = chi2_joint(out.tokens, joint, V)
         assert stat < _chi2_crit(dof), (init, stat, dof)
-    bad = toy_sample(eng, 8000, "sjd-pac", jacobi_window=14, jacobi_init="random", pac_variant="released")
+    bad = toy_sample(eng, 8000, "sjd-pac", jacobi_window=14, pac_width=3, jacobi_init="random",
+                     pac_variant="released")
     stat, dof = chi2_joint(bad.tokens, joint, V)
     assert stat > _chi2_crit(dof), (stat, dof)
 
@@ -108,7 +109,7 @@ def test_sjd_pac_marginals_match_ar_at_several_positions():
     eng = tiny_engine(vocab=8, block=16, seed=3, peak=6.0, with_vq=False)
     kw = dict(class_labels=[2] * 1000, temperature=1.0, cfg_scale=2.0, decode_images=False, batch_size=1000)
     ar = eng.generate(method="ar", seed=11, **kw).tokens
-    out = eng.generate(method="sjd-pac", jacobi_window=16, seed=12, **kw)
+    out = eng.generate(method="sjd-pac", jacobi_window=16, pac_width=3, seed=12, **kw)
     assert out.stats["tpf"] > 1.5 and out.stats["accepted_alternatives"] > 0
     for pos in (3, 8, 15):
         stat, dof = two_sample_chi2(ar[:, pos], out.tokens[:, pos], 8)

@@ -105,7 +105,10 @@ class SJDOptions:
 
 @dataclass
 class GSDOptions(SJDOptions):
-    gsd_group: int = option(DEFAULT_GROUP, "GSD: group size G (tokens that may share a draft's acceptance)")
+    # G = 8, not the paper's 14 (the rule's own default, DEFAULT_GROUP, which VVS + GSD keeps): the Zoo's
+    # evidence, G = 8 is at AR parity (benchmarks/results/quality_speed.md "Defaults against the evidence")
+    gsd_group: int = option(8, "GSD: group size G (tokens that may share a draft's acceptance; the paper's 14: "
+                               "--gsd-group 14)")
     gsd_prob_threshold: float = option(DEFAULT_PROB_THRESHOLD, "GSD: keep a group member j only if "
                                                                "|p(j) - p(x)| < this")
     gsd_dist_threshold: float = option(DEFAULT_DIST_THRESHOLD, "GSD: ... and its squared distance to x on "
@@ -154,6 +157,11 @@ class SCDOptions(SJDOptions):
     """SCD (So et al., ICML 2026, arXiv 2510.24211): SJD whose unverified drafts are re-drawn with a
     coupling (``methods/scd.py`` registers it)."""
 
+    # L = 32: the fastest SCD window at AR parity on the Zoo (TPF 3.65 against 3.19 at 16 and 2.48 at 8,
+    # 512 images: benchmarks/results/quality_speed.md "Defaults against the evidence"); SCD is exact, so
+    # a longer window costs only the wider forward
+    jacobi_window: int = option(32, "Jacobi methods: window L = query rows per forward (the last committed token + "
+                                    "L - 1 drafts; sjd-pac: every tree node)")
     coupling: str = option("maximal", "SCD/GSD: how unverified drafts are re-drawn: none (SJD's independent "
                                       "samples), maximal (keep-or-replace by rejection sampling) or gumbel "
                                       "(Gumbel-max with noise fixed per absolute position)")

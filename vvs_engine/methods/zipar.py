@@ -81,7 +81,9 @@ INIT_POLICIES = ("copy-above", "random")
 # them out at these values (benchmarks/quality_speed.py::setting_key), so ZipAR caches made before stay valid
 PJD_OPTION_DEFAULTS = {"zipar_commit_lag": 0, "zipar_commit": "sjd", "zipar_init": "copy-above", "zipar_keep": 0.0,
                        "zipar_max_rows": 0}
-DEFAULT_WINDOW = 4  # chosen from benchmarks/results/zipar_zoo.md (docs/zipar.md)
+# s = 2: the fastest window at AR parity on the Zoo (TPF 5.69; s = 4: 3.41; 512 images:
+# benchmarks/results/quality_speed.md "Defaults against the evidence"; docs/zipar.md)
+DEFAULT_WINDOW = 2
 DEFAULT_JACOBI_WINDOW = 4
 MAX_JACOBI_WINDOW = 64
 
