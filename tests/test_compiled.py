@@ -70,6 +70,9 @@ def _generate(e, method, mode, compile):
     return e.generate(method=method, batch_size=2, decode_images=False, compile=compile, **kw, **METHODS[method])
 
 
+GRAPHS = {}  # (method, mode) -> graphs Dynamo compiled for that decode (filled by the fixture)
+
+
 @pytest.fixture(scope="module")
 def runs():
     """{(method, mode): (eager output, compiled output)} and the recorded code per round kind."""
@@ -78,11 +81,16 @@ def runs():
     out = {}
     prev = os.environ.get("VVS_RETIRE_FINISHED")
     os.environ["VVS_RETIRE_FINISHED"] = "0"  # no retire sizes: one compile per round kind and setting
+    from torch._dynamo.utils import counters
+
     try:
         with _fast_inductor(), launches.recording() as codes:
             for method in METHODS:
                 for mode in RUNS[method]:
-                    out[method, mode] = (_generate(e, method, mode, False), _generate(e, method, mode, True))
+                    eager = _generate(e, method, mode, False)
+                    before = counters["stats"]["unique_graphs"]
+                    out[method, mode] = (eager, _generate(e, method, mode, True))
+                    GRAPHS[method, mode] = counters["stats"]["unique_graphs"] - before
     finally:
         if prev is None:
             os.environ.pop("VVS_RETIRE_FINISHED")
@@ -103,6 +111,16 @@ def test_compiled_tokens_equal_eager(runs, method):
         compiled = comp.stats["compiled"]
         assert compiled and all(compiled.values()), compiled
         assert KINDS.get(method, {"verify"}) <= set(compiled), compiled
+
+
+def test_each_round_kind_compiles_once(runs):
+    """One graph per round kind a decode ran, none recompiled on a later round: a round that fills a
+    Python dict or memo while traced (as ZipAR's row offsets and CASCADE's per-tree terms once did) fails
+    a guard on its next call and is compiled again (a cold compile in the middle of a decode)."""
+    _, out, _ = runs
+    for (method, mode), graphs in GRAPHS.items():
+        kinds = out[method, mode][1].stats["compiled"]
+        assert graphs == len(kinds), (method, mode, graphs, sorted(kinds))
 
 
 def test_sampled_differs_from_greedy(runs):
