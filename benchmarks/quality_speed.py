@@ -270,9 +270,8 @@ def vvs_answer(rows: list) -> list:
 # A method's default options should be its family's fastest setting at AR parity on the Zoo. The method
 # whose defaults stand for each family; a default kept otherwise on purpose has its reason here (printed
 # in the report). tests/test_quality_speed.py checks today's defaults against the committed report.
-DEFAULT_OF_FAMILY = {"EAGLE": "eagle", "LANTERN": "lantern", "LANTERN++": "lantern++", "VVS over LANTERN": "vvs",
-                     "SJD": "sjd", "GSD": "gsd", "SCD": "scd", "SJD-PAC": "sjd-pac", "CASCADE": "cascade",
-                     "ZipAR": "zipar", "PJD": "pjd"}
+DEFAULT_OF_FAMILY = {**{family: method for method, family in FAMILY_OF_METHOD.items() if method != "ar"},
+                     family_of("vvs", {}): "vvs"}
 KEPT_DEFAULTS = {
     "VVS over LANTERN": "the published setting (VVS-U, every 2nd round skipped, over LANTERN δ = 0.2), kept so "
                         "that `--method vvs` is the paper's method",
