@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from vvs_engine.checkpoint import save_safetensors
+from vvs_engine.drafting.drafter import Drafter, DrafterConfig
 from vvs_engine.models.gpt import GPT, GPTConfig
 from vvs_engine.models.vq import VQConfig, VQModel
 
@@ -14,17 +15,29 @@ TINY_CLASSES = 10
 TINY_IMAGE_SIZE = 8  # 4x4 tokens with the tiny tokenizer's downsampling of 2
 
 
-def write_tiny_checkpoints(d) -> dict:
-    """A random c2i GPT (16 tokens per image) and VQ saved as safetensors + JSON config -> model dict."""
+def write_tiny_checkpoints(d, drafter: bool = False) -> dict:
+    """A random c2i GPT (16 tokens per image) and VQ saved as safetensors + JSON config -> model dict;
+    ``drafter``: also a random EAGLE drafter for it (the speculative methods), its output head scaled so
+    the target's distributions are peaked enough for drafts to be accepted."""
+    os.makedirs(d, exist_ok=True)
     torch.manual_seed(0)
     gcfg = GPTConfig(dim=32, n_layer=2, n_head=2, multiple_of=32, vocab_size=64, num_classes=TINY_CLASSES,
                      block_size=16)
     vcfg = VQConfig(codebook_size=64, codebook_embed_dim=8, encoder_ch_mult=[1, 1], decoder_ch_mult=[1, 1],
                     z_channels=32, base_channels=32, num_res_blocks=1)
     gpt_path, vq_path = os.path.join(d, "gpt.safetensors"), os.path.join(d, "vq.safetensors")
-    save_safetensors(GPT(gcfg), gpt_path, gcfg.to_dict(), kind="gpt")
+    gpt = GPT(gcfg)
+    save_safetensors(gpt, gpt_path, gcfg.to_dict(), kind="gpt")
     save_safetensors(VQModel(vcfg), vq_path, vcfg.to_dict(), kind="vq")
-    return {"gpt_ckpt": gpt_path, "vq_ckpt": vq_path, "image_size": TINY_IMAGE_SIZE, "device": "cpu"}
+    model = {"gpt_ckpt": gpt_path, "vq_ckpt": vq_path, "image_size": TINY_IMAGE_SIZE, "device": "cpu"}
+    if drafter:
+        with torch.no_grad():
+            gpt.output.weight.mul_(3.0)
+        save_safetensors(gpt, gpt_path, gcfg.to_dict(), kind="gpt")
+        draft = Drafter(DrafterConfig(dim=gcfg.dim, n_head=gcfg.n_head))
+        model["drafter"] = os.path.join(d, "drafter.safetensors")
+        save_safetensors(draft, model["drafter"], draft.config.to_dict(), kind="drafter")
+    return model
 
 
 class FailingEngine:

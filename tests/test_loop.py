@@ -44,10 +44,8 @@ def test_tokens_do_not_depend_on_admission_or_batch_mates(eng, method, opts, sam
     static = eng.generate(batch_size=4, static_batches=True, **kw)
     continuous = eng.generate(batch_size=3, **kw)
     assert continuous.stats["admissions"] >= 2  # images joined a running batch, at several rounds
-    alone = [eng.generate(**{**kw, "class_labels": [label], "image_indices": [i]}, batch_size=1).tokens
-             for i, label in enumerate(LABELS[:3])]
     assert torch.equal(continuous.tokens, static.tokens)
-    assert torch.equal(continuous.tokens[:3], torch.cat(alone))
+    # (each image decoded alone, greedy and sampled, is test_images_with_other_settings_share_a_batch's)
     # the same work per image, whichever way it was batched
     assert continuous.stats["per_image"] == static.stats["per_image"]
     assert continuous.stats["target_forward_passes"] == static.stats["target_forward_passes"]
