@@ -475,15 +475,22 @@ SKIP_SAMPLE = 2  # images per class whose skip fraction is measured (a re-run of
 
 
 def skip_fraction(eng, name, method, opts, labels, seed, sampling) -> dict:
-    """VVS's skipped rounds / all rounds on the first ``SKIP_SAMPLE`` images of every class, re-decoded
-    with their own image indices (the skip decision is per sequence, so they skip exactly as in the
-    cached run; the token cache keeps no round counts)."""
+    """What the rounds yield, on the first ``SKIP_SAMPLE`` images of every class re-decoded with their own
+    image indices (VVS's skip decision is per sequence, so they skip exactly as in the cached run; the
+    token cache keeps no round counts): ``value`` = skipped rounds / all rounds; ``accepted_per_verify`` =
+    tokens committed per verified round (the engine's mean accepted length); ``tokens_per_skip`` = the
+    other tokens / skipped rounds. Also run for the base rules (no skips), so the report can show where a
+    VVS setting's TPF goes: skips add tokens without a forward, while a tree drafted from stale target
+    features may be accepted less in the verify rounds."""
     chosen = [i for c in sorted(set(labels)) for i in [j for j, lab in enumerate(labels) if lab == c][:SKIP_SAMPLE]]
-    print(f"[quality_speed] {name}: skip fraction on {len(chosen)} images", flush=True)
+    print(f"[quality_speed] {name}: rounds of {len(chosen)} images", flush=True)
     out = eng.generate(class_labels=[labels[i] for i in chosen], method=method, seed=seed, image_indices=chosen,
                        batch_size=len(chosen), decode_images=False, **sampling, **opts)
     skips, verified = int(out.stats.get("skip_steps", 0)), int(out.stats.get("verified_steps", 0))
-    return {"value": skips / max(skips + verified, 1), "images": len(chosen)}
+    accepted = float(out.stats["mean_accepted_length"])
+    tokens = len(chosen) * eng.tokens_per_image
+    return {"value": skips / max(skips + verified, 1), "images": len(chosen), "accepted_per_verify": accepted,
+            "tokens_per_skip": (tokens - accepted * verified) / skips if skips else 0.0}
 
 
 def ops_per_token(eng, method, opts, label, seed, sampling) -> float:
@@ -742,16 +749,23 @@ def vvs_markdown(rows: list) -> list:
     lines = ["## VVS against its base rule", "", vvs_verdict(answer), "",
              "Skipping alone at an equal rule: each VVS setting against the same rule without skips (the base "
              "setting), paired image by image (Δ = VVS − base, 95 % bootstrap intervals). Skip fraction: skipped "
-             f"rounds / all rounds on {SKIP_SAMPLE} images per class re-decoded.", "",
-             "| VVS setting | base setting | skip fraction | TPF | base TPF | Δ acc vs base | Δ FD vs base | parity (vs AR) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"rounds / all rounds on {SKIP_SAMPLE} images per class re-decoded; on those images also the tokens "
+             "committed per verified round (VVS / its base rule: a tree drafted after a skip, from stale target "
+             "features, can be accepted less) and per skipped round.", "",
+             "| VVS setting | base setting | skip fraction | tokens / skip | tokens / verify (base) | TPF | base TPF "
+             "| Δ acc vs base | Δ FD vs base | parity (vs AR) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     by_name = {r["name"]: r for r in rows if "error" not in r}
     for a in answer:
         base = by_name[a["base_setting"]]
         for r in a["settings"]:
             vs = r.get("vs_base", {})
             skip = f"{r['skip_fraction']['value']:.2f}" if r.get("skip_fraction") else "–"
-            lines.append(f"| {r['name']} | {a['base_setting']} | {skip} | "
+            rounds, base_rounds = r.get("skip_fraction", {}), base.get("skip_fraction", {})
+            per_skip = f"{rounds['tokens_per_skip']:.2f}" if rounds.get("tokens_per_skip") else "–"
+            per_verify = (f"{rounds['accepted_per_verify']:.2f} ({base_rounds['accepted_per_verify']:.2f})"
+                          if "accepted_per_verify" in rounds and "accepted_per_verify" in base_rounds else "–")
+            lines.append(f"| {r['name']} | {a['base_setting']} | {skip} | {per_skip} | {per_verify} | "
                          f"{_ci(r['tpf'], 2)} | {_ci(base['tpf'], 2)} | {_diff(vs.get('class_accuracy'), 3)} | "
                          f"{_diff(vs.get('fd_classifier'), 2)} | {'yes' if r['parity'] else 'no'} |")
     return lines + [""]
@@ -926,8 +940,8 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
                                   if k in gen},
                "digest": digest_of(key)}
         row.update(metrics)
-        if method == "vvs":
-            skips = work.get("skips", [token_digest, method, opts, sampling, seed, SKIP_SAMPLE],
+        if method == "vvs" or name in VVS_BASE.values():
+            skips = work.get("rounds", [token_digest, method, opts, sampling, seed, SKIP_SAMPLE],
                              lambda: skip_fraction(eng, name, method, opts, labels, seed, sampling))
             row["skip_fraction"] = {k: float(v) for k, v in skips.items()}
         rows.append(row)

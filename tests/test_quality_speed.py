@@ -136,6 +136,15 @@ def test_tiny_run_metrics_cache_and_report(tmp_path, monkeypatch):
                               ckpt_key="tiny", show=False, ops=False)
     skip = vrows[2]["skip_fraction"]
     assert skip["images"] == 6 and 0.2 < skip["value"] < 0.5  # every other round skips once decoding is under way
+    # what the rounds yield: a skip commits at least one drafted token; the base rule (re-decoded on the
+    # same images) has no skips, and its verified rounds commit at least the target's own token
+    base = vrows[1]["skip_fraction"]
+    assert base["value"] == 0 and base["tokens_per_skip"] == 0 and base["accepted_per_verify"] >= 1
+    assert skip["tokens_per_skip"] >= 1 and skip["accepted_per_verify"] >= 1
+    assert "skip_fraction" not in vrows[0]  # AR: nothing to re-decode
+    table = "\n".join(qs.vvs_markdown(vrows))
+    assert f"| {skip['tokens_per_skip']:.2f} | {skip['accepted_per_verify']:.2f} ({base['accepted_per_verify']:.2f}) |" \
+        in table, table
     assert set(vrows[2]["vs_base"]) == {"class_accuracy", "fd_classifier"}
     assert vrows[2]["vs_base"]["class_accuracy"]["diff"] == pytest.approx(
         vrows[2]["class_accuracy"]["value"] - vrows[1]["class_accuracy"]["value"])
