@@ -98,6 +98,9 @@ SETTINGS = [
     ("LANTERN d=0.05", "lantern", {"lantern_delta": 0.05}),
     ("LANTERN++ l=1.5", "lantern++", {"lantern_lambda": 1.5}),
     ("LANTERN++ l=3", "lantern++", {"lantern_lambda": 3.0}),
+    # VVS drafts its dynamic (EAGLE-2) tree over every rule, while the lantern++ method drafts a static
+    # EAGLE-1 tree: LANTERN++ on VVS's tree is the equal-rule base of VVS over LANTERN++
+    ("LANTERN++ dynamic tree", "lantern++", {"tree": "dynamic"}),
     ("EAGLE-2 n=30 d=3", "eagle", {"tree_total": 30, "tree_depth": 3}),
     ("EAGLE-2 n=90 d=6", "eagle", {"tree_total": 90, "tree_depth": 6}),
     ("SJD L=8", "sjd", {"jacobi_window": 8}),
@@ -126,8 +129,8 @@ CORE_IMAGES_PER_CLASS = 32
 FRONTIER = ["ZipAR s=2", "ZipAR s=8", "SCD L=8", "SCD L=32", "SJD-PAC W=2 D=3", "SJD-PAC W=4 D=3",
             "SJD-PAC W=3 D=4", "VVS-D s=0.65 fill", "VVS-U i=2 LANTERN++", "VVS-U i=2 exact",
             "VVS-U i=3 LANTERN++", "VVS-U i=4 LANTERN++", "VVS-D s=0.5 LANTERN++", "VVS-D s=0.4 LANTERN++",
-            "VVS-D s=0.65 LANTERN++", "VVS-D s=0.3 LANTERN++", "VVS-U i=3 exact", "VVS-U i=4 exact",
-            "LANTERN d=0.05", "LANTERN d=0.1", "LANTERN d=0.3", "LANTERN++ l=1.5", "LANTERN++ l=3", "EAGLE-1",
+            "VVS-D s=0.65 LANTERN++", "VVS-D s=0.3 LANTERN++", "VVS-U i=3 exact", "LANTERN++ dynamic tree",
+            "VVS-U i=4 exact", "LANTERN d=0.05", "LANTERN d=0.1", "LANTERN d=0.3", "LANTERN++ l=1.5", "LANTERN++ l=3", "EAGLE-1",
             "EAGLE-2 n=30 d=3", "EAGLE-2 n=90 d=6", "GSD G=3", "GSD G=14", "GSD G=8 maximal", "SJD L=8",
             "SJD L=32", "SJD random init", "CASCADE drafter", "CASCADE llamagen", "CASCADE lumina-final",
             "VVS-U i=2 reject", "VVS-U i=3 fill", "VVS-U i=3 reject", "VVS-U i=4 fill", "VVS-U i=4 reject",
@@ -203,7 +206,10 @@ def parity_verdicts(rows: list) -> str | None:
 
 # --- per-family fronts and the VVS question --------------------------------------------------------
 # VVS is a family per base rule: skipping is judged against the same rule without skips.
-VVS_BASE = {"exact": "EAGLE-2", "lantern++": "LANTERN++", None: "LANTERN d=0.2"}  # accept= -> base setting
+# accept= -> the base setting: the same rule on the same (dynamic) tree without skips. Not "LANTERN++",
+# whose method drafts a static tree: on the Zoo that alone is TPF 2.65 against 2.25 on VVS's tree (16
+# images), which the table would otherwise count as skipping's cost.
+VVS_BASE = {"exact": "EAGLE-2", "lantern++": "LANTERN++ dynamic tree", None: "LANTERN d=0.2"}
 FAMILY_OF_METHOD = {"ar": "AR", "eagle": "EAGLE", "lantern": "LANTERN", "lantern++": "LANTERN++", "sjd": "SJD",
                     "gsd": "GSD", "scd": "SCD", "sjd-pac": "SJD-PAC", "cascade": "CASCADE", "zipar": "ZipAR",
                     "pjd": "PJD"}
@@ -255,10 +261,12 @@ def vvs_answer(rows: list) -> list:
     out = []
     for accept, base_name in VVS_BASE.items():
         fam = family_of("vvs", {"accept": accept})
-        base_row = next((r for r in rows if r["name"] == base_name and "error" not in r), None)
-        if fam not in by_family or base_row is None:
+        if fam not in by_family:
             continue
-        base_fam = by_family.get(family_of(base_row["method"], base_row.get("options", {})))
+        _, base_method, base_opts = SETTING_BY_NAME[base_name]  # the base setting may not be decoded yet,
+        base_fam = by_family.get(family_of(base_method, base_opts))  # its family must be
+        if base_fam is None:
+            continue
         settings = [r for r in rows if "error" not in r and r["method"] == "vvs" and
                     family_of("vvs", r.get("options", {})) == fam]
         out.append({"family": fam, "base_setting": base_name, "base_family": base_fam, "vvs": by_family[fam],
@@ -756,8 +764,9 @@ def vvs_markdown(rows: list) -> list:
              "| Δ acc vs base | Δ FD vs base | parity (vs AR) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     by_name = {r["name"]: r for r in rows if "error" not in r}
+    missing = {"tpf": None}
     for a in answer:
-        base = by_name[a["base_setting"]]
+        base = by_name.get(a["base_setting"], missing)  # "–" until the base setting is decoded
         for r in a["settings"]:
             vs = r.get("vs_base", {})
             skip = f"{r['skip_fraction']['value']:.2f}" if r.get("skip_fraction") else "–"

@@ -97,6 +97,9 @@ def test_family_fronts_within_two_points_and_the_vvs_verdict(tmp_path):
     verdict = qs.vvs_verdict(answer)
     assert "VVS-U i=4 LANTERN++ at TPF 3.40" in verdict and "LANTERN++ at TPF 2.80" in verdict
     assert "VVS is faster at parity" in verdict
+    # the equal-rule base (LANTERN++ on VVS's dynamic tree) is not among the rows: its cells say so
+    (line,) = [ln for ln in qs.vvs_markdown(rows) if ln.startswith("| VVS-U i=4 LANTERN++ | LANTERN++ dynamic tree |")]
+    assert line.split("|")[7].strip() == "–" and line.split("|")[6].strip().startswith("3.40")
     rows[5]["parity"] = False  # without its parity setting VVS over LANTERN++ is not faster
     assert "VVS is not faster at parity" in qs.vvs_verdict(qs.vvs_answer(rows))
     block = qs.readme_block({"n_images": 32, "labels": "l"}, rows, None)
