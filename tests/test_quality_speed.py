@@ -97,6 +97,10 @@ def test_family_fronts_within_two_points_and_the_vvs_verdict(tmp_path):
     verdict = qs.vvs_verdict(answer)
     assert "VVS-U i=4 LANTERN++ at TPF 3.40" in verdict and "LANTERN++ at TPF 2.80" in verdict
     assert "VVS is faster at parity" in verdict
+    # each VVS setting skips on its own rule and tree
+    assert qs.vvs_base_setting({"accept": "lantern++"}) == "LANTERN++ dynamic tree"
+    assert qs.vvs_base_setting({"accept": "lantern++", "tree": "static"}) == "LANTERN++"
+    assert qs.vvs_base_setting({"accept": "exact"}) == "EAGLE-2" and qs.vvs_base_setting({}) == "LANTERN d=0.2"
     # the equal-rule base (LANTERN++ on VVS's dynamic tree) is not among the rows: its cells say so
     (line,) = [ln for ln in qs.vvs_markdown(rows) if ln.startswith("| VVS-U i=4 LANTERN++ | LANTERN++ dynamic tree |")]
     assert line.split("|")[7].strip() == "–" and line.split("|")[6].strip().startswith("3.40")
