@@ -27,13 +27,13 @@ def write_tiny_checkpoints(d, drafter: bool = False) -> dict:
                     z_channels=32, base_channels=32, num_res_blocks=1)
     gpt_path, vq_path = os.path.join(d, "gpt.safetensors"), os.path.join(d, "vq.safetensors")
     gpt = GPT(gcfg)
+    if drafter:
+        with torch.no_grad():
+            gpt.output.weight.mul_(3.0)
     save_safetensors(gpt, gpt_path, gcfg.to_dict(), kind="gpt")
     save_safetensors(VQModel(vcfg), vq_path, vcfg.to_dict(), kind="vq")
     model = {"gpt_ckpt": gpt_path, "vq_ckpt": vq_path, "image_size": TINY_IMAGE_SIZE, "device": "cpu"}
     if drafter:
-        with torch.no_grad():
-            gpt.output.weight.mul_(3.0)
-        save_safetensors(gpt, gpt_path, gcfg.to_dict(), kind="gpt")
         draft = Drafter(DrafterConfig(dim=gcfg.dim, n_head=gcfg.n_head))
         model["drafter"] = os.path.join(d, "drafter.safetensors")
         save_safetensors(draft, model["drafter"], draft.config.to_dict(), kind="drafter")
