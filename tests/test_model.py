@@ -150,6 +150,21 @@ def test_rope_table_layout():
             torch.testing.assert_close(row[:, 1], torch.sin(angles), atol=1e-6, rtol=0)
 
 
+def test_rope_grid_scale_interpolates_positions():
+    """rope_grid_scale 0.5 on a 2g x 2g grid: cell (2r, 2c) gets the angles of cell (r, c) on the g x g
+    grid at scale 1, and the odd cells fall between them; scale 1 is the default table."""
+    grid, hd, base, cls = 4, 16, 10000.0, 1
+    small = rope_table_2d(grid, hd, base, cls)
+    big = rope_table_2d(2 * grid, hd, base, cls, grid_scale=0.5)
+    for r in range(grid):
+        for c in range(grid):
+            torch.testing.assert_close(big[cls + 2 * r * 2 * grid + 2 * c], small[cls + r * grid + c])
+    assert not torch.allclose(big[cls + 1], small[cls + 1])  # (0, 1) is half a step, not (0, 1)
+    assert torch.equal(rope_table_2d(2 * grid, hd, base, cls, 1.0), rope_table_2d(2 * grid, hd, base, cls))
+    cfg = GPTConfig(dim=32, n_layer=1, n_head=2, vocab_size=16, num_classes=2, block_size=64, rope_grid_scale=0.5)
+    assert torch.equal(GPT(cfg).rope, big)  # the model builds its table from the config (head width 16)
+
+
 def test_rope_zeroes_q_and_k_at_condition_positions(t2i):
     table = t2i.rope
     assert table.shape[0] == 6 + 16 and table.dtype == torch.float32

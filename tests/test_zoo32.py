@@ -14,7 +14,7 @@ from vvs_engine import Engine, VVSError, zoo
 from vvs_engine.checkpoint import read_state_dict, save_safetensors
 from vvs_engine.cli import main
 from vvs_engine.drafting.drafter import Drafter, DrafterConfig
-from vvs_engine.models.gpt import GPT
+from vvs_engine.models.gpt import GPT, GPTConfig
 from vvs_engine.models.vq import VQModel
 
 torch.set_num_threads(1)
@@ -162,9 +162,30 @@ def test_train_gpt_resumes_to_the_same_weights(tmp_path):
         train_gpt(tokens, labels, 10, log=said.append, state_path=state, save_every=2, **dict(kw, steps=8))
 
 
+def test_train_gpt_warm_start(tmp_path):
+    """``init`` starts from the given weights (at lr 0 they come out unchanged; without ``init`` they
+    do not), and a state saved by a from-scratch run is never resumed as a warm start."""
+    from vvs_engine.training.zoo import train_gpt
+
+    cfg = tiny_gpt_config(n_layer=1).to_dict()
+    torch.manual_seed(5)
+    tokens, labels = torch.randint(0, 64, (12, 16)), torch.randint(0, 10, (12,))
+    kw = dict(steps=2, batch=3, seed=0, config=cfg, amp=False, log=lambda *a: None)
+    start = {k: v + 0.5 for k, v in train_gpt(tokens, labels, 10, lr=1e-2, **kw).state_dict().items()}
+    warm = train_gpt(tokens, labels, 10, lr=0.0, init=("start", start), **kw).state_dict()
+    cold = train_gpt(tokens, labels, 10, lr=0.0, **kw).state_dict()
+    assert all(torch.equal(warm[k], start[k]) for k in start)
+    assert not all(torch.equal(cold[k], start[k]) for k in start)  # negative control
+    state = str(tmp_path / "state.pt")
+    train_gpt(tokens, labels, 10, lr=1e-2, state_path=state, save_every=1, **kw)
+    with pytest.raises(VVSError, match="schedule"):
+        train_gpt(tokens, labels, 10, lr=1e-2, state_path=state, save_every=1, init=("start", start), **kw)
+
+
 def test_train_grid32_tiny(tmp_path, monkeypatch):
     """The 32x32 entry end to end with a tiny target: 128-px crops of the real photos through the
-    shipped zoo-vq, bf16 checkpoints under the member names, a report, and a resume that keeps them."""
+    shipped zoo-vq, a warm start from a 16x16 member (its weights, positions interpolated), bf16
+    checkpoints under the member names, a report, and a resume that keeps them."""
     from vvs_engine.training.zoo import GPT32_CONFIG, main as train_main, train_grid32
 
     out, work = tmp_path / "out", tmp_path / "work"
@@ -172,7 +193,17 @@ def test_train_grid32_tiny(tmp_path, monkeypatch):
     kw = dict(n_encode_per_class=1, n_heldout_per_class=1, gpt_steps=2, gpt_batch=2, drafter_steps=2,
               drafter_batch=1, save_every=1, log_every=1, train_loss_sequences=4)
     shipped = zoo.CHECKPOINT_DIR  # the real tokenizer
-    report = train_grid32(str(out), work_dir=str(work), zoo_dir=shipped, gpt_config=tiny, log=lambda *a: None, **kw)
+    # a warm start from a 16x16 member of the same tiny architecture (positions interpolated x0.5)
+    init_dir = tmp_path / "init"
+    init_dir.mkdir()
+    torch.manual_seed(4)
+    init = GPT(GPTConfig.from_dict(dict(tiny, block_size=256, num_classes=16)))
+    save_safetensors(init, str(init_dir / "zoo-gpt.safetensors"), init.config.to_dict(), kind="gpt")
+    said = []
+    report = train_grid32(str(out), work_dir=str(work), zoo_dir=shipped, gpt_config=tiny, log=said.append,
+                          init_from=str(init_dir), **kw)
+    assert report["init_from"]["rope_grid_scale"] == 0.5 and any("positions x0.5" in s for s in said)
+    assert json.loads((out / "zoo-gpt-32.json").read_text())["config"]["rope_grid_scale"] == 0.5
     assert report["data"]["n_target_train"] == 16 and report["data"]["n_heldout"] == 16
     assert report["vq_heldout_psnr"] > 15  # the 64-px tokenizer still reconstructs 128-px crops
     assert 0 < report["gpt_heldout_loss"] < math.log(1024) + 0.5
@@ -184,7 +215,8 @@ def test_train_grid32_tiny(tmp_path, monkeypatch):
     assert codes["train"].shape == (16, 1024) and int(codes["train"].max()) < 1024
     before = (out / "zoo-gpt-32.safetensors").read_bytes()
     said = []
-    train_grid32(str(out), work_dir=str(work), zoo_dir=shipped, gpt_config=tiny, resume=True, log=said.append, **kw)
+    train_grid32(str(out), work_dir=str(work), zoo_dir=shipped, gpt_config=tiny, resume=True, log=said.append,
+                 init_from=str(init_dir), **kw)
     assert any("loaded the finished" in s for s in said) and (out / "zoo-gpt-32.safetensors").read_bytes() == before
     # the trained member loads by name next to a tokenizer
     for f in ("zoo-vq.safetensors", "zoo-vq.json"):
@@ -193,6 +225,7 @@ def test_train_grid32_tiny(tmp_path, monkeypatch):
     eng = Engine.load(model="zoo-gpt-32")
     assert eng.config.block_size == 1024 and eng.drafter is not None
     assert train_main([str(out), "--grid", "32", "--vq-steps", "5"]) == 2  # a 64-px-only option
+    assert train_main([str(out), "--init-from", str(init_dir)]) == 2  # a 32x32-only option
 
 
 # --- metrics at the classifier's size --------------------------------------------------------------

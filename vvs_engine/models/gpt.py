@@ -33,6 +33,10 @@ class GPTConfig:
     multiple_of: int = 256
     ffn_dim_multiplier: Optional[float] = None
     rope_base: float = 10000.0
+    # Position interpolation: grid cell (row, col) rotates as (row * s, col * s). 1 everywhere but a
+    # model that starts from one trained on a smaller grid (zoo-gpt-32 from zoo-gpt: s = 0.5 maps the
+    # 32x32 grid onto the 16x16 model's angles, so its weights are a good start; docs/zoo.md).
+    rope_grid_scale: float = 1.0
     norm_eps: float = 1e-5
     vocab_size: int = 16384
     num_classes: int = 1000
@@ -74,7 +78,8 @@ class GPTConfig:
 GPT_CONFIG_FIELDS = {
     "dim": ConfigField("int", 1), "n_layer": ConfigField("int", 1), "n_head": ConfigField("int", 1),
     "multiple_of": ConfigField("int", 1), "ffn_dim_multiplier": ConfigField("number", 0, nullable=True),
-    "rope_base": ConfigField("number", 1), "norm_eps": ConfigField("number", 0), "vocab_size": ConfigField("int", 1),
+    "rope_base": ConfigField("number", 1), "rope_grid_scale": ConfigField("number", 0, required=False),
+    "norm_eps": ConfigField("number", 0), "vocab_size": ConfigField("int", 1),
     "model_type": ConfigField("text", choices=("c2i", "t2i")), "block_size": ConfigField("int", 1),
     "num_classes": ConfigField("int", 1, required=False), "caption_dim": ConfigField("int", 1, required=False),
     "cls_token_num": ConfigField("int", 1, required=False),
@@ -95,6 +100,8 @@ def checked_gpt_config(config: dict, where: str, sd: Optional[dict] = None) -> G
     if cfg.dim % cfg.n_head or cfg.head_dim % 4:
         raise VVSError(f"{where}: \"dim\" {cfg.dim} / \"n_head\" {cfg.n_head} must give a whole head width "
                        f"divisible by 4 (2-D RoPE)")
+    if cfg.rope_grid_scale <= 0:
+        raise VVSError(f"{where}: \"rope_grid_scale\" {cfg.rope_grid_scale} must be > 0")
     if cfg.grid_size ** 2 != cfg.block_size:
         raise VVSError(f"{where}: \"block_size\" {cfg.block_size} must be a perfect square (tokens of a square image)")
     if sd is None:
@@ -138,16 +145,18 @@ def gpt_config(name: str, **overrides) -> GPTConfig:
     return GPTConfig(**cfg)
 
 
-def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int) -> torch.Tensor:
+def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int,
+                  grid_scale: float = 1.0) -> torch.Tensor:
     """LlamaGen's 2-D RoPE table ``[cls_token_num + grid², head_dim/2, 2]`` of (cos, sin).
 
     The first half of each head rotates with the row index, the second half with the column index.
     The condition rows are all zeros (not the identity): LlamaGen zeroes q and k at condition
     positions, so they get a constant attention logit of 0 and act through their values only.
+    ``grid_scale``: row and column indices are multiplied by it (``GPTConfig.rope_grid_scale``).
     """
     half = head_dim // 2
     inv = 1.0 / (base ** (torch.arange(0, half, 2)[: half // 2].double() / half))
-    t = torch.arange(grid_size, dtype=torch.float64)
+    t = torch.arange(grid_size, dtype=torch.float64) * grid_scale
     f = torch.outer(t, inv)  # [grid, head_dim/4]
     grid = torch.cat(
         [f[:, None, :].expand(-1, grid_size, -1), f[None, :, :].expand(grid_size, -1, -1)], dim=-1
@@ -344,7 +353,7 @@ class GPT(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Not a buffer: official checkpoints do not carry it, and it must stay fp32.
-        self.rope = rope_table_2d(g, cfg.head_dim, cfg.rope_base, cfg.cls_token_num)
+        self.rope = rope_table_2d(g, cfg.head_dim, cfg.rope_base, cfg.cls_token_num, cfg.rope_grid_scale)
         self.apply(self._init_weights)
 
     @staticmethod
