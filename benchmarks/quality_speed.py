@@ -83,6 +83,11 @@ SETTINGS = [
     ("VVS-U i=2 + GSD", "vvs", {"skip_policy": "uniform", "skip_interval": 2, "accept": "gsd"}),
     ("VVS-U i=2 + CASCADE", "vvs", {"skip_policy": "uniform", "skip_interval": 2, "accept": "cascade",
                                     "tree": "static"}),
+] + [  # the compositions' fronts: longer skip intervals
+    (f"VVS-U i={i} + GSD", "vvs", {"skip_policy": "uniform", "skip_interval": i, "accept": "gsd"}) for i in (3, 4)
+] + [
+    (f"VVS-U i={i} + CASCADE", "vvs", {"skip_policy": "uniform", "skip_interval": i, "accept": "cascade",
+                                       "tree": "static"}) for i in (3, 4)
 ] + [
     # The frontier (each family traced by >= 3 settings). VVS over every base rule at parity, so what
     # skipping costs by itself is measured at an equal rule: over exact (EAGLE-2) and over LANTERN++.
@@ -124,6 +129,7 @@ SETTINGS = [
     # and cache keys as benchmarks/pjd_zoo.py, so either script's 512-image tokens serve both
     ("PJD-E1", "pjd", {"zipar_max_rows": 4}),
     ("PJD-E1 start 4", "pjd", {"zipar_max_rows": 4, "zipar_window": 4}),
+    ("PJD-E1 start 3", "pjd", {"zipar_max_rows": 4, "zipar_window": 3}),
     ("PJD rule", "pjd", {"zipar_max_rows": 4, "zipar_commit": "drafts"}),
 ]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
@@ -142,7 +148,8 @@ FRONTIER = ["ZipAR s=2", "ZipAR s=8", "SCD L=8", "SCD L=32", "SJD-PAC W=2 D=3", 
             "EAGLE-2 n=30 d=3", "EAGLE-2 n=90 d=6", "GSD G=3", "GSD G=14", "GSD G=8 maximal", "SJD L=8",
             "SJD L=32", "SJD random init", "CASCADE drafter", "CASCADE llamagen", "CASCADE lumina-final",
             "VVS-U i=2 reject", "VVS-U i=3 fill", "VVS-U i=3 reject", "VVS-U i=4 fill", "VVS-U i=4 reject",
-            "VVS-D s=0.3 fill", "PJD-E1", "PJD-E1 start 4", "PJD rule"]
+            "VVS-D s=0.3 fill", "PJD-E1", "PJD-E1 start 4", "PJD rule", "PJD-E1 start 3", "VVS-U i=3 + CASCADE",
+            "VVS-U i=4 + CASCADE", "VVS-U i=3 + GSD", "VVS-U i=4 + GSD"]
 
 
 def available_settings() -> list:
