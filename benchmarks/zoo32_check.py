@@ -90,7 +90,9 @@ def main(argv=None) -> int:
         f"{sizes['zoo-drafter-32'] / 2**20:.1f} MiB |",
         f"| schedule | target {hp['gpt_steps']} steps x {hp['gpt_batch']} sequences of 1024 tokens; drafter "
         f"{hp['drafter_steps']} steps x {hp['drafter_batch']}; {rep['data']['n_target_train']} training "
-        f"sequences |",
+        f"sequences; target peak lr {hp['gpt_lr']:g}"
+        + (f", started from zoo-gpt (sha256 {rep['init_from']['sha256_16']}...) with positions x"
+           f"{rep['init_from']['rope_grid_scale']:g}" if rep.get("init_from") else ", from random weights") + " |",
         f"| wall time, 1 niced thread on the shared 2-core machine | encoding "
         f"{rep.get('encode_seconds', float('nan')) / 60:.0f} min, target {rep['gpt_seconds'] / 60:.0f} min, "
         f"held-out/train loss {rep.get('loss_eval_seconds', float('nan')) / 60:.0f} min, drafter "

@@ -277,4 +277,6 @@ def test_shipped_zoo_gpt_32(monkeypatch):
         logits = eng.gpt(torch.from_numpy(y), codes)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 1024), codes.reshape(-1))
     assert codes.shape == (16, 1024)
-    assert float(loss) < math.log(1024) - 1.0
+    # 2.38 nats/token measured (held-out 512: 2.44); the from-scratch 600-step model had 3.77, and these
+    # weights read without their position interpolation (rope_grid_scale 1) give about 6.2
+    assert eng.config.rope_grid_scale == 0.5 and float(loss) < 3.0
