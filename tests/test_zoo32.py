@@ -226,6 +226,8 @@ def test_train_grid32_tiny(tmp_path, monkeypatch):
     assert eng.config.block_size == 1024 and eng.drafter is not None
     assert train_main([str(out), "--grid", "32", "--vq-steps", "5"]) == 2  # a 64-px-only option
     assert train_main([str(out), "--init-from", str(init_dir)]) == 2  # a 32x32-only option
+    assert train_main([str(tmp_path / "out2"), "--grid", "32", "--init-from", str(tmp_path / "nowhere")]) == 1
+    assert not os.path.exists(tmp_path / "out2" / "train_report-32.json")  # refused before any work
 
 
 # --- metrics at the classifier's size --------------------------------------------------------------

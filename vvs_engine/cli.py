@@ -149,7 +149,7 @@ def build_parser() -> Parser:
     zsub.required = True
     zl = zsub.add_parser("list", help="list the shipped models")
     zl.set_defaults(func=cmd_zoo_list)
-    zt = zsub.add_parser("train", help="retrain every Zoo model from scratch (fixed seeds)")
+    zt = zsub.add_parser("train", help="retrain the Zoo's models (fixed seeds; --grid 32: the 32x32 member)")
     zt.add_argument("--out", default="zoo-retrained", metavar="DIR",
                     help="where to write the checkpoints (default ./zoo-retrained; the shipped ones are never "
                          "overwritten unless you name their folder)")
@@ -158,7 +158,8 @@ def build_parser() -> Parser:
                     help="keep the stages whose outputs already exist in --out (after an interrupted run)")
     zt.add_argument("--grid", type=int, default=16, choices=(16, 32),
                     help="16: the whole 64-px Zoo (default); 32: zoo-gpt-32 and zoo-drafter-32 at 128 px on the "
-                         "shipped zoo-vq (python -m vvs_engine.training.zoo --grid 32 has every option)")
+                         "shipped zoo-vq, fine-tuned from the shipped zoo-gpt (python -m vvs_engine.training.zoo "
+                         "--grid 32 has every option)")
     add_threads_flag(zt)
     zt.set_defaults(func=cmd_zoo_train)
 

@@ -449,14 +449,14 @@ GPT32_CONFIG = dict(GPT_CONFIG, block_size=32 * 32)  # the same net: 2-D RoPE, n
 # encoding at 128 px costs minutes per thousand crops; the held-out set is the first 32 crops of each
 # class's held-out stream (the 64-px Zoo's held-out band and seed), its loss costs ~0.5 s per sequence.
 GRID32_DEFAULTS = dict(n_encode_per_class=200, n_heldout_per_class=32,
-                       gpt_steps=600, gpt_batch=4, gpt_lr=2e-3,
+                       gpt_steps=600, gpt_batch=4, gpt_lr=1e-3,  # a fine-tune of zoo-gpt (2e-3 from scratch)
                        drafter_steps=120, drafter_batch=4, drafter_lr=1e-3,
                        save_every=10, log_every=10, train_loss_sequences=128)
 
 
 def train_grid32(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, zoo_dir: Optional[str] = None,
                  resume: bool = False, log: Callable = print, threads: Optional[int] = None,
-                 gpt_config: Optional[dict] = None, init_from: Optional[str] = None, **overrides) -> dict:
+                 gpt_config: Optional[dict] = None, init_from: Optional[str] = "shipped", **overrides) -> dict:
     """Train the 32x32-token member of the Zoo: ``zoo-gpt-32`` and its drafter ``zoo-drafter-32``.
 
     The recipe of :func:`train_all`, at 128 px: the same classes, crop boxes (``make_crops`` draws a
@@ -469,8 +469,8 @@ def train_grid32(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, zo
     and the training states, saved every ``save_every`` steps; ``resume=True`` continues from them
     (and skips finished stages), otherwise stale states are deleted first. ``gpt_config``: another
     target architecture (default ``GPT32_CONFIG``; its ``block_size`` must stay 1024), e.g. a tiny one
-    for tests. ``init_from``: a folder whose ``zoo-gpt`` (the 16x16 member, "shipped" for the package's)
-    the target starts from instead of random weights: the same architecture, and 2-D RoPE has no
+    for tests. ``init_from``: a folder whose ``zoo-gpt`` (the 16x16 member; default "shipped", the
+    package's, as the shipped zoo-gpt-32 was trained) the target starts from, or None for random weights: the same architecture, and 2-D RoPE has no
     weight that depends on the grid, so the 16x16 model's weights load as they are (a warm start, as
     LlamaGen fine-tunes its 384-px models at 512 px); the target's ``rope_grid_scale`` becomes the
     ratio of the grids (0.5: position interpolation, each 32x32 cell at the angles of the 16x16 grid,
@@ -510,6 +510,8 @@ def train_grid32(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, zo
         with open(report_path) as f:
             report = json.load(f)
     vq_path = model_path("zoo-vq", zoo_dir)
+    # the start is checked before any work (a missing file would otherwise end the run after encoding)
+    init_path = None if init_from is None else model_path("zoo-gpt", None if init_from == "shipped" else init_from)
     report.update(seed=seed, hyperparameters=hp, threads=torch.get_num_threads(), torch=torch.__version__,
                   image_size=GRID32_IMAGE_SIZE, tokenizer="zoo-vq" + (f" from {zoo_dir}" if zoo_dir else " (shipped)"))
 
@@ -572,8 +574,7 @@ def train_grid32(out_dir: str, seed: int = 0, work_dir: Optional[str] = None, zo
     else:
         t0 = time.perf_counter()
         init = None
-        if init_from is not None:
-            init_path = model_path("zoo-gpt", None if init_from == "shipped" else init_from)
+        if init_path is not None:
             with open(init_path, "rb") as f:
                 init_digest = hashlib.sha256(f.read()).hexdigest()[:16]
             init = (f"zoo-gpt sha256:{init_digest}", {k: v.float() for k, v in read_state_dict(init_path).items()})
@@ -643,8 +644,9 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="--grid 32: start the target from the zoo-gpt in DIR ('shipped': the package's) "
-                        "instead of random weights")
+                   help="--grid 32: start the target from the zoo-gpt in DIR (default 'shipped': the package's, "
+                        "as the shipped zoo-gpt-32 was trained; 'none': random weights, then consider "
+                        "--gpt-lr 2e-3)")
     keys = dict(DEFAULTS)
     keys.update({k: v for k, v in GRID32_DEFAULTS.items() if k not in keys})
     for k, v in keys.items():
@@ -665,8 +667,9 @@ def main(argv=None):
         else:
             if a.data:
                 raise UsageError("--data is for --grid 16: the 32x32 member uses the built-in photos")
+            init_from = "shipped" if a.init_from is None else (None if a.init_from == "none" else a.init_from)
             train_grid32(a.out_dir, seed=a.seed, work_dir=a.work_dir, zoo_dir=a.zoo_dir, resume=a.resume,
-                         threads=a.threads, init_from=a.init_from, **given)
+                         threads=a.threads, init_from=init_from, **given)
     except UsageError as e:  # the CLI's codes: 2 bad arguments, 1 other user errors
         print(f"error: {e}", file=sys.stderr)
         return 2
