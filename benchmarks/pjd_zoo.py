@@ -176,6 +176,13 @@ def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, r
         if method in ("zipar", "pjd"):
             eff = row["options"]
             row["start_lag"] = eff["zipar_window"]
+            plain = method == "zipar" and eff.get("zipar_verify", "greedy") != "sjd"
+            if not row_stats and plain:
+                # plain ZipAR commits exactly one code per row per forward: its v needs no recording
+                row["codes_per_row_forward"] = 1.0
+                row["model_forwards"] = step_model(row["start_lag"], H, W, 1.0)
+            elif not row_stats:
+                row["row_stats_missing"] = True
             if row_stats:
                 # v: codes per (row, forward) in which the row could commit (token 0: the prefill's)
                 testing = sum(b["testing_rows"] for b in row_stats)
@@ -209,8 +216,12 @@ def grid_rows(rows, measured_side):
                 f = r["forwards"]
             elif "codes_per_row_forward" in r:  # the forced line ends need no forward (placed by the schedule)
                 f = step_model(r["start_lag"], side, side, r["codes_per_row_forward"])
+            elif r.get("row_stats_missing"):  # a row-parallel setting's TPF does not carry to other grids
+                cells.append(None)
+                continue
             else:
-                f = (tokens - 1) / (1.0 if r["method"] == "ar" else r["tpf"]["value"])
+                # TPF counts the prefill's code (tokens / forwards): the same TPF on another grid
+                f = tokens - 1.0 if r["method"] == "ar" else tokens / r["tpf"]["value"]
             cells.append((f, tokens / f))
         out.append((r["name"], cells))
     return out
@@ -239,6 +250,11 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
                      f"{qs._diff(r['fd_classifier'], 2)} | {'yes' if r['parity'] else 'no'} | {rpf} | {cpr} | {waits} |")
     if missing:
         lines += ["", f"Not generated yet (no complete cache): {', '.join(missing)}."]
+    unrecorded = [r["name"] for r in rows if r.get("row_stats_missing")]
+    if unrecorded:
+        lines += ["", f"Row statistics not recorded for {', '.join(unrecorded)}: their tokens were read from "
+                      "`quality_speed`'s cache, which keeps tokens and forwards only, so they have no measured v "
+                      "(no step-model row, no extrapolation to other grids)."]
     if pairs:
         lines += ["", "## Paired differences between settings", "",
                   "Δ = first − second on the same images and bootstrap draws (95 % intervals): does the released "
@@ -272,7 +288,8 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
               "would limit.", "",
               f"| setting | {head} |", "|---|" + "---|" * len(GRIDS)]
     for name, cells in grid_rows(rows, H):
-        lines.append(f"| {name} | " + " | ".join(f"{f:.0f} ({tpf:.2f})" for f, tpf in cells) + " |")
+        lines.append(f"| {name} | " + " | ".join("–" if c is None else f"{c[0]:.0f} ({c[1]:.2f})" for c in cells)
+                     + " |")
     return "\n".join(lines) + "\n"
 
 
