@@ -275,7 +275,8 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
                          f"{r['model_forwards']:.1f} | {r['model_forwards'] / r['forwards']:.3f} |")
     jacobi = [r["model_forwards"] / r["forwards"] for r in rows if r.get("codes_per_row_forward", 1.0) > 1.0]
     if jacobi:
-        lines += ["", f"With Jacobi windows the model gives {min(jacobi):.2f}–{max(jacobi):.2f} of our counts (our "
+        span = f"{min(jacobi):.2f}" if f"{min(jacobi):.2f}" == f"{max(jacobi):.2f}" else f"{min(jacobi):.2f}–{max(jacobi):.2f}"
+        lines += ["", f"With Jacobi windows the model gives {span} of our counts (our "
                       "reading: it spends one average v on every row's start delay, while a lower row is held to the "
                       "pace of the row above by the commit lag, so the wavefront is longer than modelled; the "
                       "extrapolations below share that bias)."]
