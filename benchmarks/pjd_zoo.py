@@ -59,7 +59,8 @@ SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 SHARED_CACHE = {"AR": "AR", "SJD": "SJD", "SJD-PAC": "SJD-PAC W=3 D=3"}
 DOC_BEGIN = "<!-- pjd-zoo:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
 DOC_END = "<!-- pjd-zoo:end -->"
-PAIRS = [("PJD rule", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"), ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4")]
+PAIRS = [("PJD rule", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"), ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4"),
+         ("ZipAR s=4 + SJD L=4", "ZipAR s=4")]
 GRIDS = [(16, False), (24, False), (32, False), (48, True)]  # (side, rows end with an EOL: Lumina-mGPT)
 
 
@@ -258,7 +259,8 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
     if pairs:
         lines += ["", "## Paired differences between settings", "",
                   "Δ = first − second on the same images and bootstrap draws (95 % intervals): does the released "
-                  "rule's \"confirm twice\" buy quality over E1 at equal lags?", "",
+                  "rule's \"confirm twice\" buy quality over E1 at equal lags; what do PJD's lags and a row's "
+                  "Jacobi window cost or buy against ZipAR + SJD and plain ZipAR at the same start lag?", "",
                   "| first | second | Δ class acc | Δ FD (classifier) | Δ TPF |", "|---|---|---|---|---|"]
         for pr in pairs:
             lines.append(f"| {pr['a']} | {pr['b']} | {qs._diff(pr['class_accuracy'], 3)} | "
