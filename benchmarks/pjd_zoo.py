@@ -50,16 +50,17 @@ SETTINGS = [
     ("PJD rule", "pjd", dict(PJD_CAP, zipar_commit="drafts")),
     ("PJD-E1 start 4", "pjd", dict(PJD_CAP, zipar_window=4)),
     ("PJD rule + keep 0.5", "pjd", dict(PJD_CAP, zipar_commit="drafts", zipar_keep=0.5)),
+    ("PJD-E1 no cap", "pjd", {}),  # every started row served: does the cap of 4 cost forwards on a wide grid?
 ]
 # the order a run generates them: the settings cheapest first, then the extra PJD ones
 ORDER = ["AR", "ZipAR s=4", "ZipAR s=8", "SJD-PAC", "ZipAR s=4 + SJD L=4", "PJD-E1", "PJD rule", "SJD",
-         "PJD-E1 start 4", "PJD rule + keep 0.5"]
+         "PJD-E1 start 4", "PJD rule + keep 0.5", "PJD-E1 no cap"]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 # settings quality_speed caches too: this table's name -> quality_speed's name
 SHARED_CACHE = {"AR": "AR", "SJD": "SJD", "SJD-PAC": "SJD-PAC W=3 D=3"}
 DOC_BEGIN = "<!-- pjd-zoo:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
 DOC_END = "<!-- pjd-zoo:end -->"
-PAIRS = [("PJD rule", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"), ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4"),
+PAIRS = [("PJD rule", "PJD-E1"), ("PJD-E1 no cap", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"), ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4"),
          ("ZipAR s=4 + SJD L=4", "ZipAR s=4")]
 GRIDS = [(16, False), (24, False), (32, False), (48, True)]  # (side, rows end with an EOL: Lumina-mGPT)
 
@@ -237,8 +238,8 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
              f"({meta['bootstrap']} draws, shared by every setting); Δ = setting − AR on the same draws. Parity: no Δ "
              "interval (class accuracy, classifier FD) lies wholly on the worse side. Forwards: target forwards "
              "per image, prefill excluded. PJD: start lag 8, commit lag 2, 8 lanes per row, random new drafts, "
-             "at most 4 rows per forward; E1 = every row commits by the SJD rule (exact per forward), PJD rule "
-             "= rows below the top one commit accepted drafts only (the release).", "",
+             "at most 4 rows per forward (no cap in `PJD-E1 no cap`); E1 = every row commits by the SJD rule "
+             "(exact per forward), PJD rule = rows below the top one commit accepted drafts only (the release).", "",
              "| setting | forwards / image | TPF | class acc | Δ acc vs AR | FD (classifier) | Δ FD | parity | "
              "rows / forward | codes / row-forward | cap waits / image |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
