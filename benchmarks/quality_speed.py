@@ -131,6 +131,8 @@ SETTINGS = [
     ("PJD-E1 start 4", "pjd", {"zipar_max_rows": 4, "zipar_window": 4}),
     ("PJD-E1 start 3", "pjd", {"zipar_max_rows": 4, "zipar_window": 3}),
     ("PJD rule", "pjd", {"zipar_max_rows": 4, "zipar_commit": "drafts"}),
+    # ZipAR's rows with SJD windows of 4 lanes: PJD with commit lag = start lag 4, copy-above drafts, no cap
+    ("ZipAR s=4 + SJD L=4", "zipar", {"zipar_window": 4, "zipar_verify": "sjd", "zipar_jacobi_window": 4}),
 ]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 # The core settings, in the order a run generates them (cheapest first, so a short run finishes some).
@@ -149,7 +151,7 @@ FRONTIER = ["ZipAR s=2", "ZipAR s=8", "SCD L=8", "SCD L=32", "SJD-PAC W=2 D=3", 
             "SJD L=32", "SJD random init", "CASCADE drafter", "CASCADE llamagen", "CASCADE lumina-final",
             "VVS-U i=2 reject", "VVS-U i=3 fill", "VVS-U i=3 reject", "VVS-U i=4 fill", "VVS-U i=4 reject",
             "VVS-D s=0.3 fill", "PJD-E1", "PJD-E1 start 4", "PJD rule", "PJD-E1 start 3", "VVS-U i=3 + CASCADE",
-            "VVS-U i=4 + CASCADE", "VVS-U i=3 + GSD", "VVS-U i=4 + GSD"]
+            "VVS-U i=4 + CASCADE", "VVS-U i=3 + GSD", "VVS-U i=4 + GSD", "ZipAR s=4 + SJD L=4"]
 
 
 def available_settings() -> list:
@@ -241,6 +243,8 @@ WITHIN_POINTS = 0.02  # the fronts' second column: class accuracy at most 2 poin
 
 def family_of(method: str, opts: dict) -> str:
     """The front a setting belongs to: its method, VVS split by the rule it verifies with."""
+    if method == "zipar" and opts.get("zipar_verify") == "sjd":
+        return "PJD"  # Jacobi windows on ZipAR's rows are PJD's decoding (whatever the lags): one front
     if method != "vvs":
         return FAMILY_OF_METHOD.get(method, method)
     accept = opts.get("accept")

@@ -97,6 +97,10 @@ def test_family_fronts_within_two_points_and_the_vvs_verdict(tmp_path):
     verdict = qs.vvs_verdict(answer)
     assert "VVS-U i=4 LANTERN++ at TPF 3.40" in verdict and "LANTERN++ at TPF 2.80" in verdict
     assert "VVS is faster at parity" in verdict
+    # Jacobi windows on ZipAR's rows are PJD's front, plain ZipAR keeps its own
+    assert qs.family_of("zipar", qs.SETTING_BY_NAME["ZipAR s=4 + SJD L=4"][2]) == "PJD"
+    assert qs.family_of("zipar", qs.SETTING_BY_NAME["ZipAR s=4"][2]) == "ZipAR"
+    assert qs.family_of("pjd", {}) == "PJD"
     # each VVS setting skips on its own rule and tree
     assert qs.vvs_base_setting({"accept": "lantern++"}) == "LANTERN++ dynamic tree"
     assert qs.vvs_base_setting({"accept": "lantern++", "tree": "static"}) == "LANTERN++"
