@@ -194,6 +194,9 @@ def test_cli_rejects_unknown_settings(capsys):
     assert qs.main(["--settings", "AR,NOPE", "--out", "/nonexistent/x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown setting(s) NOPE") and len(err.strip().splitlines()) == 1
+    assert qs.main(["--no-report", "--report-only", "--out", "/nonexistent/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --no-report generates without a report") and len(err.strip().splitlines()) == 1
 
 
 def test_interrupted_setting_resumes_from_its_last_batch(tmp_path):
