@@ -35,7 +35,7 @@ def test_grid_rows_extrapolate_only_what_was_measured():
             _row("SJD", "sjd", 120.0, 255 / 120),
             _row("ZipAR s=4", "zipar", 75.0, 255 / 75, start_lag=4, codes_per_row_forward=1.0,
                  model_forwards=pjd_zoo.step_model(4, 16, 16, 1.0)),
-            _row("PJD-E1", "pjd", 100.0, 2.55, start_lag=8, codes_per_row_forward=1.5,
+            _row("PJD-E1", "pjd", 100.0, 2.55, start_lag=8, codes_per_row_forward=1.5, cap_waits=5.0,
                  model_forwards=pjd_zoo.step_model(8, 16, 16, 1.5)),
             _row("PJD rule", "pjd", 104.0, 2.45, start_lag=8, row_stats_missing=True)]
     grid = dict(pjd_zoo.grid_rows(rows, 16))
@@ -58,3 +58,11 @@ def test_grid_rows_extrapolate_only_what_was_measured():
     assert "Row statistics not recorded for PJD rule:" in md
     assert "| PJD rule | 104 (2.46) | – | – | – |" in md
     assert "Not generated yet (no complete cache): SJD-PAC." in md
+    # a binding cap is named beside the model's ratio; no uncapped Jacobi setting: no such sentence
+    assert "Where the cap on rows per forward binds (PJD-E1 (5.0 waits per image))" in md
+    assert "no binding cap" not in md
+    rows[3]["cap_waits"] = 0.0
+    md = pjd_zoo.to_markdown(meta, rows, missing=[])
+    ratio = pjd_zoo.step_model(8, 16, 16, 1.5) / 100.0
+    assert f"With Jacobi windows and no binding cap the model gives {ratio:.2f} of our counts" in md
+    assert "Where the cap" not in md
