@@ -58,8 +58,8 @@ ORDER = ["AR", "ZipAR s=4", "ZipAR s=8", "SJD-PAC", "ZipAR s=4 + SJD L=4", "PJD-
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 # settings quality_speed caches too: this table's name -> quality_speed's name
 SHARED_CACHE = {"AR": "AR", "SJD": "SJD", "SJD-PAC": "SJD-PAC W=3 D=3"}
-DOC_BEGIN = "<!-- pjd-zoo:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
-DOC_END = "<!-- pjd-zoo:end -->"
+DOC_BEGIN = "<!-- {tag}:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
+DOC_END = "<!-- {tag}:end -->"
 PAIRS = [("PJD rule", "PJD-E1"), ("PJD-E1 no cap", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"), ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4"),
          ("ZipAR s=4 + SJD L=4", "ZipAR s=4")]
 CAP_BINDS = 1.0  # cap waits per image from which the rows-per-forward cap counts as binding
@@ -309,13 +309,21 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_doc(path, md) -> None:
-    """The tables (with their command, without the title) between the marker comments of ``path``."""
+def doc_tag(model: str) -> str:
+    """The marker name of a model's tables in a doc: each Zoo member has its own block."""
+    return "pjd-zoo" if model == "zoo-gpt" else f"pjd-{model}"
+
+
+def write_doc(path, md, tag="pjd-zoo") -> None:
+    """The tables (with their command, without the title) between the marker comments ``tag`` of ``path``."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     body = md.split("\n", 2)[2].strip()
     body = body.replace("\n## ", "\n#### ")  # the doc's own section levels
-    start, end = text.index(DOC_BEGIN) + len(DOC_BEGIN), text.index(DOC_END)
+    begin, end_marker = DOC_BEGIN.format(tag=tag), DOC_END.format(tag=tag)
+    if begin not in text or end_marker not in text:
+        raise SystemExit(f"error: {path} has no {begin} ... {end_marker} block to write the tables into")
+    start, end = text.index(begin) + len(begin), text.index(end_marker)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text[:start] + "\n" + body + "\n" + text[end:])
 
@@ -334,7 +342,8 @@ def main(argv=None) -> int:
                                                        "Zoo member with the same tokenizer (zoo-gpt-32 once it ships)")
     ap.add_argument("--out", default=None, help="output prefix: .md, .json, _tokens/ (default "
                                                 "benchmarks/results/pjd_zoo, or pjd_<model> for another model)")
-    ap.add_argument("--doc", default=None, help="also write the tables between this file's pjd-zoo markers")
+    ap.add_argument("--doc", default=None, help="also write the tables between this file's markers "
+                                                "(pjd-zoo for zoo-gpt, pjd-<model> for another member)")
     a = ap.parse_args(argv)
     if a.images_per_class < 1 or a.batch_size < 1 or a.bootstrap < 1:
         print("error: --images-per-class, --batch-size and --bootstrap must be >= 1", file=sys.stderr)
@@ -344,6 +353,13 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: unknown setting(s) {', '.join(bad)}; known: {', '.join(SETTING_BY_NAME)}", file=sys.stderr)
         return 2
+    if a.doc:  # checked before any decoding: a run of hours must not fail at its last line
+        tag = doc_tag(a.model)
+        text = open(a.doc, encoding="utf-8").read() if os.path.isfile(a.doc) else ""
+        if DOC_BEGIN.format(tag=tag) not in text or DOC_END.format(tag=tag) not in text:
+            print(f"error: --doc {a.doc} has no {DOC_BEGIN.format(tag=tag)} ... {DOC_END.format(tag=tag)} block",
+                  file=sys.stderr)
+            return 2
     torch.set_num_threads(1)
     from vvs_engine import Engine
     from vvs_engine.errors import VVSError
@@ -374,7 +390,8 @@ def main(argv=None) -> int:
         f" --model {a.model}" if a.model != "zoo-gpt" else "") + (
         f" --images-per-class {a.images_per_class}" if a.images_per_class != DEFAULT_PER_CLASS else "") + (
         f" --settings \"{a.settings}\"" if a.settings else "") + (
-        f" --out {os.path.relpath(a.out, ROOT)}" if out_given else "")
+        f" --out {os.path.relpath(a.out, ROOT)}" if out_given else "") + (
+        f" --doc {os.path.relpath(os.path.abspath(a.doc), ROOT)}" if a.doc else "")
     meta = {"command": command, "n_images": len(labels), "per_class": a.images_per_class, "seed": a.seed,
             "sampling": sampling, "batch_size": a.batch_size, "bootstrap": a.bootstrap, "grid": grid,
             "torch": torch.__version__}
@@ -384,7 +401,7 @@ def main(argv=None) -> int:
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "missing": missing, "pairs": pairs}, f, indent=1, default=str)
     if a.doc:
-        write_doc(a.doc, md)
+        write_doc(a.doc, md, doc_tag(a.model))
     print(md)
     return 0
 

@@ -66,3 +66,22 @@ def test_grid_rows_extrapolate_only_what_was_measured():
     ratio = pjd_zoo.step_model(8, 16, 16, 1.5) / 100.0
     assert f"With Jacobi windows and no binding cap the model gives {ratio:.2f} of our counts" in md
     assert "Where the cap" not in md
+
+
+def test_doc_blocks_are_per_model(tmp_path, capsys):
+    doc = tmp_path / "doc.md"
+    blocks = "".join(f"{pjd_zoo.DOC_BEGIN.format(tag=t)}\nold\n{pjd_zoo.DOC_END.format(tag=t)}\n"
+                     for t in ("pjd-zoo", "pjd-zoo-gpt-32"))
+    doc.write_text("intro\n" + blocks + "outro\n")
+    md = "# title\n\nCommand: `x`\n\n## Section\n\nbody\n"
+    pjd_zoo.write_doc(str(doc), md, pjd_zoo.doc_tag("zoo-gpt-32"))
+    text = doc.read_text()
+    # the 32x32 block holds the tables (sections one level down), the 16x16 block is untouched
+    assert "pjd-zoo-gpt-32:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->\nCommand: `x`\n\n" \
+           "#### Section\n\nbody\n<!-- pjd-zoo-gpt-32:end -->" in text
+    assert text.count("\nold\n") == 1 and text.startswith("intro\n") and text.endswith("outro\n")
+    # a doc without the model's block is refused before anything is decoded: one line, exit 2
+    doc.write_text("no markers\n")
+    assert pjd_zoo.main(["--model", "zoo-gpt-32", "--report-only", "--doc", str(doc)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --doc {doc} has no <!-- pjd-zoo-gpt-32:begin") and len(err.splitlines()) == 1
