@@ -4,15 +4,20 @@ forwards per image against grid size from the step model of ``pjd.md`` §1.7, ch
 
 Every setting decodes the same labels with the same random streams (image i draws from (seed, i)), so
 the differences to AR are paired image by image; statistics, parity and the token cache are
-``benchmarks/quality_speed.py``'s (its functions, its cache key). AR, SJD and SJD-PAC are read from
-``quality_speed``'s committed token cache when it holds them for the same key (the same labels, seed,
-sampling, batch and options); every other setting is cached under ``<out>_tokens/`` (interrupted runs
-resume there), with the row statistics of its decode beside it (``<setting>.rows.json``).
+``benchmarks/quality_speed.py``'s (its functions, its cache key). A setting is read from
+``quality_speed``'s committed token cache when it holds it for the same key (the same model, labels, seed,
+sampling, batch and options: at 512 images AR, SJD, SJD-PAC, ZipAR and the PJD settings it shares);
+every other setting is decoded and cached under ``<out>_tokens/`` (committed; interrupted runs resume
+there), with the row statistics of its decode beside it (``<setting>.rows.json``; ``quality_speed``
+keeps none, so settings read from its cache have no row statistics).
 
-    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py                 # 128 images per setting
-    python benchmarks/pjd_zoo.py --report-only --doc docs/jacobi.md           # tables from the cache
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --images-per-class 32 --out benchmarks/results/pjd_zoo_512
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --model zoo-gpt-32 --images-per-class 16
+    python benchmarks/pjd_zoo.py --images-per-class 32 --out benchmarks/results/pjd_zoo_512 --report-only \
+        --doc docs/jacobi.md                                               # tables from the cache
 
-``--doc`` also writes the tables between the ``pjd-zoo`` marker comments of that file.
+``--doc`` also writes the tables between that file's marker comments (``pjd-zoo`` for zoo-gpt,
+``pjd-<model>`` for another member).
 
 The PJD settings cap the rows served per forward at 4 (``--zipar-max-rows 4``: 32 query lanes per
 image instead of 9 x 8 on a CPU); the table reports how often the cap made a row wait (``cap waits``).
@@ -93,7 +98,7 @@ def generate(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir,
         key = qs.setting_key(ckpt, method, opts, sampling, labels, seed, batch_size)
         shared = os.path.join(ROOT, "benchmarks", "results", "quality_speed_tokens",
                               qs._slug(SHARED_CACHE.get(name, name)) + ".npz")
-        if name in SHARED_CACHE and qs.load_cache(shared, qs.digest_of(key)) is not None:
+        if qs.load_cache(shared, qs.digest_of(key)) is not None:  # what load_setting reads: never decoded twice
             log(f"[pjd_zoo] {name}: quality_speed's cache")
             continue
         cache = os.path.join(cache_dir, qs._slug(name) + ".npz")
