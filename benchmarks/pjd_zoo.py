@@ -19,7 +19,7 @@ keeps none, so settings read from its cache have no row statistics).
 ``--doc`` also writes the tables between that file's marker comments (``pjd-zoo`` for zoo-gpt,
 ``pjd-<model>`` for another member).
 
-The PJD settings cap the rows served per forward at 4 (``--zipar-max-rows 4``: 32 query lanes per
+The PJD settings (but ``PJD-E1 no cap``) cap the rows served per forward at 4 (``--zipar-max-rows 4``: 32 query lanes per
 image instead of 9 x 8 on a CPU); the table reports how often the cap made a row wait (``cap waits``).
 """
 from __future__ import annotations
@@ -65,8 +65,8 @@ SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 SHARED_CACHE = {"AR": "AR", "SJD": "SJD", "SJD-PAC": "SJD-PAC W=3 D=3"}
 DOC_BEGIN = "<!-- {tag}:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
 DOC_END = "<!-- {tag}:end -->"
-PAIRS = [("PJD rule", "PJD-E1"), ("PJD-E1 no cap", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"), ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4"),
-         ("ZipAR s=4 + SJD L=4", "ZipAR s=4")]
+PAIRS = [("PJD rule", "PJD-E1"), ("PJD-E1 no cap", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"),
+         ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4"), ("ZipAR s=4 + SJD L=4", "ZipAR s=4")]
 CAP_BINDS = 1.0  # cap waits per image from which the rows-per-forward cap counts as binding
 GRIDS = [(16, False), (24, False), (32, False), (48, True)]  # (side, rows end with an EOL: Lumina-mGPT)
 
@@ -184,7 +184,7 @@ def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, r
         if method in ("zipar", "pjd"):
             eff = row["options"]
             row["start_lag"] = eff["zipar_window"]
-            plain = method == "zipar" and eff.get("zipar_verify", "greedy") != "sjd"
+            plain = method == "zipar" and eff.get("zipar_verify") != "sjd"
             if not row_stats and plain:
                 # plain ZipAR commits exactly one code per row per forward: its v needs no recording
                 row["codes_per_row_forward"] = 1.0
@@ -235,6 +235,12 @@ def grid_rows(rows, measured_side):
     return out
 
 
+def _span(ratios) -> str:
+    """'0.82–0.86', or one figure when both ends print the same."""
+    low, high = f"{min(ratios):.2f}", f"{max(ratios):.2f}"
+    return low if low == high else f"{low}–{high}"
+
+
 def to_markdown(meta, rows, missing, pairs=()) -> str:
     H, W = meta["grid"]
     lines = [f"# PJD on the Zoo model ({H}x{W} tokens)", "", f"Command: `{meta['command']}`", "",
@@ -282,23 +288,19 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
         if "model_forwards" in r:
             lines.append(f"| {r['name']} | {r['start_lag']} | {r['codes_per_row_forward']:.3f} | {r['forwards']:.1f} | "
                          f"{r['model_forwards']:.1f} | {r['model_forwards'] / r['forwards']:.3f} |")
-    def span(ratios):
-        low, high = f"{min(ratios):.2f}", f"{max(ratios):.2f}"
-        return low if low == high else f"{low}–{high}"
-
     # a row held back by the rows-per-forward cap is slower than the model for that reason alone
     jacobi = [r for r in rows if r.get("codes_per_row_forward", 1.0) > 1.0 and "model_forwards" in r]
     free = [r["model_forwards"] / r["forwards"] for r in jacobi if r.get("cap_waits", 0.0) < CAP_BINDS]
     capped = [r for r in jacobi if r.get("cap_waits", 0.0) >= CAP_BINDS]
     if free:
-        lines += ["", f"With Jacobi windows and no binding cap the model gives {span(free)} of our counts (our "
+        lines += ["", f"With Jacobi windows and no binding cap the model gives {_span(free)} of our counts (our "
                       "reading: it spends one average v on every row's start delay, while a lower row is held to the "
                       "pace of the row above by the commit lag, so the wavefront is longer than modelled; the "
                       "extrapolations below share that bias)."]
     if capped:
         names = ", ".join(f"{r['name']} ({r['cap_waits']:.1f} waits per image)" for r in capped)
         lines += ["", f"Where the cap on rows per forward binds ({names}) the model, which has no cap, gives "
-                      f"{span([r['model_forwards'] / r['forwards'] for r in capped])} of our counts: its "
+                      f"{_span([r['model_forwards'] / r['forwards'] for r in capped])} of our counts: its "
                       "extrapolations to other grids are what the same lags would do without the cap."]
     head = " | ".join(f"{s}x{s}{' + EOL' if e else ''}" for s, e in GRIDS)
     lines += ["", "## Forwards per image (TPF) against grid size", "",
