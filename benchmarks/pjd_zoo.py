@@ -43,17 +43,17 @@ import quality_speed as qs  # noqa: E402  (the lead's statistics, cache and metr
 
 PJD_CAP = {"zipar_max_rows": 4}
 DEFAULT_PER_CLASS = 8  # 128 images: PJD's 4 rows x 8 lanes per forward take ~1 min per 16 images on one CPU thread
-# (name, method, options)
+# (name, method, options); settings quality_speed also runs are its entries (one definition, one cache key)
 SETTINGS = [
-    ("AR", "ar", {}),
-    ("SJD", "sjd", {}),
-    ("SJD-PAC", "sjd-pac", {"pac_width": 3, "pac_depth": 3}),  # W = D = 3: the default when this table was made
-    ("ZipAR s=4", "zipar", {"zipar_window": 4}),
-    ("ZipAR s=8", "zipar", {"zipar_window": 8}),
-    ("ZipAR s=4 + SJD L=4", "zipar", {"zipar_window": 4, "zipar_verify": "sjd", "zipar_jacobi_window": 4}),
-    ("PJD-E1", "pjd", dict(PJD_CAP)),
-    ("PJD rule", "pjd", dict(PJD_CAP, zipar_commit="drafts")),
-    ("PJD-E1 start 4", "pjd", dict(PJD_CAP, zipar_window=4)),
+    qs.SETTING_BY_NAME["AR"],
+    qs.SETTING_BY_NAME["SJD"],
+    ("SJD-PAC", *qs.SETTING_BY_NAME["SJD-PAC W=3 D=3"][1:]),  # W = D = 3: the default when this table was made
+    qs.SETTING_BY_NAME["ZipAR s=4"],
+    qs.SETTING_BY_NAME["ZipAR s=8"],
+    qs.SETTING_BY_NAME["ZipAR s=4 + SJD L=4"],
+    qs.SETTING_BY_NAME["PJD-E1"],
+    qs.SETTING_BY_NAME["PJD rule"],
+    qs.SETTING_BY_NAME["PJD-E1 start 4"],
     ("PJD rule + keep 0.5", "pjd", dict(PJD_CAP, zipar_commit="drafts", zipar_keep=0.5)),
     ("PJD-E1 no cap", "pjd", {}),  # every started row served: does the cap of 4 cost forwards on a wide grid?
 ]
@@ -96,15 +96,10 @@ def resolved(method, opts):
 def generate(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, log=print):
     for name, method, opts in settings:
         key = qs.setting_key(ckpt, method, opts, sampling, labels, seed, batch_size)
-        shared = os.path.join(ROOT, "benchmarks", "results", "quality_speed_tokens",
-                              qs._slug(SHARED_CACHE.get(name, name)) + ".npz")
-        if qs.load_cache(shared, qs.digest_of(key)) is not None:  # what load_setting reads: never decoded twice
-            log(f"[pjd_zoo] {name}: quality_speed's cache")
+        if load_setting(name, method, opts, labels, seed, sampling, batch_size, ckpt, cache_dir)[0] is not None:
+            log(f"[pjd_zoo] {name}: cached")  # here or in quality_speed's cache: never decoded twice
             continue
         cache = os.path.join(cache_dir, qs._slug(name) + ".npz")
-        if qs.load_cache(cache, qs.digest_of(key)) is not None:
-            log(f"[pjd_zoo] {name}: cached")
-            continue
         log(f"[pjd_zoo] {name}")
         rec = StatsRecorder(eng)
         partial_rows = cache + ".rows.partial.json"
@@ -321,16 +316,24 @@ def doc_tag(model: str) -> str:
     return "pjd-zoo" if model == "zoo-gpt" else f"pjd-{model}"
 
 
+def doc_block(text: str, tag: str):
+    """(start, end) of the text between a doc's ``tag`` markers, or None without them."""
+    begin, end_marker = DOC_BEGIN.format(tag=tag), DOC_END.format(tag=tag)
+    if begin not in text or end_marker not in text:
+        return None
+    return text.index(begin) + len(begin), text.index(end_marker)
+
+
 def write_doc(path, md, tag="pjd-zoo") -> None:
     """The tables (with their command, without the title) between the marker comments ``tag`` of ``path``."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     body = md.split("\n", 2)[2].strip()
     body = body.replace("\n## ", "\n#### ")  # the doc's own section levels
-    begin, end_marker = DOC_BEGIN.format(tag=tag), DOC_END.format(tag=tag)
-    if begin not in text or end_marker not in text:
-        raise SystemExit(f"error: {path} has no {begin} ... {end_marker} block to write the tables into")
-    start, end = text.index(begin) + len(begin), text.index(end_marker)
+    span = doc_block(text, tag)
+    if span is None:
+        raise SystemExit(f"error: {path} has no {DOC_BEGIN.format(tag=tag)} ... {DOC_END.format(tag=tag)} block")
+    start, end = span
     with open(path, "w", encoding="utf-8") as f:
         f.write(text[:start] + "\n" + body + "\n" + text[end:])
 
@@ -363,7 +366,7 @@ def main(argv=None) -> int:
     if a.doc:  # checked before any decoding: a run of hours must not fail at its last line
         tag = doc_tag(a.model)
         text = open(a.doc, encoding="utf-8").read() if os.path.isfile(a.doc) else ""
-        if DOC_BEGIN.format(tag=tag) not in text or DOC_END.format(tag=tag) not in text:
+        if doc_block(text, tag) is None:
             print(f"error: --doc {a.doc} has no {DOC_BEGIN.format(tag=tag)} ... {DOC_END.format(tag=tag)} block",
                   file=sys.stderr)
             return 2
