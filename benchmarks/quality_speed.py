@@ -317,6 +317,8 @@ def vvs_answer(rows: list) -> list:
 DEFAULT_OF_FAMILY = {**{family: method for method, family in FAMILY_OF_METHOD.items() if method != "ar"},
                      family_of("vvs", {}): "vvs"}
 KEPT_DEFAULTS = {
+    "EAGLE": "EAGLE-2's dynamic tree, kept so that `--method eagle` is the published EAGLE-2; on the Zoo the "
+             "static 57-node tree (EAGLE-1, `--tree static`) commits more per forward, as it does under LANTERN++",
     "VVS over LANTERN": "the published setting (VVS-U, every 2nd round skipped, over LANTERN δ = 0.2), kept so "
                         "that `--method vvs` is the paper's method",
     "PJD": "PJD's published lags (start 8, commit 2, 8 lanes, random drafts) with the exact commit rule E1; "
