@@ -324,6 +324,11 @@ def doc_block(text: str, tag: str):
     return text.index(begin) + len(begin), text.index(end_marker)
 
 
+def missing_block(path, tag: str) -> str:
+    """The one-line error for a doc without ``tag``'s markers (the early --doc check and write_doc)."""
+    return f"error: {path} has no {DOC_BEGIN.format(tag=tag)} ... {DOC_END.format(tag=tag)} block"
+
+
 def write_doc(path, md, tag="pjd-zoo") -> None:
     """The tables (with their command, without the title) between the marker comments ``tag`` of ``path``."""
     with open(path, encoding="utf-8") as f:
@@ -332,7 +337,7 @@ def write_doc(path, md, tag="pjd-zoo") -> None:
     body = body.replace("\n## ", "\n#### ")  # the doc's own section levels
     span = doc_block(text, tag)
     if span is None:
-        raise SystemExit(f"error: {path} has no {DOC_BEGIN.format(tag=tag)} ... {DOC_END.format(tag=tag)} block")
+        raise SystemExit(missing_block(path, tag))
     start, end = span
     with open(path, "w", encoding="utf-8") as f:
         f.write(text[:start] + "\n" + body + "\n" + text[end:])
@@ -367,8 +372,7 @@ def main(argv=None) -> int:
         tag = doc_tag(a.model)
         text = open(a.doc, encoding="utf-8").read() if os.path.isfile(a.doc) else ""
         if doc_block(text, tag) is None:
-            print(f"error: --doc {a.doc} has no {DOC_BEGIN.format(tag=tag)} ... {DOC_END.format(tag=tag)} block",
-                  file=sys.stderr)
+            print(missing_block(f"--doc {a.doc}", tag), file=sys.stderr)
             return 2
     torch.set_num_threads(1)
     from vvs_engine import Engine
