@@ -326,7 +326,8 @@ KEPT_DEFAULTS = {
                "EAGLE-1 and LANTERN++ at parity",
     "CASCADE": "the published thresholds and gate (breadth 0.9, depth 0.625, the authors' final nucleus gate "
                "at 0.8), kept so that `--method cascade` is the relaxation the paper measured; on the Zoo they "
-               "cost class accuracy, and the setting at parity gates with `--cascade-nucleus 0.3`",
+               "cost class accuracy; at parity are the authors' Lumina-mGPT preset (`--cascade-variant lumina-final`, "
+               "the fastest) and the engine preset gated with `--cascade-nucleus 0.3`",
     "PJD": "PJD's published lags (start 8, commit 2, 8 lanes, random drafts) with the exact commit rule E1; "
            "the table's PJD rows cap the rows per forward at 4 to bound the CPU cost",
 }
