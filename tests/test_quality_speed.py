@@ -105,6 +105,8 @@ def test_family_fronts_within_two_points_and_the_vvs_verdict(tmp_path):
     assert qs.vvs_base_setting({"accept": "lantern++"}) == "LANTERN++ dynamic tree"
     assert qs.vvs_base_setting({"accept": "lantern++", "tree": "static"}) == "LANTERN++"
     assert qs.vvs_base_setting({"accept": "exact"}) == "EAGLE-2" and qs.vvs_base_setting({}) == "LANTERN d=0.2"
+    assert qs.vvs_base_setting(qs.SETTING_BY_NAME["VVS-U i=3 + CASCADE"][2]) == "CASCADE"
+    assert qs.vvs_base_setting(qs.SETTING_BY_NAME["VVS-U i=3 + GSD"][2]) is None  # GSD's tree rule: no method
     # the equal-rule base (LANTERN++ on VVS's dynamic tree) is not among the rows: its cells say so
     (line,) = [ln for ln in qs.vvs_markdown(rows) if ln.startswith("| VVS-U i=4 LANTERN++ | LANTERN++ dynamic tree |")]
     assert line.split("|")[7].strip() == "–" and line.split("|")[6].strip().startswith("3.40")
