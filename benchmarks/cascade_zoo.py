@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence
 CONFIGS = [
     ("EAGLE-1", "eagle", dict(tree="static", accept="exact")),
     ("EAGLE-2", "eagle", dict()),
-    ("LANTERN++", "lantern++", dict()),
+    ("LANTERN++", "lantern++", dict(lantern_lambda=2.0)),  # the default when the table was made (pinned)
     ("CASCADE (target-hidden)", "cascade", dict()),  # the method's defaults: nucleus gate
     ("CASCADE (target-logits)", "cascade", dict(cascade_source="target-logits")),
     ("CASCADE (drafter)", "cascade", dict(cascade_source="drafter")),

@@ -45,7 +45,7 @@ ROWS = [
     ("AR", "ar", {}),
     ("EAGLE-2", "eagle", {}),
     ("LANTERN d=0.2", "lantern", {"lantern_delta": 0.2}),
-    ("LANTERN++", "lantern++", {}),
+    ("LANTERN++", "lantern++", {"lantern_lambda": 2.0}),  # the default when the table was made (pinned)
     ("VVS-U i=2", "vvs", {"skip_policy": "uniform", "skip_interval": 2}),
     ("CASCADE", "cascade", {}),
     ("SJD", "sjd", {}),

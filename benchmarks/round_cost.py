@@ -193,7 +193,7 @@ METHODS = [
     ("AR", "ar", {}, ("ar_step",)),
     ("EAGLE-2", "eagle", {}, ("verify",)),
     ("LANTERN d=0.2", "lantern", {"lantern_delta": 0.2}, ("verify",)),
-    ("LANTERN++", "lantern++", {}, ("verify",)),
+    ("LANTERN++", "lantern++", {"lantern_lambda": 2.0}, ("verify",)),  # pinned like SCD and SJD-PAC
     ("CASCADE", "cascade", {}, ("verify",)),
     ("VVS-U i=2", "vvs", {"skip_policy": "uniform", "skip_interval": 2}, ("verify", "skip", "verify_after_skip")),
     ("SJD", "sjd", {}, ("jacobi_iteration",)),
@@ -205,7 +205,7 @@ METHODS = [
 SPEC_ZOO_ROWS = {"EAGLE-2": "EAGLE-2", "LANTERN d=0.2": "LANTERN d=0.2", "LANTERN++": "LANTERN++",
                  "CASCADE": "CASCADE (target-hidden)", "VVS-U i=2": "VVS-U i=2 fill", "SJD": "SJD", "GSD": "GSD G=8"}
 # The quality-speed cache (512 images) where it has the method at its default options (preferred).
-QS_CACHE = {"EAGLE-2": "EAGLE_2.npz", "LANTERN d=0.2": "LANTERN_d_0_2.npz", "LANTERN++": "LANTERN__.npz",
+QS_CACHE = {"EAGLE-2": "EAGLE_2.npz", "LANTERN d=0.2": "LANTERN_d_0_2.npz", "LANTERN++": "LANTERN___l_2.npz",
             "CASCADE": "CASCADE.npz", "VVS-U i=2": "VVS_U_i_2_fill.npz", "SJD": "SJD.npz", "GSD": "GSD_G_8.npz",
             "SCD": "SCD_L_16.npz", "SJD-PAC": "SJD_PAC_W_3_D_3.npz"}
 # Target tokens per Jacobi iteration (the default window; SJD-PAC's counts every tree node).

@@ -103,7 +103,7 @@ def test_family_fronts_within_two_points_and_the_vvs_verdict(tmp_path):
     assert qs.family_of("pjd", {}) == "PJD"
     # each VVS setting skips on its own rule and tree
     assert qs.vvs_base_setting({"accept": "lantern++"}) == "LANTERN++ dynamic tree"
-    assert qs.vvs_base_setting({"accept": "lantern++", "tree": "static"}) == "LANTERN++"
+    assert qs.vvs_base_setting({"accept": "lantern++", "tree": "static"}) == "LANTERN++ l=2"
     assert qs.vvs_base_setting({"accept": "exact"}) == "EAGLE-2" and qs.vvs_base_setting({}) == "LANTERN d=0.2"
     assert qs.vvs_base_setting(qs.SETTING_BY_NAME["VVS-U i=3 + CASCADE"][2]) == "CASCADE"
     assert qs.vvs_base_setting(qs.SETTING_BY_NAME["VVS-U i=3 + GSD"][2]) is None  # GSD's tree rule: no method

@@ -50,12 +50,13 @@ def test_never_firing_vvs_equals_lantern_sampled(eng):
 
 def test_never_firing_vvs_over_lantern_pp_is_lantern_pp_on_the_dynamic_tree(eng):
     """VVS over LANTERN++ drafts VVS's dynamic tree: with a schedule that never fires it is LANTERN++ on
-    that tree token for token (the quality-speed report's equal-rule base), not the lantern++ method's
-    default static tree (the negative control: those tokens differ)."""
+    that tree token for token at VVS's λ = 2 (the quality-speed report's equal-rule base), not the
+    lantern++ method's default static tree, nor its default λ = 3 (the negative controls: those differ)."""
     kw = dict(class_labels=LABELS, temperature=1.0, cfg_scale=3.0, seed=7, decode_images=False)
     vvs = eng.generate(method="vvs", skip_interval=1, accept="lantern++", **kw).tokens
-    assert torch.equal(vvs, eng.generate(method="lantern++", tree="dynamic", **kw).tokens)
-    assert not torch.equal(vvs, eng.generate(method="lantern++", **kw).tokens)
+    assert torch.equal(vvs, eng.generate(method="lantern++", tree="dynamic", lantern_lambda=2.0, **kw).tokens)
+    assert not torch.equal(vvs, eng.generate(method="lantern++", tree="dynamic", **kw).tokens)
+    assert not torch.equal(vvs, eng.generate(method="lantern++", lantern_lambda=2.0, **kw).tokens)
 
 
 def test_lantern_delta_zero_equals_exact_sampled(eng):
