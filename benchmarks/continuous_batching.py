@@ -36,7 +36,7 @@ LOOP_METHODS = ("ar", "sjd", "gsd", "scd", "sjd-pac", "zipar", "eagle", "lantern
 SIMULATED = set(LOOP_METHODS) - {"vvs"}
 # quality cache file -> round_cost row (settings whose rounds are their target forwards)
 CACHE_ROWS = {"AR": "AR", "EAGLE_2": "EAGLE-2", "LANTERN_d_0_2": "LANTERN d=0.2", "LANTERN___l_2": "LANTERN++",
-              "CASCADE": "CASCADE", "SJD": "SJD", "GSD_G_8": "GSD", "SCD": "SCD", "SJD_PAC": "SJD-PAC"}
+              "CASCADE": "CASCADE", "SJD": "SJD", "GSD_G_8": "GSD", "SCD_L_16": "SCD", "SJD_PAC_W_3_D_3": "SJD-PAC"}
 
 
 def bucket(n: int) -> int:

@@ -94,3 +94,15 @@ def test_multi_kernel_ops_at_real_shapes():
     xl_v = out["LlamaGen-XL"]["rows"]["EAGLE-2"]["kinds"]["verify"]
     assert zoo_v["launches"] == 70 and zoo_v["multi_launch_extra"] == 0
     assert xl_v["launches"] == 10 * 36 + 10 + 36 * 1 + 5 * 3  # slope 10, fixed 10, + merge kernels + chunks
+
+
+def test_benchmarks_find_every_cached_setting_they_name():
+    """round_cost.py and continuous_batching.py read settings of the committed quality cache by file name;
+    a renamed setting must not silently drop their rows (SCD and SJD-PAC once did)."""
+    import continuous_batching
+    import round_cost
+
+    cache = os.path.join(ROOT, "benchmarks", "results", "quality_speed_tokens")
+    names = [n + ".npz" for n in continuous_batching.CACHE_ROWS] + list(round_cost.QS_CACHE.values())
+    assert [n for n in names if not os.path.exists(os.path.join(cache, n))] == []
+    assert [r["setting"] for r in continuous_batching.from_cache([16])] == list(continuous_batching.CACHE_ROWS.values())
