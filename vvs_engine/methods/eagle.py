@@ -42,7 +42,7 @@ class LanternPlusOptions(SpecOptions):
     # λ = 3: the fastest LANTERN++ setting at AR parity in the 512-image Zoo report (TPF 2.95 against
     # λ = 2's 2.78, both at parity) and the value CASCADE's authors ran LANTERN++ at. Other methods'
     # --accept lantern++ keeps SpecOptions' λ = 2, at which their committed settings were measured.
-    lantern_lambda: float = option(3.0, "LANTERN++: cap lambda on the relaxed mass (<= lambda * p(x))")
+    lantern_lambda: float = option(3.0, SpecOptions.__dataclass_fields__["lantern_lambda"].metadata["help"])
 
 
 @register("lantern++", LanternPlusOptions)
