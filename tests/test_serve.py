@@ -98,7 +98,12 @@ BAD = [  # (body, status, param or words in the message)
     ({"class_label": 1, "seed": -1}, 422, "seed"),
     ({"class_label": 1, "method": "sjd"}, 400, "runs method 'ar'"),
     ({"class_label": 1, "method_options": {"window": 4}}, 400, "no option 'window'"),
-    ({"class_label": 1, "model": "dall-e-3"}, 400, "zoo-gpt"),
+    ({"class_label": 1, "model": "dall-e-3"}, 404, "zoo-gpt"),
+    ({"class_label": 1, "prompt": "chelsea"}, 400, "names class 2"),
+    ({"class_label": 1, "cfg_scale": 1e308}, 422, "cfg_scale"),
+    ({"class_label": 1, "temperature": 1e-9}, 422, "temperature"),
+    ({"class_label": 1, "partial_images": 4}, 422, "partial_images"),
+    ({"class_label": True}, 422, "class_label"),
     ({"class_label": 1, "negative_prompt": "blurry"}, 400, "class-conditional"),
     ({"prompt": "a painting of a dragon"}, 422, "class-conditional"),
     ({"prompt": "x" * 3000}, 400, "prompt too long"),
@@ -119,7 +124,10 @@ def test_bad_requests_are_one_line_errors(server, client):
         assert "\n" not in r.text.strip(), r.text
         error = r.json()["error"]
         assert words in error["message"] or words == error["param"], (error, words)
-        assert error["type"] == "invalid_request_error"
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+        assert error["code"] is None or not error["code"].isdigit()  # a name, not the status again
+        if error["param"] is not None:
+            assert "." not in error["param"], error  # the field, not pydantic's union branch
     r = client.get("/v2/nothing")
     assert r.status_code == 404 and "\n" not in r.text and r.json()["error"]["message"]
     assert metric(client, "vvs:images_generated_total") == images  # nothing was decoded
@@ -205,7 +213,7 @@ def test_disconnect_queue_full_and_recovery(server, client, shared):
     disconnected = metric(client, "vvs:request_finished_total", finished_reason="disconnected")
     with httpx.Client(base_url=server.url, timeout=60) as streamer:
         with streamer.stream("POST", "/v1/images/generations",
-                             json={"class_label": 4, "n": ROWS, "seed": 1, "stream": True}) as stream:
+                             json={"class_label": 4, "n": ROWS, "seed": 1, "stream": True, "progress": True}) as stream:
             assert stream.status_code == 200
             events, lines = [], stream.iter_lines()  # (kept: a closed line iterator closes the connection)
             while "image_generation.progress" not in events:

@@ -73,7 +73,7 @@ def test_kill9_then_restart_serves_again():
     try:
         with httpx.Client(base_url=first.url, timeout=60) as client:
             with client.stream("POST", "/v1/images/generations",
-                               json={"class_label": 2, "n": 2, "stream": True}) as stream:
+                               json={"class_label": 2, "n": 2, "stream": True, "progress": True}) as stream:
                 lines = stream.iter_lines()
                 while "progress" not in next(lines):
                     pass

@@ -109,7 +109,7 @@ class Histogram(_Metric):
         return lines
 
 
-REJECTION_REASONS = ("queue_full", "not_ready", "draining", "bad_request", "too_large")
+REJECTION_REASONS = ("queue_full", "not_ready", "draining", "bad_request", "too_large", "unauthorized", "timeout")
 FINISH_REASONS = ("completed", "disconnected", "deadline", "aborted", "error")
 
 

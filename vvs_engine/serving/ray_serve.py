@@ -91,7 +91,7 @@ class EngineReplica:
         worker = getattr(self, "engine_worker", None)
         if worker is None:  # __init__ failed
             return
-        self.http_app.state.draining = True
+        self.http_app.state.vvs.draining = True
         worker.drain(1.0)
         worker.close(10.0)
 
