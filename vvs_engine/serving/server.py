@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 from ..errors import VVSError
 
@@ -100,6 +101,8 @@ def build_server(args, method_opts: dict, device: str):
                           static=args.static_batches, compile=args.compile, model_name=name)
     c2i = engine.config.model_type == "c2i"
     warm_prompt = None if c2i else "a photo"
+    print(f"vvs-engine serve: {name} loaded; warming up (one image through every round kind)", file=sys.stderr,
+          flush=True)
     worker.start(warmup_label=0 if c2i else None, warmup_prompt=warm_prompt)
     class_names = []
     if c2i and args.gpt_ckpt is None and args.model_dir is None:
