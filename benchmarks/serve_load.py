@@ -15,6 +15,14 @@ server's size). Every accepted request is checked: exactly n images, each a PNG 
     OMP_NUM_THREADS=1 python benchmarks/serve_load.py            # AR, SJD-PAC, LANTERN; writes results
     python benchmarks/serve_load.py --methods ar --requests 8 --fractions 1.0 --out /tmp/x   # quick
 
+``--output-split`` measures something else, in one process without HTTP: the engine thread's loop
+with finished images decoded and encoded on the loop thread (the server before the output worker)
+and on the output worker (now), taking turns. From the loop's ``round_done`` hook: the time from one
+round's launch to the next (the loop thread's time per round, its own work between rounds included)
+in iterations where images finished vs where none did, and the p95 of that gap over all rounds.
+
+    OMP_NUM_THREADS=1 python benchmarks/serve_load.py --output-split   # writes results/serve_output_split.md
+
 CPU figures are ratios between the two modes on this machine, not GPU expectations.
 """
 from __future__ import annotations
@@ -174,10 +182,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="a line written under the table's description")
     p.add_argument("--server-flags", default="", help="more serve flags for every server, e.g. '--device cuda'")
+    p.add_argument("--output-split", action="store_true",
+                   help="measure the loop thread with image output on it vs on the output worker (no HTTP)")
+    p.add_argument("--repeats", type=int, default=2, help="--output-split: runs of each mode, taking turns")
     args = p.parse_args(argv)
     import shlex
 
     command = "python benchmarks/serve_load.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    if args.output_split:
+        return output_split(args, command)
     fractions = [float(x) for x in args.fractions.split(",")]
     rows = {}
     for method in args.methods.split(","):
@@ -211,6 +224,82 @@ def main(argv=None) -> int:
                 if code != 0:
                     print(f"warning: the {method} {mode} server exited {code}", file=sys.stderr)
     write(args, command, rows)
+    return 0
+
+
+def _split_run(engine, rows: int, images: int, output_thread: bool, seed: int) -> list:
+    """One burst of ``images`` one-image requests through an engine thread; the loop's round trace."""
+    from vvs_engine.sampling import SamplingParams
+    from vvs_engine.serving.worker import EngineWorker, Request
+
+    worker = EngineWorker(engine, "ar", {}, rows, SamplingParams(), max_waiting_images=images,
+                          output_thread=output_thread)
+    worker.start()
+    done = threading.Semaphore(0)
+    worker.queue.trace = []
+    rng = random.Random(seed)
+    for i in range(images):
+        worker.queue.submit(Request(1, [rng.randrange(engine.config.num_classes)], None, seed + i, SamplingParams(),
+                                    lambda event: done.release() if event[0] in ("image", "error") else None))
+    for _ in range(images):
+        done.acquire()
+    trace = worker.queue.trace
+    worker.close()
+    return trace
+
+
+def _split_figures(traces: list) -> dict:
+    gaps_finishing, gaps_quiet, gaps = [], [], []
+    for trace in traces:
+        for previous, current in zip(trace, trace[1:]):
+            gap = current[0] - previous[0]
+            gaps.append(gap)
+            (gaps_finishing if current[3] else gaps_quiet).append(gap)
+    return {"rounds": len(gaps), "finishing_rounds": len(gaps_finishing),
+            "finishing_ms": 1000 * percentile(gaps_finishing, 0.5), "quiet_ms": 1000 * percentile(gaps_quiet, 0.5),
+            "finishing_mean_ms": 1000 * sum(gaps_finishing) / len(gaps_finishing),
+            "p95_gap_ms": 1000 * percentile(gaps, 0.95), "max_gap_ms": 1000 * max(gaps)}
+
+
+def output_split(args, command: str) -> int:
+    from vvs_engine import Engine
+
+    engine = Engine.load(threads=1)
+    modes = {"on the loop thread (before)": False, "output worker (after)": True}
+    traces = {mode: [] for mode in modes}
+    images = 3 * args.rows
+    for repeat in range(args.repeats):
+        for mode, output_thread in modes.items():  # taking turns: a shared machine's load drifts over both
+            traces[mode].append(_split_run(engine, args.rows, images, output_thread, args.seed + 1000 * repeat))
+            print(f"{mode}: run {repeat + 1} done", flush=True)
+    figures = {mode: _split_figures(t) for mode, t in traces.items()}
+    out = args.out if args.out != os.path.join(HERE, "results", "serve_load_zoo_cpu") else \
+        os.path.join(HERE, "results", "serve_output_split")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"command": command, "figures": figures}, f, indent=1)
+    lines = [f"<!-- written by: {command} -->", "# The server's loop thread: image output on it vs on the output worker",
+             "", f"Command: `OMP_NUM_THREADS=1 {command}` ({time.strftime('%Y-%m-%d')}).", "",
+             f"The shipped Zoo model (64 px, 256 tokens an image), AR, fp32 on this CPU, {args.rows} rows, 1 torch "
+             f"thread; one engine thread as `vvs-engine serve` runs it, without HTTP; each run a burst of {images} "
+             f"one-image requests, {args.repeats} runs per mode taking turns. A round's gap = the time from its "
+             "launch to the next round's launch (the loop thread's time per round, admission and collection "
+             "included), from the loop's `round_done` hook. *finishing*: rounds after which images finished (their "
+             "VQ decode and PNG encode ran on the loop thread before the output worker); *quiet*: the others. "
+             "Medians per round; p95 and max over all rounds.", "",
+             "| image output | rounds | finishing rounds | finishing ms (median) | finishing ms (mean) | quiet ms "
+             "(median) | p95 gap ms | max gap ms |", "|---|---|---|---|---|---|---|---|"]
+    for mode, f_ in figures.items():
+        lines.append(f"| {mode} | {f_['rounds']} | {f_['finishing_rounds']} | {f_['finishing_ms']:.1f} | "
+                     f"{f_['finishing_mean_ms']:.1f} | {f_['quiet_ms']:.1f} | {f_['p95_gap_ms']:.1f} | "
+                     f"{f_['max_gap_ms']:.1f} |")
+    before, after = figures["on the loop thread (before)"], figures["output worker (after)"]
+    lines += ["", f"A round after which images finished took {before['finishing_mean_ms'] / before['quiet_ms']:.2f}x "
+                  f"a quiet round with the output on the loop thread, {after['finishing_mean_ms'] / after['quiet_ms']:.2f}x "
+                  "with the output worker (means of finishing rounds over medians of quiet ones).", ""]
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
     return 0
 
 
