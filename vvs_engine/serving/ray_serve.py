@@ -189,7 +189,7 @@ def serve_with_ray(args, method_opts: dict, device: str) -> int:
     url = None
     try:
         url = deploy(args, method_opts, device, port)
-        print(f"vvs-engine serve (Ray Serve): method {args.method}, {args.rows} rows x {args.num_replicas or 1} "
+        print(f"vvs-engine serve (Ray Serve): method {args.method}, {args.rows} {'row' if args.rows == 1 else 'rows'} x {args.num_replicas or 1} "
               f"replicas, max_ongoing_requests {max_ongoing_requests(args)}; listening on {url}",
               file=sys.stderr, flush=True)
         while True:
