@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,6 +49,8 @@ class AppState:
     allowed_hosts: Optional[frozenset] = None  # ``Host`` header names accepted; None = any
     body_timeout_s: float = 30.0  # the whole body must arrive within this after the headers
     draining: bool = False
+    # under Ray Serve: an awaitable of every replica's metrics in one exposition (None: this process's)
+    metrics_view: Optional[Callable[[], Awaitable[str]]] = None
 
     @property
     def metrics(self) -> ServerMetrics:
@@ -186,7 +188,9 @@ async def model(request: Request, model_id: str):
 
 
 async def metrics_text(request: Request):
-    return PlainTextResponse(_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    state = _state(request)
+    text = await state.metrics_view() if state.metrics_view is not None else state.metrics.render()
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def page(request: Request):
