@@ -33,7 +33,7 @@ from vvs_engine.kernels.flash import describe  # noqa: E402
 from vvs_engine.methods import get_method  # noqa: E402
 from vvs_engine.methods.common import DecodeBatch  # noqa: E402
 from vvs_engine.rng import CounterRNG  # noqa: E402
-from vvs_engine.runtime.runner import RoundGraphs  # noqa: E402
+from vvs_engine.runtime.core import DecodeCore  # noqa: E402
 from vvs_engine.sampling import SamplingParams  # noqa: E402
 
 
@@ -67,13 +67,13 @@ def main(argv=None):
         cond, key_mask = eng.condition_rows([1], None, True)
         image = torch.zeros(1, dtype=torch.long, device=device)  # image index 0 (the RNG key)
         run, opts = get_method("ar", eng, {})
-        dec = run(eng, DecodeBatch(cond, key_mask, CounterRNG(0, image), 1), params, opts)
-        graphs = RoundGraphs(dec.round_functions(), dec.round_buffers(), use_graphs=use_graphs,
-                             compile=a.compile, options=dec.inductor_options)
-        T, rows = dec.T, torch.arange(1, device=device)
+        core = DecodeCore(lambda batch: run(eng, batch, params, opts), compile=a.compile, use_graphs=use_graphs)
+        slot, _ = core.slot(1, lambda: DecodeBatch(cond, key_mask, CounterRNG(0, image), 1))
+        dec, graphs = slot.decoder, slot.graphs
+        T = dec.T
         for rep in range(a.repeats + 1):  # the first image captures the graph: untimed
             if rep > 0:  # a fresh image in the same row: prefill (eager), written in place
-                dec.admit(rows, DecodeBatch(cond, key_mask, CounterRNG(rep, image), 1))
+                core.admit(slot, [0], DecodeBatch(cond, key_mask, CounterRNG(rep, image), 1))
             sync(device)
             t0 = time.perf_counter()
             for _ in range(T - 1):  # token 0 comes from the prefill
@@ -82,7 +82,7 @@ def main(argv=None):
             if rep > 0:
                 per_step.append((time.perf_counter() - t0) * 1e3 / (T - 1))
         assert int(dec.state.count.min()) == T, "the image did not finish in T - 1 steps"
-        tokens = dec.collect(rows)["tokens"]
+        tokens = core.collect(slot, [0], T)["tokens"]
     stats = {"ar_step": {"graph": "ar_step" in graphs.graphs, "replays": graphs.replays["ar_step"],
                          "compiled": graphs.compiled().get("ar_step", False)}}
     res = {"benchmark": "ar_graph_step", "model": f"random {a.shape} ({eng.gpt.num_params() / 1e6:.1f}M params)",

@@ -39,52 +39,67 @@ CACHE_ROWS = {"AR": "AR", "EAGLE_2": "EAGLE-2", "LANTERN_d_0_2": "LANTERN d=0.2"
               "CASCADE": "CASCADE", "SJD": "SJD", "GSD_G_8": "GSD", "SCD_L_16": "SCD", "SJD_PAC_W_3_D_3": "SJD-PAC"}
 
 
-def bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+REPLAY_T = 1 << 30  # "tokens per image" of a replayed image: its status counts rounds until it is done
+
+
+class ReplayDecoder:
+    """A model-free decoder for the loop: image i needs ``passes[i]`` rounds, then its status says done.
+    The real loop (``runtime.loop``: its scheduler, late reads, admission, tail shrinks into kept smaller
+    decoders) drives it, so the replayed schedule is the loop's own, not a copy of it."""
+
+    RESULTS = ("tokens", "done")
+    inductor_options: dict = {}
+
+    def __init__(self, need):
+        import torch
+
+        self.B = len(need)
+        self.need = torch.tensor(need, dtype=torch.long)
+        self.done = torch.zeros(self.B, dtype=torch.long)
+        self.state = torch.zeros(self.B, dtype=torch.long)  # the status: rounds so far, REPLAY_T once done
+        self.tokens = torch.zeros(self.B, 1, dtype=torch.long)
+        self.params = type("Scope", (), {"use_cfg": False})()
+
+    def round_functions(self):
+        return {"round": self.round}
+
+    def round(self):
+        import torch
+
+        self.done.add_((self.state < REPLAY_T).long())
+        self.state.copy_(torch.where(self.done >= self.need, REPLAY_T, self.done))
+
+    def round_buffers(self):
+        return [self.done, self.state]
+
+    def status(self):
+        return self.state
+
+    def next_kind(self, last_kind, late):
+        return "round"
+
+    def declare_rows(self, table):
+        for name, value in (("need", self.need), ("done", self.done), ("state", self.state), ("tokens", self.tokens)):
+            table.add(name, value)
+
+    def finish_results(self, out):
+        out["passes"] = out.pop("done")
+        return out
+
+    def summarize(self, counters, loop_stats):
+        return {}
 
 
 def simulate(passes, rows: int, static: bool) -> dict:
-    """The loop's schedule (``runtime.loop.run``) for images needing ``passes[i]`` rounds each: a row
-    holds an image for its rounds plus one (the finish is read one round late), pending images take
-    freed rows in order; static batches admit only into an empty batch; with nothing pending and at
-    most half the rows live, the batch shrinks to the next power of two and the next read is fresh.
-    -> rounds, row-rounds (tests/test_loop.py checks both against the loop)."""
-    pending = list(range(len(passes)))
-    rounds = row_rounds = 0
-    while pending:
-        first = pending[:rows]
-        pending = pending[rows:]
-        size = bucket(len(first)) if static or len(first) < rows else rows
-        left = [passes[i] + 1 for i in first] + [None] * (size - len(first))  # rounds until the read shows done
-        while True:
-            # the read before this round: rows whose image is done are freed, the queue admits
-            for r in range(len(left)):
-                if left[r] == 0:
-                    left[r] = None
-            live = sum(x is not None for x in left)
-            if not live and not pending:
-                break
-            free = [r for r, x in enumerate(left) if x is None]
-            if pending and free and (not static or live == 0):
-                if static:
-                    break
-                for r in free[: len(pending)]:
-                    left[r] = passes[pending.pop(0)] + 1
-            elif not pending and 0 < live <= len(left) // 2:
-                kept = [x for x in left if x is not None]
-                left = kept + [None] * (bucket(live) - live)
-                # after a shrink the loop reads the kept rows' status afresh, before any round: an image
-                # that finished in the last round is seen now rather than a round later (the reads
-                # after it are one round late again)
-                left = [0 if x == 1 else x for x in left]
-                continue
-            rounds += 1
-            row_rounds += len(left)
-            left = [x - 1 if x is not None else None for x in left]
-        if not static:
-            break
-    return {"rounds": rounds, "row_rounds": row_rounds,
-            "utilisation": sum(passes) / row_rounds if row_rounds else 1.0}
+    """The loop's schedule (``runtime.loop.run``, its scheduler and late reads) for images needing
+    ``passes[i]`` rounds each, replayed with :class:`ReplayDecoder` -> rounds, row-rounds
+    (tests/test_loop.py checks both against real decodes)."""
+    from vvs_engine.runtime import loop
+
+    out = loop.run(ReplayDecoder, lambda images, pad: [passes[i] for i in images] + [passes[images[0]]] * (pad - len(images)),
+                   len(passes), rows, REPLAY_T, static=static, retire=True)
+    return {"rounds": out.stats["batch_rounds"], "row_rounds": out.stats["row_rounds"],
+            "utilisation": sum(passes) / out.stats["row_rounds"] if out.stats["row_rounds"] else 1.0}
 
 
 def measure(engine, method: str, n: int, rows: int, repeats: int) -> dict:

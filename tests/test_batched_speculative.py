@@ -183,13 +183,15 @@ def test_retiring_finished_sequences_changes_no_token(eng, monkeypatch, method, 
     forward counts and statistics as keeping every row to the end (VVS-D's batch decisions included:
     finished sequences never vote), and the batch really shrinks."""
     sizes = []
-    original = speculative.SpeculativeRounds.keep_rows
+    from vvs_engine.runtime.core import DecodeCore
 
-    def logged(self, keep):
-        sizes.append(keep.numel())
-        return original(self, keep)
+    original = DecodeCore.move
 
-    monkeypatch.setattr(speculative.SpeculativeRounds, "keep_rows", logged)
+    def logged(self, source, keep, target):  # the tail: live rows move into a smaller kept decoder
+        sizes.append(len(keep))
+        return original(self, source, keep, target)
+
+    monkeypatch.setattr(DecodeCore, "move", logged)
     kw = dict(class_labels=[i % 5 for i in range(7)], temperature=1.0, top_k=20, cfg_scale=3.0, method=method,
               seed=4, batch_size=8, decode_images=False)
     kw.update(opts)
@@ -214,18 +216,20 @@ def test_progress_counts_each_token_once_across_retirements(eng, monkeypatch, me
     import vvs_engine.engine as engine_mod
 
     reports, retirements = [], []
-    original_tokens, original_retire = engine_mod._progress_bar.tokens, speculative.SpeculativeRounds.keep_rows
+    from vvs_engine.runtime.core import DecodeCore
+
+    original_tokens, original_retire = engine_mod._progress_bar.tokens, DecodeCore.move
 
     def record(self, k):
         reports.append(int(k))
         return original_tokens(self, k)
 
-    def logged(self, keep):
-        retirements.append(keep.numel())
-        return original_retire(self, keep)
+    def logged(self, source, keep, target):
+        retirements.append(len(keep))
+        return original_retire(self, source, keep, target)
 
     monkeypatch.setattr(engine_mod._progress_bar, "tokens", record)
-    monkeypatch.setattr(speculative.SpeculativeRounds, "keep_rows", logged)
+    monkeypatch.setattr(DecodeCore, "move", logged)
     monkeypatch.setenv("VVS_RETIRE_FINISHED", "1")
     eng.generate(class_labels=[i % 5 for i in range(7)], temperature=1.0, top_k=20, cfg_scale=3.0, method=method,
                  seed=4, batch_size=8, decode_images=False, progress=True, **opts)
@@ -350,16 +354,18 @@ def test_no_compute_op_between_round_calls(eng, opts, monkeypatch):
         cond, km = eng.condition_rows([0, 3], None, True)
         batch = DecodeBatch(cond, km, CounterRNG(0, torch.arange(2)), 2)
         rounds = Watched(eng, batch, params, o, speculative.make_rule_for(eng, o))
-        real_collect = rounds.collect
+        from vvs_engine.runtime.core import DecodeCore
 
-        def collect(rows):  # once per finished image: its results to the host
+        real_collect = DecodeCore.collect
+
+        def collect(slot, rows, tokens_per_image):  # once per finished image: its results to the host
             mode.in_round = True
             try:
-                return real_collect(rows)
+                return real_collect(slot, rows, tokens_per_image)
             finally:
                 mode.in_round = False
 
-        rounds.collect = collect
+        monkeypatch.setattr(DecodeCore, "collect", staticmethod(collect))
         with mode:
             result = _decode(rounds, batch)
     between = [op for started, op in mode.outside if started < mode.rounds]  # after the last: the results

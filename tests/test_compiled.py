@@ -403,3 +403,15 @@ def test_per_image_settings_compile_to_the_eager_tokens(runs):
         assert compiled.stats["admissions"] >= 1
         assert compiled.stats["compiled"] and all(compiled.stats["compiled"].values()), compiled.stats["compiled"]
         assert torch.equal(eager.tokens, compiled.tokens), method
+
+
+def test_a_warm_engine_compiles_and_captures_nothing_more(runs, monkeypatch):
+    """The engine keeps each decode core (runtime.core): calling again with a setting the fixture ran
+    compiles no graph and captures no round kind, and decodes the same tokens."""
+    e, out, _ = runs
+    monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")  # as the fixture ran: the row counts it built
+    with _fast_inductor():
+        for method, mode in (("ar", "greedy"), ("eagle", "mixed")):
+            again = _generate(e, method, mode, True)
+            assert (again.stats["compiles"], again.stats["graph_captures"]) == (0, 0), (method, mode)
+            assert torch.equal(again.tokens, out[method, mode][1].tokens), (method, mode)

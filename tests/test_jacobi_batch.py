@@ -103,13 +103,15 @@ def test_retiring_finished_rows_changes_no_token(eng, monkeypatch, method):
     """fp64, sampled: dropping finished rows mid-batch (8 -> 4 -> 2 -> 1 rows) gives the same tokens and
     forward counts as keeping every row to the end, and the batch really shrinks."""
     sizes = []
-    original = jacobi.JacobiDecoder.keep_rows
+    from vvs_engine.runtime.core import DecodeCore
 
-    def logged(self, keep):
-        sizes.append(keep.numel())
-        return original(self, keep)
+    original = DecodeCore.move
 
-    monkeypatch.setattr(jacobi.JacobiDecoder, "keep_rows", logged)
+    def logged(self, source, keep, target):  # the tail: live rows move into a smaller kept decoder
+        sizes.append(len(keep))
+        return original(self, source, keep, target)
+
+    monkeypatch.setattr(DecodeCore, "move", logged)
     kw = dict(class_labels=[i % 5 for i in range(7)], temperature=1.0, top_k=20, cfg_scale=3.0, method=method,
               seed=5, batch_size=8, decode_images=False)
     monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")

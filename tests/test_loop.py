@@ -120,8 +120,10 @@ def test_greedy_ar_is_the_argmax_of_teacher_forced_logits(eng):
 
 
 def test_admitted_rows_take_the_newcomers_caches_and_caption_masks():
-    """TargetSession.admit_rows: rows of a running session take a newcomer session's KV cache, condition
-    rows and caption key mask (both CFG halves); the other rows keep theirs."""
+    """A session's row table (``runtime.rows``): rows of a running session take a newcomer session's KV
+    cache, condition rows and caption key mask (both CFG halves); the other rows keep theirs."""
+    from vvs_engine.runtime.rows import RowTable
+
     from vvs_engine.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -142,8 +144,12 @@ def test_admitted_rows_take_the_newcomers_caches_and_caption_masks():
     new_mask[0, 3:] = False
     newcomer = session(new_emb, new_mask)
     before = running.kv.k.clone()
+    tables = []
+    for s, n in ((running, 3), (newcomer, 1)):
+        tables.append(RowTable(n, True, "cpu"))
+        s.declare_rows(tables[-1])
     with torch.inference_mode():
-        running.admit_rows(torch.tensor([1]), newcomer)
+        tables[0].copy_rows([1], tables[1], [0])
     for row, source in ((1, 0), (4, 1)):  # image 1's conditional and unconditional rows
         assert torch.equal(running.kv.k[:, row], newcomer.kv.k[:, source])
         assert torch.equal(running.key_valid[row], newcomer.key_valid[source])
@@ -172,8 +178,7 @@ def test_every_registered_method_is_a_decoder_of_the_loop(eng):
     from vvs_engine.methods.common import DecodeBatch
     from vvs_engine.rng import CounterRNG
 
-    protocol = ("round_functions", "round_buffers", "status", "next_kind", "admit", "keep_rows", "collect",
-                "summarize")
+    protocol = ("round_functions", "round_buffers", "status", "next_kind", "declare_rows", "summarize")
     params = SamplingParams(1.0, 0, 1.0, 3.0)
     cond, km = eng.condition_rows([1], None, True)
     for name in method_names():
@@ -181,6 +186,7 @@ def test_every_registered_method_is_a_decoder_of_the_loop(eng):
         with torch.inference_mode():
             decoder = make(eng, DecodeBatch(cond, km, CounterRNG(0, torch.zeros(1, dtype=torch.long)), 1), params, opts)
         assert all(callable(getattr(decoder, attr, None)) for attr in protocol), name
+        assert "tokens" in decoder.RESULTS or "out" in decoder.RESULTS, name
     assert set(method_names()) == {m for m, _ in LOOP_METHODS}
 
 
@@ -255,11 +261,14 @@ def test_negative_control_admission_without_the_newcomers_cache_changes_tokens(e
     kw = dict(class_labels=LABELS, method="sjd", seed=7, temperature=1.0, cfg_scale=3.0, decode_images=False)
     good = eng.generate(batch_size=2, **kw)
 
-    def admit_without_cache(self, images, newcomers):
-        self.cond_rows = self.cond_rows.index_copy(0, self.cfg_rows(images), newcomers.cond_rows)
+    def declare_without_cache(self, table):
+        table.add("key_valid", self.key_valid, model_rows=True)
+        table.add("cond_rows", self.cond_rows, model_rows=True)
 
-    monkeypatch.setattr(TargetSession, "admit_rows", admit_without_cache)
+    monkeypatch.setattr(TargetSession, "declare_rows", declare_without_cache)
+    eng.clear_cores()  # the kept decoders' row tables were declared with the cache
     bad = eng.generate(batch_size=2, **kw)
+    eng.clear_cores()
     assert torch.equal(bad.tokens[:2], good.tokens[:2])  # the first rows were never admitted into
     assert not torch.equal(bad.tokens[2:], good.tokens[2:])
 

@@ -108,6 +108,32 @@ class GenerationOutput:
     stats: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RunConfig:
+    """How rounds run: compiled by Inductor, captured as CUDA graphs (never off CUDA)."""
+
+    compile: bool
+    cuda_graphs: bool
+
+    @classmethod
+    def resolve(cls, device, compile: Optional[bool] = None, cuda_graphs: Optional[bool] = None) -> "RunConfig":
+        from .runtime.compiled import resolve as resolve_compile
+
+        device = torch.device(device)
+        return cls(resolve_compile(compile, device), device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs)))
+
+
+@dataclass
+class PartialImage:
+    """An image in the making (``Engine.generate(on_partial=...)``)."""
+
+    image_index: int  # position in the call's list of images
+    partial_index: int  # 0, 1, ... in order
+    tokens: torch.Tensor  # [T] int64: the row's tokens now (only the committed ones are final)
+    committed: torch.Tensor  # [T] bool: final positions (a raster prefix; ZipAR: a prefix of every image row)
+    image: Any  # PIL image: the VQ decode, positions not yet final grey
+
+
 @dataclass
 class ImageSpec:
     """One image to decode: its condition (a class label or a prompt), the key of its random numbers
@@ -146,6 +172,7 @@ class Engine:
         p = next(gpt.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._codebook_cache = {}
+        self._cores = {}  # (method, options, sampling scope, compile, graphs) -> runtime.core.DecodeCore
 
     # --- loading ------------------------------------------------------------------------------
     @classmethod
@@ -221,6 +248,7 @@ class Engine:
             self.caption_encoder.to(device)
         self.device, self.dtype = device, dtype
         self._codebook_cache = {}
+        self._cores = {}  # decoders hold caches of the old device and dtype
         return self
 
     # --- conditions ---------------------------------------------------------------------------
@@ -310,7 +338,8 @@ class Engine:
                  decode_images: bool = True, progress: bool = False,
                  batch_size: int = 16, image_indices: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, clean_captions: bool = True, compile: Optional[bool] = None,
-                 static_batches: bool = False, on_images=None, **method_opts) -> GenerationOutput:
+                 static_batches: bool = False, on_images=None, on_partial=None, partial_images: int = 0,
+                 partial_every: Optional[int] = None, **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt), ``batch_size`` images in flight. Returns tokens,
         PIL images (when a tokenizer is loaded) and stats. Image i draws its random numbers from
         (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size, on
@@ -327,9 +356,18 @@ class Engine:
         comparison; the same tokens, to the extent just said). ``seed``, ``temperature``, ``top_k``,
         ``top_p`` and ``cfg_scale`` take one value for every image or a list with one per image: images
         with different settings share the batch, each decoded as it would be alone. ``on_images(k)``: called
-        as k more images finish."""
+        as k more images finish.
+
+        The engine keeps one decode core per (method, options, sampling scope, compile, CUDA graphs):
+        decoders and their compiled, captured rounds are built at the first call that needs them and reused
+        by every later one (``stats["graph_captures"]`` and ``stats["compiles"]`` count what this call built).
+
+        Partial images: ``partial_images`` (0-3, evenly spaced) or ``partial_every`` (every K rows of the
+        token grid) with ``on_partial(p)``, ``p`` a :class:`PartialImage` (image ``p.image_index``'s partial
+        ``p.partial_index``: its tokens, which of them are final, and ``p.image``, the VQ decode with the
+        pixels of positions not yet final grey), called from an output thread in order; all are delivered
+        before ``generate`` returns. Partials add no round."""
         from .methods import get_method
-        from .runtime.compiled import resolve as resolve_compile
         from .methods.common import retire_finished
         from .runtime import loop
 
@@ -371,8 +409,8 @@ class Engine:
                   f"image indices must be non-negative integers, got {idx!r}")
         image_indices = [int(i) for i in image_indices]
         t0 = time.perf_counter()
-        compile = resolve_compile(compile, self.device)
-        use_graphs = self.device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
+        config = self.run_config(compile, cuda_graphs)
+        compile, use_graphs = config.compile, config.cuda_graphs
         bar = _progress_bar(n, progress, method, self.tokens_per_image)
 
         specs = [ImageSpec(labels[i] if labels is not None else None, prompts[i] if labels is None else None,
@@ -382,11 +420,20 @@ class Engine:
             """The DecodeBatch of images (positions in this call's lists), padded by repeating the first."""
             return self.image_batch([specs[i] for i in images], pad_to, scope, clean_captions)
 
-        with torch.inference_mode():  # the one loop (runtime.loop): every method is a decoder on it
-            out = loop.run(make_decoder, batch_of, n, min(batch_size, n),
-                           self.tokens_per_image, static=static_batches, compile=compile, use_graphs=use_graphs,
-                           retire=retire_finished(), on_tokens=bar.tokens if bar is not None else None,
-                           on_images=_both(bar.images if bar is not None else None, on_images))
+        core = self.core(method, opts, scope, config, make_decoder)
+        source, output = self._partial_source(n, on_partial, partial_images, partial_every)
+        try:
+            with torch.inference_mode():  # the one loop (runtime.loop): every method is a decoder on it
+                out = loop.run(make_decoder, batch_of, n, min(batch_size, n),
+                               self.tokens_per_image, static=static_batches, compile=compile, use_graphs=use_graphs,
+                               retire=retire_finished(), on_tokens=bar.tokens if bar is not None else None,
+                               on_images=_both(bar.images if bar is not None else None, on_images), core=core,
+                               source=source)
+        finally:
+            if output is not None:
+                output.shutdown(wait=True)  # every partial delivered (or its error raised below)
+        if output is not None and source.errors:
+            raise source.errors[0]
         if bar is not None:
             bar.close()
         tokens = out.tokens
@@ -424,6 +471,85 @@ class Engine:
             with nvtx_range("vq_decode"):
                 images = self.decode_images(tokens)
         return GenerationOutput(tokens, labels, list(prompts) if prompts is not None else None, images, stats)
+
+    def clear_cores(self) -> None:
+        """Drop every kept decoder (their caches and captured graphs): memory back; the next call rebuilds."""
+        self._cores = {}
+
+    def run_config(self, compile: Optional[bool] = None, cuda_graphs: Optional[bool] = None) -> "RunConfig":
+        """Compile and CUDA graphs as this engine runs them (None: the device's default), resolved here
+        for the API, the CLI, ``generate-dataset``, the server and its Ray replicas alike."""
+        return RunConfig.resolve(self.device, compile, cuda_graphs)
+
+    def core(self, method: str, opts, scope: SamplingScope, config: "RunConfig", make_decoder=None):
+        """The persistent decode core of (method, options, sampling scope, run config): built once, kept
+        (``runtime.core``); ``make_decoder(batch)`` builds its decoders (default: the method's)."""
+        from .runtime.core import DecodeCore
+
+        key = (method, repr(opts), repr(scope), config)
+        if key not in self._cores:
+            if make_decoder is None:
+                make_decoder = self.decoder_for(method, dataclasses.asdict(opts), scope)[0]
+            self._cores[key] = DecodeCore(make_decoder, config.compile, config.cuda_graphs)
+        return self._cores[key]
+
+    def _partial_source(self, n: int, on_partial, count: int, every: Optional[int]):
+        """The loop's image source for one call and, when partial images are asked for, the output thread
+        that decodes them (VQ decode off the loop's thread)."""
+        from .runtime.loop import FixedImages, partial_points
+
+        for name, value in (("partial_images", count), ("partial_every", every)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise VVSError(f"{name} must be a non-negative integer, got {value!r}")
+        check(count <= 3, f"partial_images must be 0 to 3 (OpenAI's range), got {count}")
+        check(not (count and every), "give partial_images or partial_every, not both")
+        if not (count or every):
+            return FixedImages(n), None
+        check(on_partial is not None, "partial images need on_partial (it receives each PartialImage)")
+        check(self.vq is not None and getattr(self.vq, "can_decode", True), "partial images need a VQ decoder")
+        T = self.tokens_per_image
+        side = self.partial_grid()[0]
+        points = partial_points(count, T) if count else \
+            [k * T // side for k in range(every, side, every)] if every else []
+        from concurrent.futures import ThreadPoolExecutor
+
+        output = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vvs-output")
+        source = FixedImages(n, lambda image: points)
+        source.errors = []
+
+        def decode(image, index, tokens, committed):
+            try:
+                on_partial(PartialImage(image, index, tokens, committed, self.partial_image(tokens, committed)))
+            except BaseException as err:  # delivered to the caller when generate returns
+                source.errors.append(err)
+
+        # the loop thread only hands the tokens over; the VQ decode runs on the output thread
+        source._on_partial = lambda *args: output.submit(decode, *args)
+        return source, output
+
+    def partial_grid(self):
+        """(token rows, codes per row, tokens per row) of an image as the methods lay it out."""
+        cfg, T = self.config, self.tokens_per_image
+        grid_h, grid_w = getattr(cfg, "grid_h", None), getattr(cfg, "grid_w", None)
+        if grid_h is not None and grid_w is not None and grid_h * (grid_w + 1) == T:
+            return int(grid_h), int(grid_w), int(grid_w) + 1
+        import math
+
+        side = math.isqrt(T)
+        return (side, side, side) if side * side == T else (1, T, T)
+
+    @torch.inference_mode()
+    def partial_image(self, tokens: torch.Tensor, committed: torch.Tensor):
+        """A partial image: the VQ decode of ``tokens`` [T] with the pixels of uncommitted positions grey."""
+        from PIL import Image
+
+        picture = to_uint8(self.vq.decode(tokens[None].long().to(self.device)))[0].clone()  # [H, W, 3]
+        rows, codes, per_row = self.partial_grid()
+        mask = committed.reshape(rows, per_row)[:, :codes].float()[None, None]
+        H, W = picture.shape[:2]
+        pixels = torch.nn.functional.interpolate(mask, size=(H, W), mode="nearest")[0, 0].bool()
+        picture[~pixels] = 128
+        return Image.fromarray(picture.numpy())
 
     def session(self, cond, key_mask, n, params, extra_slots=0) -> TargetSession:
         return TargetSession(self.gpt, cond, n, params.use_cfg, key_mask, extra_slots)
@@ -538,36 +664,10 @@ def peek_shape(gpt_ckpt: Optional[str] = None, vq_ckpt: Optional[str] = None) ->
 
 
 def check_method_fits(shape: ModelShape, opts) -> None:
-    """Method options bounded by the model and the image: a tree no deeper than the image, a dynamic tree's
-    top-k no wider than the vocabulary (static and chain trees draw only the ranks their layout names), a node
-    count the tree can hold, LANTERN neighbours inside the codebook, a Jacobi window no longer than the image
-    (the default window is exempt: on a tiny test model it may be longer, and the positions past the last
-    token are clamped). Messages use the option names (the CLI maps them to flags)."""
-    T, V = shape.tokens_per_image, shape.vocab_size
-    spec = opts.tree_spec() if hasattr(opts, "tree_spec") else None
-    if spec is not None:
-        if spec.kind == "dynamic" and spec.topk > V:
-            raise VVSError(f"tree-topk {spec.topk} exceeds the model's vocabulary of {V} tokens")
-        if spec.kind in ("dynamic", "chain") and spec.depth >= T:
-            raise VVSError(f"tree-depth {spec.depth} is too deep: a round commits at most depth + 1 tokens and an "
-                           f"image has {T} (use <= {T - 1})")
-        if spec.kind == "dynamic":
-            capacity = 1 + spec.topk + spec.depth * spec.topk ** 2  # root + first level + topk^2 per deeper level
-            if spec.total > capacity:
-                raise VVSError(f"tree-total {spec.total} is more nodes than a dynamic tree of tree-depth {spec.depth} "
-                               f"and tree-topk {spec.topk} can hold ({capacity}: root + topk + depth * topk^2)")
-    k = getattr(opts, "lantern_k", None)
-    if k is not None and shape.codebook_size is not None and k >= shape.codebook_size:
-        raise VVSError(f"lantern-k {k} must be smaller than the codebook ({shape.codebook_size} codes: a code has "
-                       f"at most {shape.codebook_size - 1} neighbours)")
-    window = getattr(opts, "jacobi_window", None)
-    default_window = {f.name: f.default for f in dataclasses.fields(opts)}.get("jacobi_window") \
-        if dataclasses.is_dataclass(opts) else None
-    # SJD-PAC's window counts tree nodes: what must fit the image is its main chain (positions per forward)
-    span = opts.jacobi_positions() if hasattr(opts, "jacobi_positions") else window
-    if window is not None and span > T and window != default_window:
-        longest = window + T - span
-        raise VVSError(f"jacobi-window {window} is longer than an image ({T} tokens; use <= {longest})")
+    """Method options bounded by the model and the image, checked by the options class itself
+    (``MethodOptions.check_fits``); messages use the option names (the CLI maps them to flags)."""
+    if opts is not None:
+        opts.check_fits(shape)
 
 
 def decode_bytes(shape: ModelShape, opts, batch: int, use_cfg: bool, dtype) -> int:
@@ -579,15 +679,7 @@ def decode_bytes(shape: ModelShape, opts, batch: int, use_cfg: bool, dtype) -> i
 
     rows = batch_bucket(batch) * (2 if use_cfg else 1)  # at most: the rows in flight, or a padded static batch
     T, V = shape.tokens_per_image, shape.vocab_size
-    queries, extra, drafter = 1, 8, False
-    spec = opts.tree_spec() if hasattr(opts, "tree_spec") else None
-    if spec is not None:
-        depth = spec.depth + 1 if spec.kind != "static" else min(spec.max_nodes, T)
-        queries = spec.max_nodes + depth + 1
-        extra, drafter = 2 * queries + 8, True
-    elif getattr(opts, "jacobi_window", None) is not None:
-        queries = opts.jacobi_window
-        extra = 3 * queries
+    queries, extra, drafter = opts.decode_shape(shape) if opts is not None else (1, 8, False)
     slots = shape.cls_token_num + T + extra
     kv = 2 * shape.n_layer * rows * slots * shape.n_kv_head * shape.head_dim * elt
     if drafter:
@@ -595,7 +687,7 @@ def decode_bytes(shape: ModelShape, opts, batch: int, use_cfg: bool, dtype) -> i
     logits = 4 * rows * queries * V * 4
     scores = 2 * rows * shape.n_head * queries * slots * 4 + rows * queries * slots
     hidden = 8 * rows * queries * shape.dim * 4
-    k = getattr(opts, "lantern_k", None) or (V // 16 if drafter else 0)
+    k = (opts.lantern_k if drafter else None) or (V // 16 if drafter else 0)
     neighbours = (shape.codebook_size or V) * (k * 8 + (shape.codebook_size or V) * 4) if drafter else 0
     return kv + logits + scores + hidden + neighbours
 

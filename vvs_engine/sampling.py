@@ -228,7 +228,7 @@ class RowSettings:
 
 class RowSampling:
     """A decoder's sampling settings: its scope (static) and, unless uniform, each row's settings as
-    persistent device tensors that admission overwrites in place (``admit``) and ``keep_rows`` selects,
+    persistent device tensors that admission overwrites in place (declared in the decoder's row table),
     so a compiled, captured round reads the newcomers' settings without being rebuilt."""
 
     def __init__(self, scope, rows: Optional[RowSettings], n: int, device):
@@ -259,12 +259,10 @@ class RowSampling:
     def cfg_scale(self) -> torch.Tensor:
         return self.rows.cfg_scale
 
-    def admit(self, rows: torch.Tensor, newcomers: "RowSampling") -> None:
-        for mine, theirs in zip(self.rows.tensors(), newcomers.rows.tensors()):
-            mine.index_put_((rows,), theirs)
-
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        self.rows = RowSettings(*(t.index_select(0, keep) for t in self.rows.tensors()))
+    def declare_rows(self, table) -> None:
+        """The rows' settings in a decoder's row table (``runtime.rows``): admission overwrites them."""
+        for name, value in zip(("temperature", "top_k", "top_p", "cfg_scale"), self.rows.tensors()):
+            table.add("sampling_" + name, value)
 
     @staticmethod
     def per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -67,14 +67,6 @@ class DraftSession:
             self.static_levels = self._static_levels()
         self._tables = self._dynamic_tables() if spec.kind == "dynamic" else None
 
-    def keep_rows(self, images: torch.Tensor) -> None:
-        """Go on with sequences ``images`` [n'] only: both CFG rows of each in the drafter's cache."""
-        rows = torch.cat([images, images + self.batch]) if self.rows != self.batch else images
-        self.kv.k, self.kv.v = self.kv.k.index_select(1, rows), self.kv.v.index_select(1, rows)
-        self.rows, self.batch = rows.numel(), images.numel()
-        if self._tables is not None:  # constant tables shaped by the batch
-            self._tables = self._dynamic_tables()
-
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
         """Per-sequence [B, ...] -> per-row [rows, ...] (the unconditional half repeats the sequences)."""
         return torch.cat([x, x]) if self.rows != self.batch else x

@@ -38,7 +38,7 @@ class ARDecoder:
     """Plain AR as a ``runtime.loop`` decoder (the protocol is documented there)."""
 
     inductor_options: dict = {}
-    RESULTS = ("tokens", "passes")
+    RESULTS = ("tokens", "passes")  # what the loop collects per finished row (runtime.rows)
 
     def __init__(self, engine, batch: DecodeBatch, params):
         self.engine, self.rng = engine, batch.rng
@@ -92,24 +92,12 @@ class ARDecoder:
     def next_kind(self, last_kind, late) -> str:
         return "ar_step"
 
-    def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
-        newcomers = ARDecoder(self.engine, batch, self.params.scope)
-        self.session.admit_rows(rows, newcomers.session)
-        self.params.admit(rows, newcomers.params)
-        self.rng.key.index_copy_(0, rows, newcomers.rng.key)
-        for name, value in zip(("tokens", "count", "last", "passes"), newcomers.state.tensors()):
-            getattr(self.state, name).index_copy_(0, rows, value)
-
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        self.session.keep_rows(keep)
-        self.params.keep_rows(keep)
-        self.rng = self.rng.rows(keep)
-        self.state = ARState(*(t.index_select(0, keep) for t in self.state.tensors()))
-        self._constants(keep.numel())
-
-    def collect(self, rows: torch.Tensor) -> dict:
-        return {"tokens": self.state.tokens.index_select(0, rows)[:, : self.T],
-                "passes": self.state.passes.index_select(0, rows)}
+    def declare_rows(self, table) -> None:
+        self.session.declare_rows(table)
+        self.params.declare_rows(table)
+        table.add("rng_key", self.rng.key)
+        for f in fields(self.state):
+            table.add(f.name, getattr(self.state, f.name))
 
     def summarize(self, counters: dict, loop_stats: dict) -> dict:
         return {"target_forward_passes": int(counters["passes"].sum())}

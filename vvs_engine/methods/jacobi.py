@@ -41,6 +41,7 @@ chi-square test in ``tests/test_jacobi.py``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 
@@ -56,7 +57,7 @@ from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
 from .registry import register
 from .common import DecodeBatch, row_sampling
-from .options import option
+from .options import MethodOptions, option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
 COUPLINGS = ("none", "maximal", "gumbel")
@@ -80,7 +81,7 @@ def check_coupling(value) -> None:
 
 
 @dataclass
-class SJDOptions:
+class SJDOptions(MethodOptions):
     # New window positions: "copy-left" (the SJD repository's LlamaGen setting, repeat_horizon),
     # "random" (uniform, its Lumina-mGPT/Emu3 setting), "argmax-left" (top-1 of the left neighbour's
     # distribution, sample_horizon), "copy-above" (the token one image row up; the paper's vertical
@@ -101,6 +102,22 @@ class SJDOptions:
     def check_engine(self, engine):
         if self.jacobi_init == "copy-above":
             _grid_width(engine.tokens_per_image)
+
+    def jacobi_positions(self) -> int:
+        """Positions of the image one forward covers (SJD-PAC: its main chain, not every tree node)."""
+        return self.jacobi_window
+
+    def check_fits(self, shape) -> None:
+        """A window no longer than the image; the default window is exempt (on a tiny test model it may be
+        longer, and the positions past the last token are clamped)."""
+        T, window = shape.tokens_per_image, self.jacobi_window
+        default = {f.name: f.default for f in dataclasses.fields(self)}["jacobi_window"]
+        span = self.jacobi_positions()
+        if span > T and window != default:
+            raise VVSError(f"jacobi-window {window} is longer than an image ({T} tokens; use <= {window + T - span})")
+
+    def decode_shape(self, shape) -> tuple:
+        return self.jacobi_window, 3 * self.jacobi_window, False
 
 
 @dataclass
@@ -418,30 +435,12 @@ class JacobiDecoder:
     def next_kind(self, last_kind, late) -> str:
         return "jacobi"
 
-    def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
-        """Rows ``rows`` take ``batch``'s images: their prefill runs on a decoder of their own, whose
-        caches, keys and state are then copied in (in place: compiled, captured rounds stay valid)."""
-        newcomers = self.start(self.engine, batch, self.params.scope, self.opts, self.rule)
-        self.session.admit_rows(rows, newcomers.session)
-        self.params.admit(rows, newcomers.params)
-        self.rng.key.index_copy_(0, rows, newcomers.rng.key)
+    def declare_rows(self, table) -> None:
+        self.session.declare_rows(table)
+        self.params.declare_rows(table)
+        table.add("rng_key", self.rng.key)
         for f in fields(self.state):
-            getattr(self.state, f.name).index_copy_(0, rows, getattr(newcomers.state, f.name))
-
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        """Go on with rows ``keep`` only: per-row buffers, both CFG halves of the KV cache and the RNG
-        keys are gathered. Every row decodes on its own, so the kept rows' tokens do not change."""
-        self.session.keep_rows(keep)
-        self.params.keep_rows(keep)
-        self.rng = self.rng.rows(keep)
-        self.B = keep.numel()
-        st = self.state
-        self.state = type(st)(**{f.name: getattr(st, f.name).index_select(0, keep) for f in fields(st)})
-
-    def collect(self, rows: torch.Tensor) -> dict:
-        out = {name: getattr(self.state, name).index_select(0, rows) for name in self.RESULTS}
-        out["tokens"] = out["tokens"][:, : self.T]
-        return out
+            table.add(f.name, getattr(self.state, f.name))
 
     def summarize(self, counters: dict, loop_stats: dict) -> dict:
         return summary(counters["accepted_hist"].sum(0).tolist(), int(counters["accepted_carried"].sum()),

@@ -20,6 +20,19 @@ def option(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+class MethodOptions:
+    """What every method's options class answers for itself (no probes of its fields elsewhere): whether
+    it fits a model (``check_fits``, before any compute) and the shape of one decode round for the memory
+    estimate (``decode_shape``). ``shape`` is ``engine.ModelShape``."""
+
+    def check_fits(self, shape) -> None:
+        """Raise a one-line ``VVSError`` if these options cannot run on a model of ``shape``."""
+
+    def decode_shape(self, shape) -> tuple:
+        """(query rows per forward, scratch KV slots, whether a drafter's cache is held)."""
+        return 1, 8, False
+
+
 @dataclasses.dataclass
 class Flag:
     name: str  # field name; the flag is --name with '-' for '_'

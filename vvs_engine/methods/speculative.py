@@ -34,12 +34,12 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .common import DecodeBatch, row_sampling
-from .options import option
+from .options import MethodOptions, option
 from . import schedule as sched
 
 
 @dataclass
-class SpecOptions:
+class SpecOptions(MethodOptions):
     accept: Optional[str] = option(None, "acceptance rule: exact, lantern, lantern++, gsd or cascade")
     lantern_k: Optional[int] = option(None, "LANTERN: codebook neighbours k; default codebook size // 16")
     lantern_delta: float = option(0.2, "LANTERN: total-variation budget delta per step")
@@ -92,7 +92,7 @@ class SpecOptions:
 
         self.lantern_reference_residual = check_lantern_reference(self.lantern_reference_residual)
         if self.skip_policy not in ("never", "uniform", "dynamic"):
-            raise VVSError(f"skip-policy must be uniform or dynamic, got '{self.skip_policy}'")
+            raise VVSError(f"skip-policy must be never, uniform or dynamic, got '{self.skip_policy}'")
         i = self.skip_interval
         if isinstance(i, bool) or not isinstance(i, int) or i < 1:
             raise VVSError(f"skip-interval must be an integer >= 1, got {i}")
@@ -113,6 +113,32 @@ class SpecOptions:
 
     def tree_spec(self) -> TreeSpec:
         return TreeSpec(self.tree or "dynamic", self.tree_total, self.tree_depth, self.tree_topk, self.static_tree)
+
+    def check_fits(self, shape) -> None:
+        """A tree no deeper than the image, a dynamic tree's top-k no wider than the vocabulary (static and
+        chain trees draw only the ranks their layout names), a node count the tree can hold, LANTERN
+        neighbours inside the codebook."""
+        T, V, spec = shape.tokens_per_image, shape.vocab_size, self.tree_spec()
+        if spec.kind == "dynamic" and spec.topk > V:
+            raise VVSError(f"tree-topk {spec.topk} exceeds the model's vocabulary of {V} tokens")
+        if spec.kind in ("dynamic", "chain") and spec.depth >= T:
+            raise VVSError(f"tree-depth {spec.depth} is too deep: a round commits at most depth + 1 tokens and an "
+                           f"image has {T} (use <= {T - 1})")
+        if spec.kind == "dynamic":
+            capacity = 1 + spec.topk + spec.depth * spec.topk ** 2  # root + first level + topk^2 per deeper level
+            if spec.total > capacity:
+                raise VVSError(f"tree-total {spec.total} is more nodes than a dynamic tree of tree-depth {spec.depth} "
+                               f"and tree-topk {spec.topk} can hold ({capacity}: root + topk + depth * topk^2)")
+        k, book = self.lantern_k, shape.codebook_size
+        if k is not None and book is not None and k >= book:
+            raise VVSError(f"lantern-k {k} must be smaller than the codebook ({book} codes: a code has at most "
+                           f"{book - 1} neighbours)")
+
+    def decode_shape(self, shape) -> tuple:
+        spec = self.tree_spec()
+        depth = spec.depth + 1 if spec.kind != "static" else min(spec.max_nodes, shape.tokens_per_image)
+        queries = spec.max_nodes + depth + 1
+        return queries, 2 * queries + 8, True
 
 
 def run(engine, batch: DecodeBatch, params, opts: SpecOptions) -> "SpeculativeRounds":
@@ -195,6 +221,8 @@ def _own_tree(tree: DraftTree) -> DraftTree:
 class SpeculativeRounds:
     """The caches, buffers and round functions of one batch. ``verify_round``, ``verify_after_skip``
     and ``skip_round`` take no arguments, update :attr:`state` in place and never read the host."""
+
+    RESULTS = ("out",) + SEQUENCE_STATS  # collected per finished sequence; ``out`` is its tokens
 
     def __init__(self, engine, batch: DecodeBatch, params, opts: SpecOptions, rule):
         self.engine, self.opts, self.rule, self.rng = engine, opts, rule, batch.rng
@@ -522,53 +550,35 @@ class SpeculativeRounds:
         n, interval = self.own_rounds[r], self.opts.skip_interval
         return not self.own_skipped[r] and n >= sched.FIRST_SKIP_ROUND and interval > 1 and n % interval == 1
 
-    def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
-        """Sequences ``rows`` take ``batch``'s images: their prefill runs on a decoder of their own, whose
-        target and drafter caches, keys and state are then copied in (in place)."""
-        newcomers = SpeculativeRounds(self.engine, batch, self.params.scope, self.opts, self.rule)
-        self.params.admit(rows, newcomers.params)
-        model_rows = self.target.cfg_rows(rows)  # both CFG rows of each sequence
-        self.target.admit_rows(rows, newcomers.target)
-        for mine, theirs in ((self.draft.kv.k, newcomers.draft.kv.k), (self.draft.kv.v, newcomers.draft.kv.v)):
-            mine.index_copy_(1, model_rows, theirs)
-        self.rng.key.index_copy_(0, rows, newcomers.rng.key)
-        st, new = self.state, newcomers.state
-        for name in SEQUENCE_STATE + ("out",):
-            getattr(st, name).index_copy_(0, rows, getattr(new, name))
-        st.feats.index_copy_(0, model_rows, new.feats)
-        for name in TREE_BUFFERS:
-            buf = getattr(st.tree, name)
-            if buf is not None:
-                buf.index_copy_(0, model_rows if buf.shape[0] != self.batch else rows, getattr(new.tree, name))
-        for r in rows.tolist():
-            self.own_rounds[r], self.own_skipped[r] = 0, False
-        self._update_status(st)
-
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        """Go on with sequences ``keep`` only: per-sequence buffers, both CFG halves of the target and
-        drafter caches and the RNG keys are gathered. Every sequence decodes on its own, so the kept
-        ones' tokens do not change; the rest stop costing compute."""
-        st, rows = self.state, self.target.cfg_rows(keep)  # both CFG rows of each sequence
-        self.target.keep_rows(keep)
-        self.params.keep_rows(keep)
-        self.draft.keep_rows(keep)
-        self.rng, self.batch = self.rng.rows(keep), keep.numel()
-        for name in SEQUENCE_STATE + ("out",):
-            setattr(st, name, getattr(st, name).index_select(0, keep))
-        st.status = torch.cat([st.status.index_select(0, keep), st.status[-1:]])
-        st.feats = st.feats.index_select(0, rows)
-        for name in TREE_BUFFERS:
-            buf = getattr(st.tree, name)
-            if buf is not None:
-                setattr(st.tree, name, buf.index_select(0, rows if name == "draft_feats" else keep))
-        index = keep.tolist()
-        self.own_rounds = [self.own_rounds[i] for i in index]
-        self.own_skipped = [self.own_skipped[i] for i in index]
-
-    def collect(self, rows: torch.Tensor) -> dict:
+    def declare_rows(self, table) -> None:
+        """Target and drafter caches, keys, settings, the state and the tree (drafter features are per
+        model row, the rest per sequence), and the host's VVS-U schedule of each sequence."""
+        self.target.declare_rows(table)
+        self.params.declare_rows(table)
+        table.add("draft_k", self.draft.kv.k, dim=1, model_rows=True)
+        table.add("draft_v", self.draft.kv.v, dim=1, model_rows=True)
+        table.add("rng_key", self.rng.key)
         st = self.state
-        out = {name: getattr(st, name).index_select(0, rows) for name in SEQUENCE_STATS}
-        out["tokens"] = st.out.index_select(0, rows)[:, : self.T]
+        for name in SEQUENCE_STATE + ("out", "status"):
+            table.add(name, getattr(st, name))
+        table.add("feats", st.feats, model_rows=True)
+        for name in TREE_BUFFERS:
+            buf = getattr(st.tree, name)
+            if buf is not None:
+                table.add("tree_" + name, buf, model_rows=name == "draft_feats")
+        table.add("own_rounds", self.own_rounds)
+        table.add("own_skipped", self.own_skipped)
+
+    def rows_written(self, rows: torch.Tensor) -> None:
+        """Rows took other images: the status's last entry (sequences wanting to skip) follows them."""
+        self._update_status(self.state)
+
+    def start_run(self) -> None:
+        """A new run on this (persistent) decoder: the VVS-D round choice starts afresh."""
+        self.verifies_since_skip = 0
+
+    def finish_results(self, out: dict) -> dict:
+        out["tokens"] = out.pop("out")
         out["passes"] = out.pop("target_passes")
         out["rounds"] = out["passes"] + out["skipped"]
         return out

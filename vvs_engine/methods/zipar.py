@@ -72,7 +72,7 @@ from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .registry import register
 from .common import DecodeBatch, row_sampling
-from .options import option
+from .options import MethodOptions, option
 
 VERIFY_MODES = ("none", "sjd")
 COMMIT_RULES = ("sjd", "drafts")  # every row by the SJD rule (exact per forward: PJD-E1), or PJD's release
@@ -178,7 +178,7 @@ def fixed_window_plan(geometry: RowGeometry, window: int) -> List[List[PlanLane]
 
 # --- options ---------------------------------------------------------------------------------------
 @dataclass
-class ZipAROptions:
+class ZipAROptions(MethodOptions):
     zipar_window: int = option(DEFAULT_WINDOW, "ZipAR: local window s; row r + 1 starts once row r holds s codes "
                                                "(>= the row length: raster order)")
     zipar_verify: str = option("none", "ZipAR: none (one code per row in flight per forward) or sjd (each row's "
@@ -288,7 +288,7 @@ class ZipARDecoder:
     decoder of ``runtime.loop`` (protocol at the end of the class): :meth:`start` builds and prefills one."""
 
     inductor_options: dict = {}
-    RESULTS = ("passes", "committing_rows", "testing_rows", "accepted", "busiest", "cap_waits")
+    RESULTS = ("tokens", "passes", "committing_rows", "testing_rows", "accepted", "busiest", "cap_waits")
 
     @classmethod
     def start(cls, engine, batch: DecodeBatch, params, opts: ZipAROptions, rule=None) -> "ZipARDecoder":
@@ -402,29 +402,24 @@ class ZipARDecoder:
     def next_kind(self, last_kind, late) -> str:
         return "zipar"
 
-    def admit(self, rows: torch.Tensor, batch: DecodeBatch) -> None:
-        """Rows ``rows`` take ``batch``'s images (prefilled on a decoder of their own), in place."""
-        newcomers = self.start(self.engine, batch, self.params.scope, self.opts, self.rule)
-        self.session.admit_rows(rows, newcomers.session)
-        self.params.admit(rows, newcomers.params)
-        self.cond_visible.copy_((self.session.slot_ids < self.c) & self.session.key_valid)
-        self.rng.key.index_copy_(0, rows, newcomers.rng.key)
+    def declare_rows(self, table) -> None:
+        self.session.declare_rows(table)
+        self.params.declare_rows(table)
+        table.add("rng_key", self.rng.key)
         for f in fields(self.state):
-            getattr(self.state, f.name).index_copy_(0, rows, getattr(newcomers.state, f.name))
+            table.add(f.name, getattr(self.state, f.name))
 
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        self.session.keep_rows(keep)
-        self.params.keep_rows(keep)
-        self.cond_visible = (self.session.slot_ids < self.c) & self.session.key_valid
-        self.rng, self.B = self.rng.rows(keep), keep.numel()
-        self.batch_ids = torch.arange(self.B, device=self.device)[:, None]
-        st = self.state
-        self.state = type(st)(**{f.name: getattr(st, f.name).index_select(0, keep) for f in fields(st)})
+    def rows_written(self, rows: torch.Tensor) -> None:
+        """Rows took other images (admission, compaction): the condition visibility follows their key masks."""
+        self.cond_visible.copy_((self.session.slot_ids < self.c) & self.session.key_valid)
 
-    def collect(self, rows: torch.Tensor) -> dict:
-        out = {name: getattr(self.state, name).index_select(0, rows) for name in self.RESULTS}
-        out["tokens"] = self.state.tokens.index_select(0, rows)[:, : self.T]
-        return out
+    def committed_mask(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, T] bool: the final positions of rows ``rows`` (several image rows commit at once: each row's
+        committed codes are a prefix of that row; end-of-line tokens are placed up front)."""
+        codes = self.state.codes.index_select(0, rows)[:, 1: self.H + 1]  # image row i sits at entry i + 1
+        column = torch.arange(self.Wp, device=codes.device)
+        mask = (column < codes[:, :, None]) | (column >= self.W)
+        return mask.reshape(rows.numel(), self.H * self.Wp)
 
     def summarize(self, counters: dict, loop_stats: dict) -> dict:
         passes, rows = int(counters["passes"].sum()), int(counters["committing_rows"].sum())

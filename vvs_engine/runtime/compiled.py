@@ -177,6 +177,15 @@ class CompiledRound:
         return out
 
 
+def compile_count() -> int:
+    """Graphs Dynamo has compiled so far in this process (0 before anything was compiled): the
+    ``compiles`` a call reports are the difference across it (recompiles on a guard failure included)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
 def maybe_compiled(name: str, fn: Callable, enabled: bool, buffers: Sequence[torch.Tensor] = (),
                    options: Optional[dict] = None) -> Callable:
     """``fn`` as a :class:`CompiledRound` when ``enabled`` (``options``: Inductor options on top of

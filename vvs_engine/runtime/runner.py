@@ -12,8 +12,9 @@ call, after warm-up runs on a side stream (compiling, cuBLAS/Triton autotuning a
 must not happen inside the capture); the buffers the rounds write are restored afterwards, so
 capturing changes nothing observable. Every graph allocates its intermediates from one shared pool
 (``shared_pool``): a graph's intermediates are dead when its replay ends, so graphs sharing the pool
-can be replayed in any order. The decode loop (``runtime.loop``) makes one :class:`RoundGraphs` per
-decoder shape; admitting images writes into the same buffers, so the graphs stay valid.
+can be replayed in any order. A persistent core (``runtime.core``) makes one :class:`RoundGraphs` per
+decoder it keeps and reuses both for every later call; admitting images and moving rows between decoders
+write into the same buffers, so the graphs stay valid.
 
 Random numbers are counter-based (``rng.CounterRNG``: a hash of seed, image, step, stream and lane),
 read from device buffers inside the round, so a replayed graph draws exactly what eager code draws.
@@ -29,6 +30,19 @@ from .compiled import maybe_compiled, status as compiled_status
 WARMUP_RUNS = 2
 
 _POOL = None
+_CAPTURES = 0  # round kinds captured (CUDA) or first prepared (elsewhere: what a GPU would capture)
+
+
+def capture_count() -> int:
+    """Round-kind captures so far in this process: on CUDA the CUDA graphs captured; on other devices
+    the captures a GPU would have made (a round kind's first run in a new ``RoundGraphs``), so a test on
+    the CPU sees what a persistent engine saves."""
+    return _CAPTURES
+
+
+def _count_capture() -> None:
+    global _CAPTURES
+    _CAPTURES += 1
 
 
 def shared_pool():
@@ -57,9 +71,13 @@ class RoundGraphs:
         self.use_graphs = bool(use_graphs) and any(b.device.type == "cuda" for b in self.buffers)
         self.compile = bool(compile)
         self.graphs = {}
+        self.prepared = set()  # kinds captured (or, off CUDA, run once)
         self.replays = {name: 0 for name in rounds}
 
     def __call__(self, name: str) -> None:
+        if name not in self.prepared:
+            self.prepared.add(name)
+            _count_capture()
         if not self.use_graphs:
             self.rounds[name]()
         else:
@@ -72,6 +90,9 @@ class RoundGraphs:
         """Compile and capture every round kind now, leaving the buffers as they were (a server does
         this before it accepts requests, so none waits for a compile or a capture)."""
         for name, fn in self.rounds.items():
+            if name not in self.prepared:
+                self.prepared.add(name)
+                _count_capture()
             if self.use_graphs:
                 if name not in self.graphs:
                     self.graphs[name] = self._capture(fn)

@@ -43,7 +43,7 @@ class TargetSession:
         if cond_key_mask is not None:
             self.key_valid[:, : self.c] = cond_key_mask.to(self.device, torch.bool)
         self.slot_ids = torch.arange(S, device=self.device)
-        self.cond_rows = cond_rows
+        self.cond_rows = cond_rows.clone()  # its own: admission writes newcomers' conditions into it
         self.layout_forbidden = getattr(model, "layout_forbidden", None)
         self.last_positions = None  # positions of the last forward: which layout rules its logits obey
 
@@ -92,22 +92,12 @@ class TargetSession:
         """Images [n] -> their model rows: the conditional rows, then (CFG) the unconditional ones."""
         return torch.cat([images, images + self.n]) if self.use_cfg else images
 
-    def admit_rows(self, images: torch.Tensor, newcomers: "TargetSession") -> None:
-        """Images ``images`` [n] of this session take the n images of ``newcomers`` (a session of the
-        same model and slots, prefilled with their conditions): KV cache, condition rows, key mask.
-        In place, so round functions compiled and captured over this session stay valid."""
-        rows = self.cfg_rows(images)
-        self.kv.k.index_copy_(1, rows, newcomers.kv.k)
-        self.kv.v.index_copy_(1, rows, newcomers.kv.v)
-        self.key_valid.index_copy_(0, rows, newcomers.key_valid)
-        self.cond_rows = self.cond_rows.index_copy(0, rows, newcomers.cond_rows)
-
-    def keep_rows(self, images: torch.Tensor) -> None:
-        """Go on with images ``images`` [n'] only (both CFG rows of each): the caches are gathered."""
-        rows = self.cfg_rows(images)
-        self.kv.k, self.kv.v = self.kv.k.index_select(1, rows), self.kv.v.index_select(1, rows)
-        self.key_valid, self.cond_rows = self.key_valid.index_select(0, rows), self.cond_rows.index_select(0, rows)
-        self.n, self.rows = images.numel(), rows.numel()
+    def declare_rows(self, table) -> None:
+        """This session's per-row buffers (model rows) in a decoder's ``runtime.rows.RowTable``."""
+        table.add("target_k", self.kv.k, dim=1, model_rows=True)
+        table.add("target_v", self.kv.v, dim=1, model_rows=True)
+        table.add("key_valid", self.key_valid, model_rows=True)
+        table.add("cond_rows", self.cond_rows, model_rows=True)
 
     # --- prefill ------------------------------------------------------------------------------
     def prefill(self) -> torch.Tensor:
