@@ -251,6 +251,54 @@ def test_disconnect_queue_full_and_recovery(server, client, shared):
     assert metric(client, "vvs:requests_rejected_total", reason="queue_full") >= 1
 
 
+def stream_events(server, body: dict) -> list:
+    """(event name, data) of a whole stream."""
+    events = []
+    with httpx.Client(base_url=server.url, timeout=300) as own:
+        with own.stream("POST", "/v1/images/generations", json=body) as stream:
+            assert stream.status_code == 200
+            name = None
+            for line in stream.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    events.append((name, json.loads(line[6:])))
+    return events
+
+
+def test_partial_images_stream_in_before_each_image(server, client):
+    """``partial_images: 3``: three image_generation.partial_image events per image, in order and before
+    its completed event, each a PNG that fills in top to bottom (fewer grey pixels each time); the
+    tokens, forwards and rounds are those of the same request without partials."""
+    grey = np.array([128, 128, 128])
+    results = {}
+    for partials in (3, 0):
+        assert wait_for(lambda: idle(client), 60)
+        rounds = metric(client, "vvs:round_seconds_count", kind="ar_step")
+        body = {"class_label": 5, "n": 2, "seed": 8, "stream": True, "return_tokens": True}
+        if partials:
+            body["partial_images"] = partials
+        events = stream_events(server, body)
+        results[partials] = (events, metric(client, "vvs:round_seconds_count", kind="ar_step") - rounds)
+    events, rounds_with = results[3]
+    plain, rounds_without = results[0]
+    assert rounds_with == rounds_without  # partials add no round
+    completed = {d["image_index"]: d for name, d in events if name == "image_generation.completed"}
+    assert {d["image_index"]: d["tokens"] for name, d in plain if name == "image_generation.completed"} == \
+        {j: d["tokens"] for j, d in completed.items()}
+    assert [name for name, _ in plain] == ["image_generation.completed"] * 2  # none unless asked for
+    for j in range(2):
+        mine = [(k, name, d) for k, (name, d) in enumerate(events) if d.get("image_index") == j]
+        names = [name for _, name, _ in mine]
+        assert names == ["image_generation.partial_image"] * 3 + ["image_generation.completed"], names
+        assert [d["partial_image_index"] for _, _, d in mine[:3]] == [0, 1, 2]
+        pixels = [png_pixels(d["b64_json"]) for _, _, d in mine]
+        grey_share = [float(np.all(p == grey, axis=-1).mean()) for p in pixels[:3]]
+        assert grey_share[0] > grey_share[1] > grey_share[2] > 0 == float(np.all(pixels[3] == grey, axis=-1).mean())
+        assert np.all(pixels[0][-1] == grey) and not np.all(pixels[2][0] == grey)  # top to bottom
+        assert all(p.shape == (64, 64, 3) for p in pixels)
+
+
 def test_page_in_headless_browser(server, client, tmp_path):
     """The page in a real headless Chromium (DevTools protocol on a pipe): it loads, starts a generation
     (``#auto``), shows the progress stream, and the four images appear with TPF and latency."""
@@ -275,6 +323,7 @@ def test_page_in_headless_browser(server, client, tmp_path):
         assert status.startswith("done: seed 0, 4 images, TPF "), status
         assert "latency" in status
         assert seen_progress  # the cells showed committed tokens while the images decoded
+        assert chrome.evaluate("Array.from(document.querySelectorAll('img.partial')).length") == 0  # all replaced
         assert chrome.evaluate("Array.from(document.querySelectorAll('img.result'))"
                                ".filter(i => i.complete && i.naturalWidth === 64).length") == 4
         screenshot = os.environ.get("VVS_SERVE_SCREENSHOT")

@@ -87,6 +87,16 @@ def test_sdk_stream(sdk):
     assert events[-1].model_extra["summary"]["seed"] == 4
 
 
+def test_sdk_stream_with_partial_images(sdk):
+    """``partial_images=2`` as the SDK sends it: two ImageGenPartialImageEvent per image (indices 0, 1)
+    before its completed event."""
+    events = list(sdk.images.generate(model="zoo-gpt", prompt="7", n=1, stream=True, partial_images=2,
+                                      extra_body={"seed": 5}))
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    assert all(png_pixels(e.b64_json).shape == (64, 64, 3) for e in events)
+
+
 def test_sdk_errors(sdk):
     """Errors arrive as the SDK's exception classes with the server's message and a named code."""
     with pytest.raises(openai.NotFoundError) as err:

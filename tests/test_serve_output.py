@@ -126,3 +126,29 @@ def test_a_decode_failure_is_the_requests_error():
     assert output.close(10)
     assert events == [("error", 500, "decoding the image failed: the tokenizer ran out of memory")]
     assert request.finished and request.id not in queue.active and not output.errors
+
+
+def test_partials_are_decoded_on_the_worker_before_the_image():
+    output = OutputWorker("vvs-output")
+    queue, vq = _queue(output)
+    decoded_on = []
+
+    def partial_image(tokens, committed):
+        decoded_on.append(threading.current_thread().name)
+        from PIL import Image
+
+        return Image.new("RGB", (8, 8), (int(committed.sum()), 0, 0))
+
+    queue.engine.partial_image = partial_image
+    events = []
+    request = Request(1, [0], None, 0, SamplingParams(), events.append, partial_images=2)
+    queue.submit(request)
+    job = queue.take(1)[0]
+    assert queue.partial_images(job) == 2
+    queue.partial(job, 0, torch.tensor([3, 1, 2, 3]), torch.tensor([True, False, False, False]))
+    queue.partial(job, 1, torch.tensor([3, 1, 2, 3]), torch.tensor([True, True, False, False]))
+    queue.finished(job, _result(3))
+    vq.release.set()
+    assert output.close(10)
+    assert [e[:3] for e in events] == [("partial", 0, 0), ("partial", 0, 1), ("image", 0, events[2][2])]
+    assert decoded_on == ["vvs-output", "vvs-output"]

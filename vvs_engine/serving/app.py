@@ -262,7 +262,7 @@ async def generations(request: Request):
         return error_response(e)
     events: asyncio.Queue = asyncio.Queue()
     job = EngineRequest(resolved.n, resolved.labels, resolved.prompts, resolved.seed, resolved.sampling,
-                        EngineRequest.asyncio_delivery(asyncio.get_running_loop(), events))
+                        EngineRequest.asyncio_delivery(asyncio.get_running_loop(), events), resolved.partial_images)
     job.created = arrival
     try:
         state.worker.queue.submit(job)
@@ -386,8 +386,10 @@ async def answer(request: Request, state: AppState, job: EngineRequest, events: 
 
 
 async def stream(state: AppState, job: EngineRequest, events: asyncio.Queue, resolved: Resolved):
-    """OpenAI's image stream: an ``image_generation.completed`` event per image, with the image; the last
-    one also carries the request's ``summary``. With ``progress: true`` (the page) the engine's own
+    """OpenAI's image stream: with ``partial_images`` k, k ``image_generation.partial_image`` events per
+    image (the VQ decode of its committed tokens, the rest grey; ``partial_image_index`` 0..k-1), then
+    an ``image_generation.completed`` event per image, with the image; the last one also carries the
+    request's ``summary``. With ``progress: true`` (the page) the engine's own
     ``image_generation.started`` and ``image_generation.progress`` events come too (clients written
     for OpenAI would not know them). An error ends the stream with an ``error`` event."""
     T = state.tokens_per_image
@@ -406,7 +408,11 @@ async def stream(state: AppState, job: EngineRequest, events: asyncio.Queue, res
                 reason = "deadline"
                 yield sse("error", deadline_error(resolved).body())
                 return
-            if event[0] == "progress":
+            if event[0] == "partial":
+                yield sse("image_generation.partial_image",
+                          {"b64_json": event[3], "created_at": int(time.time()), **openai_fields(state, resolved),
+                           "partial_image_index": event[2], "image_index": event[1]})
+            elif event[0] == "progress":
                 if resolved.progress:
                     yield sse("image_generation.progress", {"image_index": event[1], "committed": event[2],
                                                             "total": T})

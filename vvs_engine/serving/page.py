@@ -1,6 +1,7 @@
 """``GET /``: one self-contained page (no build step, no external assets) that calls the server's
 own API: pick a class or type a prompt, set n, seed and guidance, and watch the images' progress
-stream in, then the images with their TPF and latency.
+stream in (each image filling in top to bottom from three partial images), then the images with their
+TPF and latency.
 
 It is served with a Content-Security-Policy that allows exactly its own inline script and style (by
 their SHA-256), its own API and ``data:`` images, and no framing (``PAGE_HEADERS``)."""
@@ -113,7 +114,7 @@ function parseEvents(buffer, onEvent) {
 async function generate(event) {
   event.preventDefault();
   const n = parseInt($("n").value, 10);
-  const body = { n: n, seed: parseInt($("seed").value, 10), stream: true, progress: true,
+  const body = { n: n, seed: parseInt($("seed").value, 10), stream: true, progress: true, partial_images: 3,
                  response_format: "b64_json" };
   const cfg = parseFloat($("cfg").value);
   if (!isNaN(cfg)) body.cfg_scale = cfg;
@@ -145,6 +146,13 @@ async function generate(event) {
           const cell = grid[data.image_index];
           cell.querySelector(".bar div").style.width = (100 * data.committed / data.total) + "%";
           cell.querySelector("span").textContent = data.committed + " / " + data.total + " tokens";
+        } else if (name === "image_generation.partial_image") {  // the image fills in top to bottom
+          const cell = grid[data.image_index];
+          const img = document.createElement("img");
+          img.className = "partial";
+          img.alt = "image " + data.image_index + ", partial " + data.partial_image_index;
+          img.src = "data:image/png;base64," + data.b64_json;
+          cell.replaceChild(img, cell.firstChild);
         } else if (name === "image_generation.completed") {
           const cell = grid[data.image_index];
           const img = document.createElement("img");

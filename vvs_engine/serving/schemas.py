@@ -39,6 +39,8 @@ MIN_TEMPERATURE = 1e-3
 MAX_PARTIAL_IMAGES = 3
 # OpenAI's fields that change nothing here: accepted, ignored, named once in the log
 IGNORED_FIELDS = ("quality", "style", "background", "moderation", "output_compression", "safety_identifier")
+# (``partial_images`` is used: 0-3 partial images per image in a stream, as OpenAI streams them; without
+# ``stream`` it is ignored, as OpenAI does)
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
 log = logging.getLogger("vvs_engine.serve")
@@ -245,7 +247,8 @@ def resolve(req: ImageRequest, limits: Limits) -> Resolved:
         raise ApiError(422, f"timeout must be <= {limits.request_timeout_s} s on this server", "timeout")
     seed = req.seed if req.seed is not None else secrets.randbits(31)
     return Resolved(req.n, labels, prompts, seed, sampling, req.stream, timeout, req.seed is not None,
-                    req.return_tokens, req.progress, req.partial_images or 0, req.quality or "auto")
+                    req.return_tokens, req.progress, (req.partial_images or 0) if req.stream else 0,
+                    req.quality or "auto")
 
 
 def class_prompt(label: int, limits: Limits) -> str:

@@ -75,14 +75,16 @@ class ImageJob:
 
 class Request:
     """A generation request as the engine thread sees it. Events to the front end (tuples):
-    ``("progress", j, committed)``, ``("image", j, PNG as base64 or None, target forwards, token list,
-    (width, height) or None)``, ``("error", status, message)``. ``deliver`` is where they go (the front
+    ``("progress", j, committed)``, ``("partial", j, partial index, PNG as base64)``, ``("image", j, PNG
+    as base64 or None, target forwards, token list, (width, height) or None)``, ``("error", status,
+    message)``. ``deliver`` is where they go (the front
     end's queue); images are delivered from the output worker's thread."""
 
     def __init__(self, n: int, labels: Optional[List[int]], prompts: Optional[List[str]], seed: int,
-                 sampling: SamplingParams, deliver: Callable[[tuple], None]):
+                 sampling: SamplingParams, deliver: Callable[[tuple], None], partial_images: int = 0):
         self.id = f"img-{uuid.uuid4().hex}"
         self.n = n
+        self.partial_images = partial_images  # per image, 0-3 (OpenAI's streamed partial images)
         self.seed = seed
         self.sampling = sampling
         self.deliver = deliver
@@ -238,6 +240,28 @@ class RequestQueue:
         job.last_progress = now
         if not request.cancelled:
             request.deliver(("progress", job.position, committed))
+
+    def partial_images(self, job: ImageJob) -> int:
+        """How many partial images the loop hands over for this image (asked when it is admitted)."""
+        decodes = self.engine.vq is not None and getattr(self.engine.vq, "can_decode", True)
+        return job.request.partial_images if decodes else 0
+
+    def partial(self, job: ImageJob, index: int, tokens: torch.Tensor, committed: torch.Tensor) -> None:
+        """On the loop thread: hand the committed tokens to the output worker, which decodes the partial
+        image (uncommitted positions grey) and delivers it before the image itself."""
+        request = job.request
+        if request.cancelled:
+            return
+
+        def deliver() -> None:
+            if not request.cancelled:
+                request.deliver(("partial", job.position, index,
+                                 png_base64(self.engine.partial_image(tokens, committed))))
+
+        if self.output is None:
+            deliver()
+        else:
+            self.output.submit(deliver, on_error=lambda e: self._image_failed(request, e))
 
     def finished(self, job: ImageJob, result: dict) -> None:
         """On the loop thread: book-keeping only; the VQ decode, the PNG and the delivery go to the
