@@ -148,11 +148,17 @@ def summarize(results, start) -> dict:
     invalid = [r for r in results if r.get("status") == 200 and not r.get("valid")]
     rejected = [r for r in results if r.get("status") == 429]
     failed = len(results) - len(served) - len(rejected)
+    failures: dict = {}  # what the failed ones were: a status, a client error, or "timeout" (the rate's bound)
+    for r in results:
+        if r.get("status") not in (200, 429):
+            kind = r.get("error") or str(r.get("status"))
+            failures[kind] = failures.get(kind, 0) + 1
     latency = [r["latency"] for r in served]
     queue = [r["queue"] for r in served if r.get("queue") is not None]
     images = sum(r["images"] for r in served)
     span = (max(r["done"] for r in served) - start) if served else None
     return {"requests": len(results), "served": len(served), "rejected": len(rejected), "failed": failed,
+            "failures": failures,
             "invalid": len(invalid), "images": images, "images_per_s": images / span if span else 0.0,
             "p50_s": percentile(latency, 0.5), "p95_s": percentile(latency, 0.95), "p99_s": percentile(latency, 0.99),
             "queue_p50_s": percentile(queue, 0.5), "queue_p95_s": percentile(queue, 0.95),
@@ -340,7 +346,12 @@ def write(args, command: str, rows: dict) -> None:
                 ratios.append(f"{fraction:g}x: images/s continuous / static = "
                               f"{c['images_per_s'] / s['images_per_s']:.2f}, p95 {_f(c['p95_s'])} s vs "
                               f"{_f(s['p95_s'])} s")
-        lines += ["", "; ".join(ratios) + ".", ""]
+        failures = [f"{r['fraction']:g}x {r['mode']}: " + ", ".join(f"{n} {kind}" for kind, n in r["failures"].items())
+                    for r in items if r.get("failures")]
+        lines += ["", "; ".join(ratios) + "."]
+        lines += ["", "Failed requests: " + "; ".join(failures) + " (timeout: still open at the rate's time bound)."] \
+            if failures else []
+        lines += [""]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines))
     print(f"wrote {args.out}.md and .json")
