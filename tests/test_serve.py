@@ -104,6 +104,7 @@ BAD = [  # (body, status, param or words in the message)
     ({"class_label": 1, "temperature": 1e-9}, 422, "temperature"),
     ({"class_label": 1, "partial_images": 4}, 422, "partial_images"),
     ({"class_label": True}, 422, "class_label"),
+    ({"class_label": 1, "top_k": 10 ** 30}, 422, "top_k"),
     ({"class_label": 1, "negative_prompt": "blurry"}, 400, "class-conditional"),
     ({"prompt": "a painting of a dragon"}, 422, "class-conditional"),
     ({"prompt": "x" * 3000}, 400, "prompt too long"),

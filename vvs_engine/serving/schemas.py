@@ -83,7 +83,7 @@ class ImageRequest(BaseModel):
     cfg_scale: Optional[float] = None
     guidance_scale: Optional[float] = None
     temperature: Optional[float] = None
-    top_k: Optional[int] = None
+    top_k: Optional[int] = Field(None, ge=0, le=2 ** 31 - 1)  # (a larger int overflowed the row tensors)
     top_p: Optional[float] = None
     negative_prompt: Optional[str] = None
     method: Optional[str] = None
