@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import math
 import threading
@@ -361,13 +362,24 @@ class EngineWorker:
         self.use_graphs = engine.device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
         self.model_name = model_name
         self.metrics = ServerMetrics(model_name, method)
-        self.output = OutputWorker("vvs-output", context=torch.inference_mode) if output_thread else None
+        self.output = OutputWorker("vvs-output", context=self._output_context) if output_thread else None
         self.queue = RequestQueue(engine, max_waiting_images, self.metrics, rows, self.output)
         self.ready = threading.Event()
         self.image_size: Optional[tuple] = None  # (width, height) of the warm-up image
         self.error: Optional[BaseException] = None
         self.stats: dict = {}
         self.thread = threading.Thread(target=self._run, name="vvs-engine-loop", daemon=True)
+
+    @contextlib.contextmanager
+    def _output_context(self):
+        """The output thread's lasting context: inference mode, and on CUDA a side stream of its own, so
+        that its VQ decodes (of host tokens, with read-only weights) can overlap the loop's rounds."""
+        with torch.inference_mode():
+            if self.engine.device.type == "cuda":
+                with torch.cuda.device(self.engine.device), torch.cuda.stream(torch.cuda.Stream(self.engine.device)):
+                    yield
+            else:
+                yield
 
     @property
     def options(self) -> dict:
