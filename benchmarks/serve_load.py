@@ -69,7 +69,7 @@ class Server:
             found.set()
 
         threading.Thread(target=read, daemon=True).start()
-        found.wait(600)
+        found.wait(1800)  # (a warm-up at nice 19 on a busy shared machine took over 10 minutes)
         if self.url is None:
             raise SystemExit("the server did not start:\n" + "".join(self.lines[-20:]))
 
