@@ -137,7 +137,8 @@ class RequestQueue:
         self.tokens_per_row_round = 1.0
         self._last_round_end: Optional[float] = None
         self._idled = True
-        # the benchmark's trace: (launch time, round seconds, live rows, images finished since the last round)
+        # the benchmark's trace: (launch time, round seconds, live rows, images finished since the last round,
+        # the loop thread's CPU time then: unlike wall time, not stretched when a busy machine deschedules it)
         self.trace: Optional[list] = None
         self._finished_since_round = 0
 
@@ -323,7 +324,7 @@ class RequestQueue:
             self.iteration_s = iteration if self.iteration_s is None else \
                 self.iteration_s + ROUND_EMA * (iteration - self.iteration_s)
         if self.trace is not None:
-            self.trace.append((now - seconds, seconds, live_rows, self._finished_since_round))
+            self.trace.append((now - seconds, seconds, live_rows, self._finished_since_round, time.thread_time()))
         self._finished_since_round = 0
         self._last_round_end, self._idled = now, False
 
