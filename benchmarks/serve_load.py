@@ -15,6 +15,14 @@ server's size). Every accepted request is checked: exactly n images, each a PNG 
     OMP_NUM_THREADS=1 python benchmarks/serve_load.py            # AR, SJD-PAC, LANTERN; writes results
     python benchmarks/serve_load.py --methods ar --requests 8 --fractions 1.0 --out /tmp/x   # quick
 
+``--output-split`` measures something else, in one process without HTTP: the engine thread's loop
+with finished images decoded and encoded on the loop thread (the server before the output worker)
+and on the output worker (now), taking turns. From the loop's ``round_done`` hook: the time from one
+round's launch to the next (the loop thread's time per round, its own work between rounds included)
+in iterations where images finished vs where none did, and the p95 of that gap over all rounds.
+
+    OMP_NUM_THREADS=1 python benchmarks/serve_load.py --output-split   # writes results/serve_output_split.md
+
 CPU figures are ratios between the two modes on this machine, not GPU expectations.
 """
 from __future__ import annotations
@@ -61,7 +69,7 @@ class Server:
             found.set()
 
         threading.Thread(target=read, daemon=True).start()
-        found.wait(600)
+        found.wait(1800)  # (a warm-up at nice 19 on a busy shared machine took over 10 minutes)
         if self.url is None:
             raise SystemExit("the server did not start:\n" + "".join(self.lines[-20:]))
 
@@ -140,11 +148,17 @@ def summarize(results, start) -> dict:
     invalid = [r for r in results if r.get("status") == 200 and not r.get("valid")]
     rejected = [r for r in results if r.get("status") == 429]
     failed = len(results) - len(served) - len(rejected)
+    failures: dict = {}  # what the failed ones were: a status, a client error, or "timeout" (the rate's bound)
+    for r in results:
+        if r.get("status") not in (200, 429):
+            kind = r.get("error") or str(r.get("status"))
+            failures[kind] = failures.get(kind, 0) + 1
     latency = [r["latency"] for r in served]
     queue = [r["queue"] for r in served if r.get("queue") is not None]
     images = sum(r["images"] for r in served)
     span = (max(r["done"] for r in served) - start) if served else None
     return {"requests": len(results), "served": len(served), "rejected": len(rejected), "failed": failed,
+            "failures": failures,
             "invalid": len(invalid), "images": images, "images_per_s": images / span if span else 0.0,
             "p50_s": percentile(latency, 0.5), "p95_s": percentile(latency, 0.95), "p99_s": percentile(latency, 0.99),
             "queue_p50_s": percentile(queue, 0.5), "queue_p95_s": percentile(queue, 0.95),
@@ -174,10 +188,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="a line written under the table's description")
     p.add_argument("--server-flags", default="", help="more serve flags for every server, e.g. '--device cuda'")
+    p.add_argument("--output-split", action="store_true",
+                   help="measure the loop thread with image output on it vs on the output worker (no HTTP)")
+    p.add_argument("--repeats", type=int, default=2, help="--output-split: runs of each mode, taking turns")
     args = p.parse_args(argv)
     import shlex
 
     command = "python benchmarks/serve_load.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    if args.output_split:
+        return output_split(args, command)
     fractions = [float(x) for x in args.fractions.split(",")]
     rows = {}
     for method in args.methods.split(","):
@@ -211,6 +230,91 @@ def main(argv=None) -> int:
                 if code != 0:
                     print(f"warning: the {method} {mode} server exited {code}", file=sys.stderr)
     write(args, command, rows)
+    return 0
+
+
+def _split_run(engine, rows: int, images: int, output_thread: bool, seed: int) -> list:
+    """One burst of ``images`` one-image requests through an engine thread; the loop's round trace."""
+    from vvs_engine.sampling import SamplingParams
+    from vvs_engine.serving.worker import EngineWorker, Request
+
+    worker = EngineWorker(engine, "ar", {}, rows, SamplingParams(), max_waiting_images=images,
+                          output_thread=output_thread)
+    worker.start()
+    done = threading.Semaphore(0)
+    worker.queue.trace = []
+    rng = random.Random(seed)
+    for i in range(images):
+        worker.queue.submit(Request(1, [rng.randrange(engine.config.num_classes)], None, seed + i, SamplingParams(),
+                                    lambda event: done.release() if event[0] in ("image", "error") else None))
+    for _ in range(images):
+        done.acquire()
+    trace = worker.queue.trace
+    worker.close()
+    return trace
+
+
+def _split_figures(traces: list) -> dict:
+    """Per round (launch to next launch): the loop thread's CPU seconds and the wall seconds, split by
+    whether images finished in between."""
+    cpu = {True: [], False: []}
+    wall = {True: [], False: []}
+    gaps = []
+    for trace in traces:
+        for previous, current in zip(trace, trace[1:]):
+            finishing = bool(current[3])
+            cpu[finishing].append(current[4] - previous[4])
+            wall[finishing].append(current[0] - previous[0])
+            gaps.append(current[0] - previous[0])
+    ms = lambda values, q=0.5: 1000 * percentile(values, q)  # noqa: E731
+    return {"rounds": len(gaps), "finishing_rounds": len(cpu[True]),
+            "finishing_cpu_ms": ms(cpu[True]), "quiet_cpu_ms": ms(cpu[False]),
+            "finishing_wall_ms": ms(wall[True]), "quiet_wall_ms": ms(wall[False]),
+            "p95_gap_ms": ms(gaps, 0.95), "max_gap_ms": 1000 * max(gaps)}
+
+
+def output_split(args, command: str) -> int:
+    from vvs_engine import Engine
+
+    engine = Engine.load(threads=1)
+    modes = {"on the loop thread (before)": False, "output worker (after)": True}
+    traces = {mode: [] for mode in modes}
+    images = 3 * args.rows
+    for repeat in range(args.repeats):
+        for mode, output_thread in modes.items():  # taking turns: a shared machine's load drifts over both
+            traces[mode].append(_split_run(engine, args.rows, images, output_thread, args.seed + 1000 * repeat))
+            print(f"{mode}: run {repeat + 1} done", flush=True)
+    figures = {mode: _split_figures(t) for mode, t in traces.items()}
+    out = args.out if args.out != os.path.join(HERE, "results", "serve_load_zoo_cpu") else \
+        os.path.join(HERE, "results", "serve_output_split")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"command": command, "figures": figures}, f, indent=1)
+    lines = [f"<!-- written by: {command} -->", "# The server's loop thread: image output on it vs on the output worker",
+             "", f"Command: `OMP_NUM_THREADS=1 {command}` ({time.strftime('%Y-%m-%d')}).", "",
+             f"The shipped Zoo model (64 px, 256 tokens an image), AR, fp32 on this CPU, {args.rows} rows, 1 torch "
+             f"thread; one engine thread as `vvs-engine serve` runs it, without HTTP; each run a burst of {images} "
+             f"one-image requests, {args.repeats} runs per mode taking turns. A round = from its launch to the next "
+             "round's launch (admission and collection included), from the loop's `round_done` hook. *finishing*: "
+             "rounds after which images finished (their VQ decode and PNG encode ran on the loop thread before the "
+             "output worker); *quiet*: the others. **CPU ms** = the loop thread's own CPU time "
+             "(`time.thread_time`): what it spent, whatever else ran on the machine; **wall ms** and the gaps "
+             "between launches also count the time the thread waited for a core (this machine is shared: wall "
+             "figures are noisy). Medians per round; p95 and max gap over all rounds.", "",
+             "| image output | rounds | finishing rounds | finishing CPU ms | quiet CPU ms | finishing wall ms | "
+             "quiet wall ms | p95 gap ms | max gap ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for mode, f_ in figures.items():
+        lines.append(f"| {mode} | {f_['rounds']} | {f_['finishing_rounds']} | {f_['finishing_cpu_ms']:.1f} | "
+                     f"{f_['quiet_cpu_ms']:.1f} | {f_['finishing_wall_ms']:.1f} | {f_['quiet_wall_ms']:.1f} | "
+                     f"{f_['p95_gap_ms']:.1f} | {f_['max_gap_ms']:.1f} |")
+    before, after = figures["on the loop thread (before)"], figures["output worker (after)"]
+    lines += ["", f"On the loop thread's CPU a round after which images finished cost "
+                  f"{before['finishing_cpu_ms'] / before['quiet_cpu_ms']:.2f}x a quiet round with the output on the "
+                  f"loop thread and {after['finishing_cpu_ms'] / after['quiet_cpu_ms']:.2f}x with the output worker "
+                  "(what remains is the collection and the next images' admission and prefill).", ""]
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
     return 0
 
 
@@ -251,7 +355,12 @@ def write(args, command: str, rows: dict) -> None:
                 ratios.append(f"{fraction:g}x: images/s continuous / static = "
                               f"{c['images_per_s'] / s['images_per_s']:.2f}, p95 {_f(c['p95_s'])} s vs "
                               f"{_f(s['p95_s'])} s")
-        lines += ["", "; ".join(ratios) + ".", ""]
+        failures = [f"{r['fraction']:g}x {r['mode']}: " + ", ".join(f"{n} {kind}" for kind, n in r["failures"].items())
+                    for r in items if r.get("failures")]
+        lines += ["", "; ".join(ratios) + "."]
+        lines += ["", "Failed requests: " + "; ".join(failures) + " (timeout: still open at the rate's time bound)."] \
+            if failures else []
+        lines += [""]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines))
     print(f"wrote {args.out}.md and .json")

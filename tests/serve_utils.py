@@ -19,8 +19,8 @@ LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 class ServerProcess:
     """``python -m vvs_engine serve ARGS --port P`` (P = 0: any free port, read from its stderr)."""
 
-    def __init__(self, args, port: int = 0, start_timeout_s: float = 300.0):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    def __init__(self, args, port: int = 0, start_timeout_s: float = 300.0, env: dict = None):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.args = list(args)
         self.proc = subprocess.Popen([sys.executable, "-m", "vvs_engine", "serve", *self.args, "--port", str(port),
                                       "--threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -98,7 +98,13 @@ BAD = [  # (body, status, param or words in the message)
     ({"class_label": 1, "seed": -1}, 422, "seed"),
     ({"class_label": 1, "method": "sjd"}, 400, "runs method 'ar'"),
     ({"class_label": 1, "method_options": {"window": 4}}, 400, "no option 'window'"),
-    ({"class_label": 1, "model": "dall-e-3"}, 400, "zoo-gpt"),
+    ({"class_label": 1, "model": "dall-e-3"}, 404, "zoo-gpt"),
+    ({"class_label": 1, "prompt": "chelsea"}, 400, "names class 2"),
+    ({"class_label": 1, "cfg_scale": 1e308}, 422, "cfg_scale"),
+    ({"class_label": 1, "temperature": 1e-9}, 422, "temperature"),
+    ({"class_label": 1, "partial_images": 4}, 422, "partial_images"),
+    ({"class_label": True}, 422, "class_label"),
+    ({"class_label": 1, "top_k": 10 ** 30}, 422, "top_k"),
     ({"class_label": 1, "negative_prompt": "blurry"}, 400, "class-conditional"),
     ({"prompt": "a painting of a dragon"}, 422, "class-conditional"),
     ({"prompt": "x" * 3000}, 400, "prompt too long"),
@@ -119,7 +125,10 @@ def test_bad_requests_are_one_line_errors(server, client):
         assert "\n" not in r.text.strip(), r.text
         error = r.json()["error"]
         assert words in error["message"] or words == error["param"], (error, words)
-        assert error["type"] == "invalid_request_error"
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+        assert error["code"] is None or not error["code"].isdigit()  # a name, not the status again
+        if error["param"] is not None:
+            assert "." not in error["param"], error  # the field, not pydantic's union branch
     r = client.get("/v2/nothing")
     assert r.status_code == 404 and "\n" not in r.text and r.json()["error"]["message"]
     assert metric(client, "vvs:images_generated_total") == images  # nothing was decoded
@@ -205,7 +214,7 @@ def test_disconnect_queue_full_and_recovery(server, client, shared):
     disconnected = metric(client, "vvs:request_finished_total", finished_reason="disconnected")
     with httpx.Client(base_url=server.url, timeout=60) as streamer:
         with streamer.stream("POST", "/v1/images/generations",
-                             json={"class_label": 4, "n": ROWS, "seed": 1, "stream": True}) as stream:
+                             json={"class_label": 4, "n": ROWS, "seed": 1, "stream": True, "progress": True}) as stream:
             assert stream.status_code == 200
             events, lines = [], stream.iter_lines()  # (kept: a closed line iterator closes the connection)
             while "image_generation.progress" not in events:
@@ -243,6 +252,54 @@ def test_disconnect_queue_full_and_recovery(server, client, shared):
     assert metric(client, "vvs:requests_rejected_total", reason="queue_full") >= 1
 
 
+def stream_events(server, body: dict) -> list:
+    """(event name, data) of a whole stream."""
+    events = []
+    with httpx.Client(base_url=server.url, timeout=300) as own:
+        with own.stream("POST", "/v1/images/generations", json=body) as stream:
+            assert stream.status_code == 200
+            name = None
+            for line in stream.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    events.append((name, json.loads(line[6:])))
+    return events
+
+
+def test_partial_images_stream_in_before_each_image(server, client):
+    """``partial_images: 3``: three image_generation.partial_image events per image, in order and before
+    its completed event, each a PNG that fills in top to bottom (fewer grey pixels each time); the
+    tokens, forwards and rounds are those of the same request without partials."""
+    grey = np.array([128, 128, 128])
+    results = {}
+    for partials in (3, 0):
+        assert wait_for(lambda: idle(client), 60)
+        rounds = metric(client, "vvs:round_seconds_count", kind="ar_step")
+        body = {"class_label": 5, "n": 2, "seed": 8, "stream": True, "return_tokens": True}
+        if partials:
+            body["partial_images"] = partials
+        events = stream_events(server, body)
+        results[partials] = (events, metric(client, "vvs:round_seconds_count", kind="ar_step") - rounds)
+    events, rounds_with = results[3]
+    plain, rounds_without = results[0]
+    assert rounds_with == rounds_without  # partials add no round
+    completed = {d["image_index"]: d for name, d in events if name == "image_generation.completed"}
+    assert {d["image_index"]: d["tokens"] for name, d in plain if name == "image_generation.completed"} == \
+        {j: d["tokens"] for j, d in completed.items()}
+    assert [name for name, _ in plain] == ["image_generation.completed"] * 2  # none unless asked for
+    for j in range(2):
+        mine = [(k, name, d) for k, (name, d) in enumerate(events) if d.get("image_index") == j]
+        names = [name for _, name, _ in mine]
+        assert names == ["image_generation.partial_image"] * 3 + ["image_generation.completed"], names
+        assert [d["partial_image_index"] for _, _, d in mine[:3]] == [0, 1, 2]
+        pixels = [png_pixels(d["b64_json"]) for _, _, d in mine]
+        grey_share = [float(np.all(p == grey, axis=-1).mean()) for p in pixels[:3]]
+        assert grey_share[0] > grey_share[1] > grey_share[2] > 0 == float(np.all(pixels[3] == grey, axis=-1).mean())
+        assert np.all(pixels[0][-1] == grey) and not np.all(pixels[2][0] == grey)  # top to bottom
+        assert all(p.shape == (64, 64, 3) for p in pixels)
+
+
 def test_page_in_headless_browser(server, client, tmp_path):
     """The page in a real headless Chromium (DevTools protocol on a pipe): it loads, starts a generation
     (``#auto``), shows the progress stream, and the four images appear with TPF and latency."""
@@ -267,6 +324,7 @@ def test_page_in_headless_browser(server, client, tmp_path):
         assert status.startswith("done: seed 0, 4 images, TPF "), status
         assert "latency" in status
         assert seen_progress  # the cells showed committed tokens while the images decoded
+        assert chrome.evaluate("Array.from(document.querySelectorAll('img.partial')).length") == 0  # all replaced
         assert chrome.evaluate("Array.from(document.querySelectorAll('img.result'))"
                                ".filter(i => i.complete && i.naturalWidth === 64).length") == 4
         screenshot = os.environ.get("VVS_SERVE_SCREENSHOT")

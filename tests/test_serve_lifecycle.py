@@ -65,6 +65,63 @@ def test_sigterm_under_load_drains(tmp_path):
         server.kill()
 
 
+def test_second_sigterm_exits_at_once():
+    """SIGTERM starts the drain of a long request; a second SIGTERM aborts it and the process exits at
+    once (143), not after the request's rounds."""
+    import signal
+
+    server = ServerProcess(["--rows", "2", "--shutdown-timeout", "120"])
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            with client.stream("POST", "/v1/images/generations",
+                               json={"class_label": 2, "n": 4, "stream": True, "progress": True}) as stream:
+                lines = stream.iter_lines()
+                while "progress" not in next(lines):
+                    pass
+                server.proc.send_signal(signal.SIGTERM)
+                assert wait_for(lambda: client.get("/ready").status_code == 503, 10)
+                assert server.proc.poll() is None  # draining: the accepted request may finish
+                started = __import__("time").monotonic()
+                server.proc.send_signal(signal.SIGTERM)
+                assert server.proc.wait(10) == 143
+                assert __import__("time").monotonic() - started < 3
+        assert "stopped at once by a second signal" in server.output()
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_interrupt_during_warm_up_exits_cleanly(sig, code):
+    """A signal while the engine thread decodes the warm-up image (EAGLE) ends the process with the
+    interrupt's exit status and one error line: no abort (it was SIGABRT after 'terminate called
+    without an active exception')."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "vvs_engine", "serve", "--method", "eagle", "--port", "0",
+                             "--threads", "1"], env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "warming up" in line:
+                break
+        __import__("time").sleep(0.5)  # inside the warm-up image's rounds
+        proc.send_signal(getattr(signal, sig))
+        rest, _ = proc.communicate(timeout=30)
+        out = "".join(lines) + rest
+        assert proc.returncode == code, out
+        assert "terminate called" not in out and "Traceback" not in out, out
+        assert out.strip().splitlines()[-1] == ("error: interrupted" if code == 130 else "error: terminated")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
 def test_kill9_then_restart_serves_again():
     """A server killed mid-request (kill -9): its client gets an error, not a hang; a new server on
     the same port serves again."""
@@ -73,7 +130,7 @@ def test_kill9_then_restart_serves_again():
     try:
         with httpx.Client(base_url=first.url, timeout=60) as client:
             with client.stream("POST", "/v1/images/generations",
-                               json={"class_label": 2, "n": 2, "stream": True}) as stream:
+                               json={"class_label": 2, "n": 2, "stream": True, "progress": True}) as stream:
                 lines = stream.iter_lines()
                 while "progress" not in next(lines):
                     pass
@@ -102,6 +159,10 @@ def test_kill9_then_restart_serves_again():
     (["--method", "lantern", "--lantern-delta", "2"], "--lantern-delta must be"),
     (["--num-replicas", "2"], "--num-replicas is a Ray Serve setting: add --ray"),
     (["--ray", "--max-ongoing-requests", "0"], "--max-ongoing-requests must be an integer >= 1"),
+    (["--rows", "2", "--queue-size", "2", "--max-n", "5"], "--max-n 5 is more than --rows + --queue-size = 4"),
+    (["--cfg-scale", "1e308"], "--cfg-scale must be <= 100"),
+    (["--header-timeout", "0"], "--header-timeout must be a finite number of seconds > 0"),
+    (["--max-connections", "0"], "--max-connections must be an integer >= 1"),
 ])
 def test_bad_flags_are_one_line_errors(flags, words):
     import os

@@ -154,6 +154,35 @@ def test_overflow_is_429_not_a_hang_then_recovers(url):
         assert again.status_code == 200, again.text
 
 
+def test_metrics_see_every_replica_then_drain_is_503_json(url):
+    """/metrics through Ray's proxy shows both replicas' series (labelled by replica) whichever replica
+    answers, and the per-replica counters never go down between scrapes; after the driver's drain
+    (what SIGTERM does), /ready and new requests get the app's 503 JSON, /health still answers."""
+    from vvs_engine.serving.metrics import parse_text
+
+    time.sleep(2 * ray_serve.REPORT_INTERVAL_S)  # every replica has reported its latest counters
+    seen = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for _ in range(6):
+            text = client.get("/metrics").text
+            assert text.count("# TYPE vvs:images_generated_total counter") == 1  # one family, both replicas
+            images = {key.split('replica="')[1].split('"')[0]: value for key, value in parse_text(text).items()
+                      if key.startswith("vvs:images_generated_total{")}
+            assert len(images) == REPLICAS, images
+            seen.append(images)
+        for before, after in zip(seen, seen[1:]):
+            assert all(after[r] >= before[r] for r in before)
+        assert sum(seen[-1].values()) >= REPLICAS + 4 + 2  # the warm-ups and the images served above
+        ray.get(ray_serve.board().drain.remote())
+        time.sleep(2 * ray_serve.REPORT_INTERVAL_S)
+        ready = client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+        refused = client.post("/v1/images/generations", json={"class_label": 1})
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert client.get("/health").json() == {"status": "ok"}
+        assert ray.get(ray_serve.board().all_idle.remote())
+
+
 def test_ray_queue_overflow_is_429(url, cluster):
     """Ray's own overflow, on a second deployment (the first is deleted) of one replica that Ray hands
     1 request at a time and queues 1 more for: a third concurrent request is refused by Ray with 429

@@ -43,6 +43,12 @@ def read_state_dict(path: str) -> Dict[str, torch.Tensor]:
             return dict(load_file(path))
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise VVSError(f"not a readable safetensors file: {path} ({_first_line(e)})") from None
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # a torch file is a zip archive (or, before torch 1.6, a pickle: protocol 2+ starts with 0x80); a text
+    # file or an image passed by mistake is named as such, not as an unsafe pickle
+    if not head.startswith(b"PK\x03\x04") and not head.startswith(b"\x80"):
+        raise VVSError(f"not a checkpoint: {path} (neither a torch file nor .safetensors)")
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(path, map_location="cpu", weights_only=True)

@@ -479,7 +479,7 @@ def print_stats(stats: dict, out_dir: str, n_png: int) -> None:
     print(f"{'-' * width}  {'-' * 12}")
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    print(f"wrote {out_dir}/tokens.npz, stats.json" + (f", {n_png} PNGs and grid.png (contact sheet)" if n_png else ""))
+    print(f"wrote {out_dir}/tokens.npz, stats.json" + (f", {n_png} PNG{'' if n_png == 1 else 's'} and grid.png (contact sheet)" if n_png else ""))
 
 
 def _fmt(v) -> str:

@@ -19,7 +19,8 @@
 
 The reference set is ``n_ref_per_class`` (32) held-out crops per class (the right-most 25 % of each photo,
 see ``vvs_engine.zoo.data``), drawn with ``REF_SEED``; its features are cached under
-``$VVS_CACHE`` (default ``~/.cache/vvs_engine``) because Inception on CPU takes minutes.
+``$VVS_CACHE`` (default ``$XDG_CACHE_HOME/vvs_engine``, else ``~/.cache/vvs_engine``) because
+Inception on CPU takes minutes; writing one says where on stderr.
 Image counts are always reported: FD/FID are biased upwards for small sets, so compare figures
 only at equal counts.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -280,7 +282,9 @@ def reference_images(n_per_class: int = N_REF_PER_CLASS, seed: int = REF_SEED) -
 
 
 def _cache_dir() -> str:
-    d = os.path.expanduser(os.environ.get("VVS_CACHE", "~/.cache/vvs_engine"))
+    """``$VVS_CACHE``, else ``$XDG_CACHE_HOME/vvs_engine``, else ``~/.cache/vvs_engine``."""
+    d = os.environ.get("VVS_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "vvs_engine")
+    d = os.path.expanduser(d)
     os.makedirs(d, exist_ok=True)
     return d
 
@@ -314,6 +318,8 @@ def reference_features(kind: str, n_per_class: int = N_REF_PER_CLASS, seed: int 
                                    if show_progress else None)
     if use_cache:
         np.save(path, feats)
+        print(f"note: cached the reference crops' {kind} features in {path} (set VVS_CACHE or XDG_CACHE_HOME to "
+              f"put them elsewhere)", file=sys.stderr)
     return feats
 
 

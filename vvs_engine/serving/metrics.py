@@ -109,7 +109,7 @@ class Histogram(_Metric):
         return lines
 
 
-REJECTION_REASONS = ("queue_full", "not_ready", "draining", "bad_request", "too_large")
+REJECTION_REASONS = ("queue_full", "not_ready", "draining", "bad_request", "too_large", "unauthorized", "timeout")
 FINISH_REASONS = ("completed", "disconnected", "deadline", "aborted", "error")
 
 
@@ -145,6 +145,18 @@ class ServerMetrics:
                                 base, ("reason",), REJECTION_REASONS)
         self.gauges: list = []
 
+    def metrics(self) -> list:
+        return self.gauges + [self.queue_time, self.time_to_first_token, self.e2e_latency, self.round_seconds,
+                              self.images, self.tokens_committed, self.target_forwards, self.accepted,
+                              self.skipped_rounds, self.success, self.rejected]
+
+    def add_label(self, name: str, value: str) -> None:
+        """A label on every series from now on (a Ray Serve replica's id, so that the replicas' series
+        stay apart in one view)."""
+        self.base = self.base + ((name, value),)
+        for metric in self.metrics():
+            metric.base = metric.base + ((name, value),)
+
     def bind_queue(self, snapshot: Callable[[], dict], rows: int) -> None:
         def read(key):
             return lambda: snapshot()[key]
@@ -167,13 +179,27 @@ class ServerMetrics:
         self.skipped_rounds.inc(max(0.0, rounds - passes))
 
     def render(self) -> str:
-        metrics = self.gauges + [self.queue_time, self.time_to_first_token, self.e2e_latency, self.round_seconds,
-                                 self.images, self.tokens_committed, self.target_forwards, self.accepted,
-                                 self.skipped_rounds, self.success, self.rejected]
         lines = []
-        for metric in metrics:
+        for metric in self.metrics():
             lines += metric.render()
         return "\n".join(lines) + "\n"
+
+
+def merge_texts(texts: Sequence[str]) -> str:
+    """One exposition from several (Ray Serve replicas' ``render()``, each labelled with its replica):
+    each metric family once, its HELP and TYPE once, the samples of every text under it."""
+    families: Dict[str, list] = {}
+    for text in texts:
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split(" ", 3)[2]
+                lines = families.setdefault(family, [])
+                if line not in lines:
+                    lines.append(line)
+            elif line and family is not None:
+                families[family].append(line)
+    return "\n".join(line for lines in families.values() for line in lines) + "\n"
 
 
 def parse_text(text: str) -> Dict[str, float]:

@@ -1,6 +1,13 @@
 """``GET /``: one self-contained page (no build step, no external assets) that calls the server's
 own API: pick a class or type a prompt, set n, seed and guidance, and watch the images' progress
-stream in, then the images with their TPF and latency."""
+stream in (each image filling in top to bottom from three partial images), then the images with their
+TPF and latency.
+
+It is served with a Content-Security-Policy that allows exactly its own inline script and style (by
+their SHA-256), its own API and ``data:`` images, and no framing (``PAGE_HEADERS``)."""
+import base64
+import hashlib
+import re
 
 PAGE_HTML = """<!doctype html>
 <html lang="en">
@@ -36,6 +43,7 @@ PAGE_HTML = """<!doctype html>
  <label>images (n) <input id="n" type="number" min="1" value="4"></label>
  <label>seed <input id="seed" type="number" min="0" value="0"></label>
  <label>guidance (cfg) <input id="cfg" type="number" min="0" step="0.5"></label>
+ <label>API key (if the server needs one) <input id="key" type="password" size="12" autocomplete="off"></label>
  <button id="go" type="submit">Generate</button>
 </form>
 <div id="status"></div>
@@ -45,9 +53,17 @@ PAGE_HTML = """<!doctype html>
 let model = null;
 const $ = (id) => document.getElementById(id);
 
+function headers() {
+  const out = { "Content-Type": "application/json" };
+  if ($("key").value) out["Authorization"] = "Bearer " + $("key").value;
+  return out;
+}
+
 async function loadModel() {
-  const response = await fetch("/v1/models");
-  model = (await response.json()).data[0];
+  const response = await fetch("/v1/models", { headers: headers() });
+  const body = await response.json();
+  if (!response.ok) throw new Error(response.status + ": " + body.error.message + " (enter the API key)");
+  model = body.data[0];
   $("info").textContent = model.id + " | method " + model.method + " | " + model.size + " px | " +
     model.rows + " rows in flight | at most " + model.max_n + " images a request";
   $("n").max = model.max_n;
@@ -98,11 +114,13 @@ function parseEvents(buffer, onEvent) {
 async function generate(event) {
   event.preventDefault();
   const n = parseInt($("n").value, 10);
-  const body = { n: n, seed: parseInt($("seed").value, 10), stream: true, response_format: "b64_json" };
+  const body = { n: n, seed: parseInt($("seed").value, 10), stream: true, progress: true, partial_images: 3,
+                 response_format: "b64_json" };
   const cfg = parseFloat($("cfg").value);
   if (!isNaN(cfg)) body.cfg_scale = cfg;
   if (model.conditioning === "c2i") body.class_label = parseInt($("class").value, 10);
   else body.prompt = $("prompt").value;
+  if (model === null) await loadModel();
   const grid = cells(n);
   const started = performance.now();
   $("go").disabled = true;
@@ -110,7 +128,7 @@ async function generate(event) {
   $("status").textContent = "submitted";
   try {
     const response = await fetch("/v1/images/generations", {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+      method: "POST", headers: headers(), body: JSON.stringify(body) });
     if (!response.ok) {
       const error = await response.json();
       throw new Error(response.status + ": " + error.error.message);
@@ -128,6 +146,13 @@ async function generate(event) {
           const cell = grid[data.image_index];
           cell.querySelector(".bar div").style.width = (100 * data.committed / data.total) + "%";
           cell.querySelector("span").textContent = data.committed + " / " + data.total + " tokens";
+        } else if (name === "image_generation.partial_image") {  // the image fills in top to bottom
+          const cell = grid[data.image_index];
+          const img = document.createElement("img");
+          img.className = "partial";
+          img.alt = "image " + data.image_index + ", partial " + data.partial_image_index;
+          img.src = "data:image/png;base64," + data.b64_json;
+          cell.replaceChild(img, cell.firstChild);
         } else if (name === "image_generation.completed") {
           const cell = grid[data.image_index];
           const img = document.createElement("img");
@@ -137,12 +162,13 @@ async function generate(event) {
           cell.replaceChild(img, cell.firstChild);
           cell.querySelector(".bar div").style.width = "100%";
           cell.querySelector("span").textContent = "TPF " + (model.tokens_per_image / data.target_forward_passes).toFixed(2);
-        } else if (name === "image_generation.done") {
-          const seconds = (performance.now() - started) / 1000;
-          $("status").textContent = "done: seed " + data.seed + ", " + data.usage.images + " images, TPF " +
-            data.usage.tpf.toFixed(2) + ", latency " + seconds.toFixed(1) + " s (queue " +
-            (data.timings.queue_s || 0).toFixed(2) + " s)";
-          $("status").dataset.done = "1";
+          if (data.summary) {  // the last image carries the request's summary
+            const s = data.summary, seconds = (performance.now() - started) / 1000;
+            $("status").textContent = "done: seed " + s.seed + ", " + s.usage.images + " images, TPF " +
+              s.usage.tpf.toFixed(2) + ", latency " + seconds.toFixed(1) + " s (queue " +
+              (s.timings.queue_s || 0).toFixed(2) + " s)";
+            $("status").dataset.done = "1";
+          }
         } else if (name === "error") {
           throw new Error(data.error.message);
         }
@@ -164,3 +190,18 @@ loadModel().then(() => {
 </body>
 </html>
 """
+
+
+def _sha256_source(tag: str) -> str:
+    """CSP source of the page's one inline <tag> element: 'sha256-...' of its text."""
+    text = re.search(f"<{tag}>(.*?)</{tag}>", PAGE_HTML, re.S).group(1)
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+PAGE_HEADERS = {
+    "Content-Security-Policy": f"default-src 'none'; script-src {_sha256_source('script')}; "
+                               f"style-src {_sha256_source('style')}; img-src data:; connect-src 'self'; "
+                               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}

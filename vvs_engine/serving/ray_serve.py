@@ -18,6 +18,23 @@ default is no limit (they would hang), so it is bounded, and Ray 2.60's ``Backpr
 those rejections 429 with a Retry-After too (Ray's own default status is 503). Ray's 429 body is Ray's
 plain text, not the app's one-line JSON.
 
+**One view of the replicas.** Every replica reports to a small Ray actor, the board
+(:class:`ReplicaBoard`, no CPU of its own), once a second: its metrics, each series labelled with its
+``replica``, and whether it holds accepted work. ``/metrics`` on any replica answers the board's view
+of all of them (its own freshly), so a scrape through Ray's proxy, whichever replica answers it, sees
+every replica's counters (one replica per scrape made them look like resets to Prometheus).
+
+**Shutdown.** On SIGTERM the driver tells the board to drain; each replica sees it within a second and
+does what the one-process server does on SIGTERM (``/ready`` and new requests answer the app's 503
+JSON, accepted requests go on); once every replica is idle (or ``--shutdown-timeout`` has passed) the
+application is deleted. (Deleting it first made ``/ready`` and ``/health`` Ray's plain-text 404.)
+
+**Ports.** Ray's proxy binds ``--host``/``--port``: the API is there only. Ray's own processes (the
+replicas' core workers among them) also listen for Ray's internal gRPC on every interface; with Ray
+2.60 that held even with the node address set to 127.0.0.1 (checked with ``ss -ltnp``). That is Ray's
+cluster traffic, not this API: keep a Ray cluster on a private network or behind a firewall, as Ray's
+security notes ask.
+
 Ray and FastAPI are imported only here, when ``--ray`` is given.
 """
 from __future__ import annotations
@@ -25,13 +42,53 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 import time
 
 from ..errors import VVSError
+from .metrics import merge_texts
 
 APP_NAME = "vvs-engine"
 DEPLOYMENT_NAME = "VVSEngineReplica"
 RAY_RETRY_AFTER_S = 5  # Ray's own 429s know no image rate: the app's answer when it knows none either
+BOARD_NAME, BOARD_NAMESPACE = "vvs-engine-board", "vvs-engine"
+REPORT_INTERVAL_S = 1.0
+STALE_AFTER_S = 30.0  # a replica that has not reported for this long is gone from the view
+
+
+class ReplicaBoard:
+    """What the replicas report (a Ray actor: ``board()``): each one's metrics text and whether it is
+    idle, and the driver's drain flag, which ``report`` answers."""
+
+    def __init__(self):
+        self.reports: dict = {}  # replica id -> (time, metrics text, idle)
+        self.draining = False
+
+    def report(self, replica: str, text: str, idle: bool) -> bool:
+        self.reports[replica] = (time.monotonic(), text, idle)
+        return self.draining
+
+    def view(self) -> dict:
+        now = time.monotonic()
+        return {r: text for r, (t, text, _) in self.reports.items() if now - t <= STALE_AFTER_S}
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def all_idle(self) -> bool:
+        now = time.monotonic()
+        return all(idle for t, _, idle in self.reports.values() if now - t <= STALE_AFTER_S)
+
+    def reset(self) -> None:
+        self.reports, self.draining = {}, False
+
+
+def board():
+    """The board actor of this Ray cluster (made on first use; it takes no CPU from the replicas)."""
+    import ray
+
+    return ray.remote(ReplicaBoard).options(name=BOARD_NAME, namespace=BOARD_NAMESPACE, get_if_exists=True,
+                                            num_cpus=0).remote()
 
 
 def max_ongoing_requests(args) -> int:
@@ -76,10 +133,45 @@ class EngineReplica:
     asks ``__serve_build_asgi_app__`` for it after ``__init__``)."""
 
     def __init__(self, args: argparse.Namespace, method_opts: dict, device: str):
+        from ray import serve
+
         from .server import build_server
 
         # (not ``self.app``: Ray's ASGI wrapper, which this class becomes a base of, has that property)
         self.engine_worker, self.http_app, _ = build_server(args, method_opts, replica_device(device))
+        context = serve.get_replica_context()
+        self.replica = str(getattr(getattr(context, "replica_id", None), "unique_id", None)
+                           or getattr(context, "replica_tag", "replica"))
+        self.engine_worker.metrics.add_label("replica", self.replica)
+        self.board = board()
+        state = self.http_app.state.vvs
+        state.metrics_view = self.metrics_view
+        self.stopped = threading.Event()
+        self.reporter = threading.Thread(target=self._report, name="vvs-board", daemon=True)
+        self.reporter.start()
+
+    def _report(self) -> None:
+        import ray
+
+        state, worker = self.http_app.state.vvs, self.engine_worker
+        while not self.stopped.wait(REPORT_INTERVAL_S):
+            try:
+                with worker.queue.cond:
+                    idle = not worker.queue.active
+                draining = ray.get(self.board.report.remote(self.replica, worker.metrics.render(), idle), timeout=10)
+            except Exception:  # the board is gone (shutdown): nothing to report to
+                continue
+            if draining and not state.draining:  # the driver's SIGTERM: drain as one process does
+                state.draining = True
+                worker.stop_accepting()
+
+    async def metrics_view(self) -> str:
+        own = self.engine_worker.metrics.render()
+        try:
+            others = await self.board.view.remote()
+        except Exception:
+            others = {}
+        return merge_texts([own] + [text for replica, text in sorted(others.items()) if replica != self.replica])
 
     def __serve_build_asgi_app__(self):
         return self.http_app
@@ -91,7 +183,8 @@ class EngineReplica:
         worker = getattr(self, "engine_worker", None)
         if worker is None:  # __init__ failed
             return
-        self.http_app.state.draining = True
+        self.stopped.set()
+        self.http_app.state.vvs.draining = True
         worker.drain(1.0)
         worker.close(10.0)
 
@@ -121,8 +214,10 @@ def deployment(args, method_opts: dict, device: str):
 def deploy(args, method_opts: dict, device: str, port: int) -> str:
     """Deploy on the Ray cluster this process is connected to (``ray.init`` done) and wait until every
     replica has warmed up; returns the URL. Errors are VVSError lines."""
+    import ray
     from ray import serve
 
+    ray.get(board().reset.remote())  # a new deployment starts with no reports and no drain
     serve.start(http_options={"host": args.host, "port": port})
     try:
         serve.run(deployment(args, method_opts, device), name=APP_NAME, route_prefix="/", blocking=False)
@@ -189,7 +284,7 @@ def serve_with_ray(args, method_opts: dict, device: str) -> int:
     url = None
     try:
         url = deploy(args, method_opts, device, port)
-        print(f"vvs-engine serve (Ray Serve): method {args.method}, {args.rows} rows x {args.num_replicas or 1} "
+        print(f"vvs-engine serve (Ray Serve): method {args.method}, {args.rows} {'row' if args.rows == 1 else 'rows'} x {args.num_replicas or 1} "
               f"replicas, max_ongoing_requests {max_ongoing_requests(args)}; listening on {url}",
               file=sys.stderr, flush=True)
         while True:
@@ -203,6 +298,7 @@ def serve_with_ray(args, method_opts: dict, device: str) -> int:
         # alone stops the proxy at once and cuts open streams.
         try:
             if url is not None:
+                drain(args.shutdown_timeout)
                 serve.delete(APP_NAME)
         finally:
             serve.shutdown()
@@ -213,6 +309,22 @@ def serve_with_ray(args, method_opts: dict, device: str) -> int:
     print("vvs-engine serve: stopped (Ray Serve shut down)", file=sys.stderr, flush=True)
     return 0
 
+
+
+def drain(timeout_s: float) -> bool:
+    """Every replica stops accepting (503 JSON) and finishes its accepted requests; True when all were
+    idle within ``timeout_s`` (the replicas' graceful shutdown aborts the rest)."""
+    import ray
+
+    handle = board()
+    ray.get(handle.drain.remote())
+    time.sleep(REPORT_INTERVAL_S * 2.5)  # every replica has read the flag and reported since
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray.get(handle.all_idle.remote()):
+            return True
+        time.sleep(0.25)
+    return False
 
 
 def _interrupt_once(signum, frame) -> None:

@@ -3,11 +3,18 @@
 with its warm-up, worker and app, the queue size, and the listening socket."""
 from __future__ import annotations
 
+import os
 import socket
+import sys
 
 from ..errors import VVSError
 
 DEFAULT_ROWS = 8
+DEFAULT_MAX_N = 16
+API_KEY_ENV = "VVS_API_KEY"
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 512
 # Under --ray, the requests a replica may hold beyond rows + queue size: the ones it answers at once
 # (429 when its queue is full, /health, /metrics, bad requests), so that they reach the app instead of
 # waiting in Ray's queue behind long generations (see ray_serve.max_ongoing_requests).
@@ -15,8 +22,6 @@ RAY_HEADROOM_REQUESTS = 8
 
 
 def _model_name(args) -> str:
-    import os
-
     if args.model_name:
         return args.model_name
     if args.model_dir:
@@ -31,15 +36,27 @@ def check_args(args, method_opts: dict, device: str) -> None:
     from ..engine import check_load_args, resolve_device, resolve_dtype
     from ..methods import get_method_options, method_names
     from ..sampling import SamplingParams
+    from .schemas import check_sampling_bounds
 
-    for name, value, low in (("--rows", args.rows, 1), ("--max-n", args.max_n, 1)):
-        if value < low:
-            raise VVSError(f"{name} must be an integer >= {low}, got {value}")
+    if args.rows < 1:
+        raise VVSError(f"--rows must be an integer >= 1, got {args.rows}")
     if args.queue_size is not None and args.queue_size < 0:
         raise VVSError(f"--queue-size must be an integer >= 0, got {args.queue_size}")
-    for name, value in (("--request-timeout", args.request_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
+    if args.max_n is not None and args.max_n < 1:
+        raise VVSError(f"--max-n must be an integer >= 1, got {args.max_n}")
+    room = args.rows + queue_size(args)
+    if args.max_n is not None and args.max_n > room:
+        # a request of more images than rows + queue can never be accepted: it would get 429 forever
+        raise VVSError(f"--max-n {args.max_n} is more than --rows + --queue-size = {room} images: a request of "
+                       f"n > {room} could never be accepted; lower --max-n or raise --queue-size")
+    for name, value in (("--request-timeout", args.request_timeout), ("--shutdown-timeout", args.shutdown_timeout),
+                        ("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
         if not value > 0 or value == float("inf"):
             raise VVSError(f"{name} must be a finite number of seconds > 0, got {value}")
+    if args.max_connections < 1:
+        raise VVSError(f"--max-connections must be an integer >= 1, got {args.max_connections}")
+    if api_key(args) == "":
+        raise VVSError(f"the API key (--api-key or ${API_KEY_ENV}) is empty")
     ray_only = [flag for flag, value in (("--num-replicas", args.num_replicas),
                                          ("--max-ongoing-requests", args.max_ongoing_requests),
                                          ("--max-queued-requests", args.max_queued_requests)) if value is not None]
@@ -54,7 +71,7 @@ def check_args(args, method_opts: dict, device: str) -> None:
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
                     t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
                     image_size=args.image_size, cli=True, vq_model=args.vq_model)
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
+    check_sampling_bounds(SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate())
     if args.method not in method_names():
         raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
     get_method_options(args.method, method_opts)
@@ -69,7 +86,7 @@ def build_server(args, method_opts: dict, device: str):
     from ..engine import Engine
     from ..sampling import SamplingParams
     from ..threads import apply_threads, default_threads
-    from .app import create_app
+    from .app import AppState, allowed_hosts_for, create_app
     from .schemas import Limits
     from .worker import EngineWorker
 
@@ -84,20 +101,34 @@ def build_server(args, method_opts: dict, device: str):
                           static=args.static_batches, compile=args.compile, model_name=name)
     c2i = engine.config.model_type == "c2i"
     warm_prompt = None if c2i else "a photo"
+    print(f"vvs-engine serve: {name} loaded; warming up (one image through every round kind)", file=sys.stderr,
+          flush=True)
     worker.start(warmup_label=0 if c2i else None, warmup_prompt=warm_prompt)
     class_names = []
     if c2i and args.gpt_ckpt is None and args.model_dir is None:
         from ..zoo import class_names as zoo_class_names
 
         class_names = zoo_class_names()
-    limits = Limits(engine, args.method, worker.options, defaults, name, args.max_n, args.request_timeout,
+    limits = Limits(engine, args.method, worker.options, defaults, name, max_n(args), args.request_timeout,
                     worker.scope, image_size=worker.image_size, class_names=class_names)
-    return worker, create_app(worker, limits), name
+    state = AppState(worker, limits, api_key=api_key(args), allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
+                     body_timeout_s=args.body_timeout)
+    return worker, create_app(state), name
 
 
 def queue_size(args) -> int:
     """Images that may wait for a row (``--queue-size``, default 4 x rows)."""
     return 4 * args.rows if args.queue_size is None else args.queue_size
+
+
+def max_n(args) -> int:
+    """Images per request at most (``--max-n``; default 16, or rows + queue size where that is less)."""
+    return min(DEFAULT_MAX_N, args.rows + queue_size(args)) if args.max_n is None else args.max_n
+
+
+def api_key(args):
+    """``--api-key``, else ``$VVS_API_KEY``, else None (no key)."""
+    return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -4,6 +4,12 @@ the images of every request; the asyncio front end hands it requests and cancell
 ``asyncio.Queue`` (``loop.call_soon_threadsafe``). Nothing here needs FastAPI: the front end could move
 to another process without touching the decoding side.
 
+The loop thread only launches rounds: a finished image's tokens are handed to an
+:class:`~vvs_engine.runtime.output.OutputWorker` (one thread, first in first out), which runs the VQ
+decoder on that image alone (the pixels never depend on what finished beside it), encodes the PNG and
+delivers it. Before, the decode and the PNG ran on the loop thread and stalled every row in flight
+(``benchmarks/serve_load.py --output-split`` measures both ways).
+
 A request of ``n`` images is ``n`` independent :class:`ImageJob` units: image ``j`` of a request with
 seed ``s`` draws its random numbers from ``(s, j)``, exactly as image ``j`` of ``vvs-engine generate
 --seed s`` does, so a request returns the images the offline command makes. Its images join the
@@ -12,20 +18,36 @@ running batch one by one as rows free up (a request with ``n > 1`` never waits f
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import io
+import math
 import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Callable, List, Optional
 
 import torch
 
+from ..engine import ImageSpec, check_batch_fits, check_method_fits
 from ..errors import VVSError
-from ..sampling import SamplingParams
+from ..runtime import loop
+from ..runtime.compiled import resolve as resolve_compile
+from ..runtime.output import OutputWorker
+from ..sampling import SamplingParams, SamplingScope
 from .metrics import ServerMetrics
 
 PROGRESS_INTERVAL_S = 0.25  # at most four progress events a second per image
+ROUND_EMA = 0.1  # weight of the newest loop iteration in the Retry-After estimate's round time
+RETRY_AFTER_MAX_S = 600
+
+
+def png_base64(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 class QueueFull(Exception):
@@ -49,17 +71,21 @@ class ImageJob:
     label: Optional[int]
     prompt: Optional[str]
     last_progress: float = 0.0
+    committed: int = 0  # tokens committed so far (the Retry-After estimate counts what is left)
 
 
 class Request:
     """A generation request as the engine thread sees it. Events to the front end (tuples):
-    ``("progress", j, committed)``, ``("image", j, PIL image, target forwards, extra counters)``,
-    ``("error", status, message)``. ``deliver`` is where they go (the front end's queue)."""
+    ``("progress", j, committed)``, ``("partial", j, partial index, PNG as base64)``, ``("image", j, PNG
+    as base64 or None, target forwards, token list, (width, height) or None)``, ``("error", status,
+    message)``. ``deliver`` is where they go (the front
+    end's queue); images are delivered from the output worker's thread."""
 
     def __init__(self, n: int, labels: Optional[List[int]], prompts: Optional[List[str]], seed: int,
-                 sampling: SamplingParams, deliver: Callable[[tuple], None]):
+                 sampling: SamplingParams, deliver: Callable[[tuple], None], partial_images: int = 0):
         self.id = f"img-{uuid.uuid4().hex}"
         self.n = n
+        self.partial_images = partial_images  # per image, 0-3 (OpenAI's streamed partial images)
         self.seed = seed
         self.sampling = sampling
         self.deliver = deliver
@@ -91,19 +117,30 @@ class RequestQueue:
     images, the set in flight, and cancellation. ``submit`` and ``cancel`` are called from the front
     end's thread, everything else from the engine thread; one condition variable guards it all."""
 
-    def __init__(self, engine, max_waiting_images: int, metrics: ServerMetrics, rows: int):
+    def __init__(self, engine, max_waiting_images: int, metrics: ServerMetrics, rows: int,
+                 output: Optional[OutputWorker] = None):
         self.engine = engine
         self.max_waiting = max_waiting_images
         self.rows = rows  # images the loop holds in flight at most (free ones take waiting images next round)
         self.metrics = metrics
         self.T = engine.tokens_per_image
+        self.output = output  # None: decode and encode on the loop thread (the old way, for the benchmark)
         self.cond = threading.Condition()
         self.waiting: deque = deque()
         self.in_flight: set = set()
         self.active: dict = {}  # request id -> Request (accepted, not finished)
         self.closed = False
         self.accepting = False  # from the end of warm-up until draining starts
-        self.done_times: deque = deque(maxlen=64)  # completion times of recent images (Retry-After)
+        # the Retry-After estimate: seconds per loop iteration (round, admission and collection) while
+        # busy, and tokens a row commits per round, both from what the loop did recently
+        self.iteration_s: Optional[float] = None
+        self.tokens_per_row_round = 1.0
+        self._last_round_end: Optional[float] = None
+        self._idled = True
+        # the benchmark's trace: (launch time, round seconds, live rows, images finished since the last round,
+        # the loop thread's CPU time then: unlike wall time, not stretched when a busy machine deschedules it)
+        self.trace: Optional[list] = None
+        self._finished_since_round = 0
 
     # --- the front end's side -------------------------------------------------------------------
     def submit(self, request: Request, internal: bool = False) -> None:
@@ -114,7 +151,7 @@ class RequestQueue:
             # free now take waiting images at the next round, so a burst into an idle server is not refused
             free_rows = max(0, self.rows - len(self.in_flight))
             if len(self.waiting) + request.n > self.max_waiting + free_rows and not internal:
-                raise QueueFull(self._retry_after())
+                raise QueueFull(self.retry_after_s())
             self.waiting.extend(request.jobs)
             if not internal:
                 self.active[request.id] = request
@@ -131,13 +168,22 @@ class RequestQueue:
             self.waiting = deque(job for job in self.waiting if job.request is not request)
             self.active.pop(request.id, None)
 
-    def _retry_after(self) -> int:
-        """Seconds until the waiting images would be served at the recent rate (at least 1)."""
-        times = self.done_times
-        if len(times) >= 2 and times[-1] > times[0]:
-            rate = (len(times) - 1) / (times[-1] - times[0])
-            return max(1, min(600, int(len(self.waiting) / rate + 0.999)))
-        return 5
+    def drain_estimate_s(self) -> Optional[float]:
+        """Seconds until the accepted images (in flight and waiting) are all decoded at the loop's
+        recent pace: tokens left / (rows x tokens a row commits per round) x seconds per loop
+        iteration. None before the loop has run busy."""
+        if self.iteration_s is None:
+            return None
+        with self.cond:
+            left = sum(max(0, self.T - job.committed) for job in self.in_flight) + self.T * len(self.waiting)
+        return left / (max(1, self.rows) * self.tokens_per_row_round) * self.iteration_s
+
+    def retry_after_s(self) -> int:
+        """Retry-After of a 429: when the work accepted now will have drained (at least 1 s)."""
+        estimate = self.drain_estimate_s()
+        if estimate is None:
+            return 5
+        return max(1, min(RETRY_AFTER_MAX_S, int(math.ceil(estimate))))
 
     def snapshot(self) -> dict:
         """Running/waiting requests and images (the metrics' gauges)."""
@@ -170,6 +216,7 @@ class RequestQueue:
             return jobs
 
     def wait(self) -> bool:
+        self._idled = True  # the next loop iteration's time includes waiting: not a decode pace
         with self.cond:
             while not self.waiting and not self.closed:
                 self.cond.wait()
@@ -189,37 +236,97 @@ class RequestQueue:
             request.first_token_at = now
             if request.id in self.active:
                 self.metrics.time_to_first_token.observe(now - request.created)
+        job.committed = committed
         if committed < self.T and now - job.last_progress < PROGRESS_INTERVAL_S:
             return
         job.last_progress = now
         if not request.cancelled:
             request.deliver(("progress", job.position, committed))
 
+    def partial_images(self, job: ImageJob) -> int:
+        """How many partial images the loop hands over for this image (asked when it is admitted)."""
+        decodes = self.engine.vq is not None and getattr(self.engine.vq, "can_decode", True)
+        return job.request.partial_images if decodes else 0
+
+    def partial(self, job: ImageJob, index: int, tokens: torch.Tensor, committed: torch.Tensor) -> None:
+        """On the loop thread: hand the committed tokens to the output worker, which decodes the partial
+        image (uncommitted positions grey) and delivers it before the image itself."""
+        request = job.request
+        if request.cancelled:
+            return
+
+        def deliver() -> None:
+            if not request.cancelled:
+                request.deliver(("partial", job.position, index,
+                                 png_base64(self.engine.partial_image(tokens, committed))))
+
+        if self.output is None:
+            deliver()
+        else:
+            self.output.submit(deliver, on_error=lambda e: self._image_failed(request, e))
+
     def finished(self, job: ImageJob, result: dict) -> None:
+        """On the loop thread: book-keeping only; the VQ decode, the PNG and the delivery go to the
+        output worker (or run here without one)."""
         request = job.request
         with self.cond:
             self.in_flight.discard(job)
-            self.done_times.append(time.monotonic())
+        self._finished_since_round += 1
         tokens = result["tokens"]
         passes = float(result["passes"])
         rounds = float(result["rounds"]) if "rounds" in result else passes
+        if rounds > 0:
+            self.tokens_per_row_round += ROUND_EMA * (self.T / rounds - self.tokens_per_row_round)
         self.metrics.image_done(self.T, passes, rounds)
         if request.cancelled:
             return
-        image = None
+
+        def deliver() -> None:
+            self._deliver_image(job, tokens, passes)
+
+        if self.output is None:
+            deliver()
+        else:
+            self.output.submit(deliver, on_error=lambda e: self._image_failed(request, e))
+
+    def _deliver_image(self, job: ImageJob, tokens: torch.Tensor, passes: float) -> None:
+        request = job.request
+        if request.cancelled:  # the client left while the image waited for the output worker
+            return
+        encoded = size = None
         if self.engine.vq is not None and getattr(self.engine.vq, "can_decode", True):
             # one image at a time: the fp32 tokenizer's rounding then never depends on which images
             # finished in the same round
             image = self.engine.decode_images(tokens[None])[0]
-        request.deliver(("image", job.position, image, passes, tokens))
-        request.images_done += 1
-        if request.images_done == request.n:
-            with self.cond:
+            encoded, size = png_base64(image), image.size
+        request.deliver(("image", job.position, encoded, passes, tokens.tolist(), size))
+        with self.cond:
+            request.images_done += 1
+            if request.images_done == request.n:
                 request.finished = True
                 self.active.pop(request.id, None)
 
+    def _image_failed(self, request: Request, error: BaseException) -> None:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        with self.cond:
+            if request.finished:
+                return
+            request.finished = request.cancelled = True
+            self.waiting = deque(job for job in self.waiting if job.request is not request)
+            self.active.pop(request.id, None)
+        request.deliver(("error", 500, f"decoding the image failed: {message}"))
+
     def round_done(self, kind: str, seconds: float, live_rows: int) -> None:
+        now = time.perf_counter()
         self.metrics.round_seconds.observe(seconds, kind=kind)
+        if self._last_round_end is not None and not self._idled and live_rows:
+            iteration = now - self._last_round_end
+            self.iteration_s = iteration if self.iteration_s is None else \
+                self.iteration_s + ROUND_EMA * (iteration - self.iteration_s)
+        if self.trace is not None:
+            self.trace.append((now - seconds, seconds, live_rows, self._finished_since_round, time.thread_time()))
+        self._finished_since_round = 0
+        self._last_round_end, self._idled = now, False
 
     def fail_all(self, status: int, message: str) -> None:
         """Every accepted request ends with an error (the engine thread died, or the drain timed out)."""
@@ -231,17 +338,16 @@ class RequestQueue:
 
 
 class EngineWorker:
-    """Owns the engine and its thread. ``start()`` loads nothing (the engine is given), builds the
-    method's decoder factory, starts the thread and decodes one warm-up image through the loop
-    (every round kind compiled and captured before that); ``ready`` is set when it is done."""
+    """Owns the engine, its thread and the output worker. ``start()`` loads nothing (the engine is
+    given), starts the threads and decodes one warm-up image through the loop (every round kind
+    compiled and captured before that); ``ready`` is set when it is done.
+
+    ``output_thread=False`` decodes and encodes finished images on the loop thread, as the server did
+    before the output worker (kept for ``benchmarks/serve_load.py --output-split``'s before/after)."""
 
     def __init__(self, engine, method: str, method_opts: dict, rows: int, defaults: SamplingParams,
                  max_waiting_images: int, static: bool = False, compile: Optional[bool] = None,
-                 cuda_graphs: Optional[bool] = None, model_name: str = "vvs-engine"):
-        from ..engine import check_batch_fits, check_method_fits
-        from ..runtime.compiled import resolve as resolve_compile
-        from ..sampling import SamplingScope
-
+                 cuda_graphs: Optional[bool] = None, model_name: str = "vvs-engine", output_thread: bool = True):
         self.engine = engine
         self.method = method
         self.defaults = defaults.validate()
@@ -257,17 +363,27 @@ class EngineWorker:
         self.use_graphs = engine.device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
         self.model_name = model_name
         self.metrics = ServerMetrics(model_name, method)
-        self.queue = RequestQueue(engine, max_waiting_images, self.metrics, rows)
+        self.output = OutputWorker("vvs-output", context=self._output_context) if output_thread else None
+        self.queue = RequestQueue(engine, max_waiting_images, self.metrics, rows, self.output)
         self.ready = threading.Event()
         self.image_size: Optional[tuple] = None  # (width, height) of the warm-up image
         self.error: Optional[BaseException] = None
         self.stats: dict = {}
         self.thread = threading.Thread(target=self._run, name="vvs-engine-loop", daemon=True)
 
+    @contextlib.contextmanager
+    def _output_context(self):
+        """The output thread's lasting context: inference mode, and on CUDA a side stream of its own, so
+        that its VQ decodes (of host tokens, with read-only weights) can overlap the loop's rounds."""
+        with torch.inference_mode():
+            if self.engine.device.type == "cuda":
+                with torch.cuda.device(self.engine.device), torch.cuda.stream(torch.cuda.Stream(self.engine.device)):
+                    yield
+            else:
+                yield
+
     @property
     def options(self) -> dict:
-        from dataclasses import asdict, is_dataclass
-
         return asdict(self.opts) if is_dataclass(self.opts) else {}
 
     def alive(self) -> bool:
@@ -277,21 +393,21 @@ class EngineWorker:
     def make_batch(self, jobs: list, pad_to: int):
         """Image j of a request with seed s is image index j of seed s, with the request's settings:
         what image j of ``vvs-engine generate --seed s`` is."""
-        from ..engine import ImageSpec
-
         specs = [ImageSpec(job.label, job.prompt, job.request.seed, job.position, job.request.sampling)
                  for job in jobs]
         return self.engine.image_batch(specs, pad_to, self.scope)
 
     # --- the thread -----------------------------------------------------------------------------
     def start(self, warmup_label: Optional[int] = 0, warmup_prompt: Optional[str] = None) -> None:
-        """Start the thread and decode one warm-up image; returns once the server can take requests."""
+        """Start the thread and decode one warm-up image; returns once the server can take requests.
+        (An interrupt while it waits propagates: the caller ends the process without joining the
+        engine thread, which may be inside a compiled round.)"""
         done = threading.Event()
         errors = []
 
         def deliver(event):
             if event[0] == "image":
-                self.image_size = event[2].size if event[2] is not None else None
+                self.image_size = event[5]
                 done.set()
             elif event[0] == "error":
                 errors.append(event[2])
@@ -313,8 +429,6 @@ class EngineWorker:
         self.ready.set()
 
     def _run(self) -> None:
-        from ..runtime import loop
-
         try:
             with torch.inference_mode():
                 self.stats = loop.serve(self.make_decoder, self.make_batch, self.queue, self.rows,
@@ -342,11 +456,22 @@ class EngineWorker:
                 if not self.queue.active:
                     return True
             time.sleep(0.05)
+        return not self.abort()
+
+    def abort(self) -> bool:
+        """Every accepted request ends now with a 503 (its rows are freed at the next round); True when
+        there was one."""
+        self.stop_accepting()
         with self.queue.cond:
             left = bool(self.queue.active)
         self.queue.fail_all(503, "the server is shutting down: the request was aborted")
-        return not left
+        return left
 
-    def close(self, join_timeout_s: float = 30.0) -> None:
+    def close(self, join_timeout_s: float = 30.0) -> bool:
+        """Stop the loop (after its current round) and the output worker; True when both threads ended."""
         self.queue.close()
         self.thread.join(join_timeout_s)
+        ended = not self.thread.is_alive()
+        if self.output is not None:
+            ended = self.output.close(join_timeout_s if ended else 0.5) and ended
+        return ended
