@@ -34,7 +34,6 @@ import torch
 from ..engine import ImageSpec, check_batch_fits, check_method_fits
 from ..errors import VVSError
 from ..runtime import loop
-from ..runtime.compiled import resolve as resolve_compile
 from ..runtime.output import OutputWorker
 from ..sampling import SamplingParams, SamplingScope
 from .metrics import ServerMetrics
@@ -359,8 +358,11 @@ class EngineWorker:
         check_batch_fits(engine.shape, self.opts, rows, rows, self.scope.use_cfg, engine.device, engine.dtype)
         self.rows = rows
         self.static = static
-        self.compile = resolve_compile(compile, engine.device)
-        self.use_graphs = engine.device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
+        # one resolution of compile / CUDA graphs for the API, the CLI and the server (Engine.run_config),
+        # and the engine's persistent core for this setting: a server and generate calls share its decoders
+        self.config = engine.run_config(compile, cuda_graphs)
+        self.compile, self.use_graphs = self.config.compile, self.config.cuda_graphs
+        self.core = engine.core(method, self.opts, self.scope, self.config, self.make_decoder)
         self.model_name = model_name
         self.metrics = ServerMetrics(model_name, method)
         self.output = OutputWorker("vvs-output", context=self._output_context) if output_thread else None
@@ -432,8 +434,7 @@ class EngineWorker:
         try:
             with torch.inference_mode():
                 self.stats = loop.serve(self.make_decoder, self.make_batch, self.queue, self.rows,
-                                        self.engine.tokens_per_image, static=self.static, compile=self.compile,
-                                        use_graphs=self.use_graphs)
+                                        self.engine.tokens_per_image, static=self.static, core=self.core)
         except BaseException as e:  # the front end turns this into 503s and /health says so
             self.error = e
             self.queue.fail_all(500, f"the engine stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
