@@ -431,9 +431,9 @@ class Engine:
                                source=source)
         finally:
             if output is not None:
-                output.shutdown(wait=True)  # every partial delivered (or its error raised below)
-        if output is not None and source.errors:
-            raise source.errors[0]
+                output.close()  # every partial delivered (or its error raised below)
+        if output is not None and output.errors:
+            raise output.errors[0]
         if bar is not None:
             bar.close()
         tokens = out.tokens
@@ -511,20 +511,16 @@ class Engine:
         side = self.partial_grid()[0]
         points = partial_points(count, T) if count else \
             [k * T // side for k in range(every, side, every)] if every else []
-        from concurrent.futures import ThreadPoolExecutor
+        from .runtime.output import OutputWorker
 
-        output = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vvs-output")
-        source = FixedImages(n, lambda image: points)
-        source.errors = []
+        output = OutputWorker("vvs-output", context=torch.inference_mode)
 
         def decode(image, index, tokens, committed):
-            try:
-                on_partial(PartialImage(image, index, tokens, committed, self.partial_image(tokens, committed)))
-            except BaseException as err:  # delivered to the caller when generate returns
-                source.errors.append(err)
+            on_partial(PartialImage(image, index, tokens, committed, self.partial_image(tokens, committed)))
 
-        # the loop thread only hands the tokens over; the VQ decode runs on the output thread
-        source._on_partial = lambda *args: output.submit(decode, *args)
+        # the loop thread only hands the tokens over; the VQ decode runs on the output thread, in order
+        source = FixedImages(n, lambda image: points,
+                             lambda *args: output.submit(lambda: decode(*args)))
         return source, output
 
     def partial_grid(self):
