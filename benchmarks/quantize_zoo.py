@@ -7,9 +7,9 @@ classifier's feature space), the sharpest measure is
     D = E_x[ NLL_p(x_t | x_<t) - H(p(. | x_<t)) ]  (per token, averaged over the tokens of each image)
 
 with p the full-precision target's CFG-combined distribution (``Engine.score``) and x the row's samples:
-for samples of p itself E[D] = 0 exactly (the AR fp32 row is the control: its D is sampling noise), and a
-row whose distribution departs from p has D > 0 (it places tokens where p puts less mass than p's own
-samples do). The row "target + drafter int8" quantizes both (EAGLE-2 is lossless w.r.t. its target, so
+for samples of p itself E[D] = 0 exactly (the fp32 rows are the controls: their D is sampling noise), and a
+row whose distribution departs from p has D != 0 (> 0 where it places tokens where p puts less mass than
+p's own samples do, < 0 where it is sharper than p). The row "target + drafter int8" quantizes both (EAGLE-2 is lossless w.r.t. its target, so
 its D measures the quantized target's distribution too); acceptance and TPF show what the quantized
 drafter and target change for a drafter method (EAGLE-2) and a Jacobi method (SJD).
 
@@ -91,9 +91,9 @@ def quality_rows(full: Engine, quant: Engine, per_class: int, batch: int, seed: 
     from vvs_engine.evaluation.quality import class_accuracy, fd_classifier
 
     labels = [c for c in range(16) for _ in range(per_class)]
-    d_ar = None
+    d_full = {}  # method -> the fp32 row's per-image D, to pair the quantized row with
     rows = []
-    for name, eng, method in (("AR fp32 (control)", full, "ar"), ("AR, target int8", quant, "ar"),
+    for name, eng, method in (("AR fp32", full, "ar"), ("AR, target int8", quant, "ar"),
                               ("EAGLE-2 fp32", full, "eagle"), ("EAGLE-2, target + drafter int8", quant, "eagle"),
                               ("SJD fp32", full, "sjd"), ("SJD, target int8", quant, "sjd")):
         t0 = time.perf_counter()
@@ -105,12 +105,11 @@ def quality_rows(full: Engine, quant: Engine, per_class: int, batch: int, seed: 
                "tpf": out.stats["tpf"], "mean_accepted_length": out.stats.get("mean_accepted_length"),
                "class_accuracy": class_accuracy(out.images, labels), "fd_classifier": fd_classifier(out.images),
                "D": dm, "D_se": dse, "wall_s": wall}
-        if method == "ar":
-            if d_ar is None:
-                d_ar = d
-            else:  # paired with the control image by image
-                diff = [a - b for a, b in zip(d, d_ar)]
-                row["D_minus_control"], row["D_minus_control_se"] = mean_se(diff)
+        if eng is full:
+            d_full[method] = d
+        else:  # paired image by image with the fp32 row of the same method (same labels, same seeds)
+            diff = [a - b for a, b in zip(d, d_full[method])]
+            row["D_minus_fp32"], row["D_minus_fp32_se"] = mean_se(diff)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -133,16 +132,17 @@ def write_md(path: str, res: dict) -> None:
               "torchao's int8 weight-only matmul dequantizes the weight, so it saves bytes, not time; a GPU "
               "decode, bound by reading the weights, is where fewer bytes pay (not measured here).", "",
               "## Quality, paired with AR (same labels and seeds)", "",
-              "| row | images | TPF | mean accepted | class acc. | FD (classifier) | D (± s.e.) | D − control, paired |",
+              "| row | images | TPF | mean accepted | class acc. | FD (classifier) | D (± s.e.) | D − fp32 row, paired |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["quality"]:
         mal = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") else "–"
-        paired = (f"{r['D_minus_control']:+.4f} ± {r['D_minus_control_se']:.4f}" if "D_minus_control" in r else "–")
+        paired = (f"{r['D_minus_fp32']:+.4f} ± {r['D_minus_fp32_se']:.4f}" if "D_minus_fp32" in r else "–")
         lines.append(f"| {r['name']} | {r['images']} | {r['tpf']:.2f} | {mal} | {r['class_accuracy']:.3f} | "
                      f"{r['fd_classifier']:.2f} | {r['D']:+.4f} ± {r['D_se']:.4f} | {paired} |")
     lines += ["", "D = E[NLL − entropy] per token of the row's samples under the full-precision target (CFG 4): "
-              "0 for the target's own samples (the control's value is its sampling noise); > 0 where the "
-              "sampled distribution departs from the target's. The quantized rows' int8 is of fp32 weights "
+              "0 in expectation for the target's own samples (the fp32 rows: AR, and EAGLE-2 and SJD, which are "
+              "lossless; their values are sampling noise); != 0 where the sampled distribution departs from the "
+              "target's (> 0: more spread than the target; < 0: sharper). The last column pairs each quantized row with the fp32 row of its method image by image. The quantized rows' int8 is of fp32 weights "
               "(the CPU computes in fp32).", ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -156,7 +156,12 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quantize_zoo"))
+    ap.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json")
     args = ap.parse_args(argv)
+    if args.report_only:
+        with open(args.out + ".json") as f:
+            write_md(args.out + ".md", json.load(f))
+        return
     torch.set_num_threads(1)
     import torchao
 
