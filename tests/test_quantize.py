@@ -103,6 +103,19 @@ def test_quantized_tokens_are_deterministic(mode):
     assert len(set(runs[0][0].flatten().tolist())) > 8  # sampled, not degenerate
 
 
+@pytest.mark.parametrize("method", ["ar", "sjd"])
+def test_quantized_tokens_do_not_depend_on_batch_mates(method):
+    """An image decoded alone or among others gets the same sampled tokens (fp32: as for an unquantized
+    fp32 model, a near-tie could in principle flip where a matmul rounds differently; docs/batching.md)."""
+    eng = tiny_engine(vocab=64, block=16, dtype=torch.float32, peak=3.0).quantize_weights("int8")
+    labels = [0, 1, 2, 3, 4, 0]
+    together = eng.generate(class_labels=labels, method=method, seed=5, decode_images=False, batch_size=6).tokens
+    alone = torch.cat([eng.generate(class_labels=[lab], method=method, seed=5, image_indices=[i], decode_images=False,
+                                    batch_size=1).tokens for i, lab in enumerate(labels)])
+    assert torch.equal(together, alone)
+    assert not torch.equal(together[0], together[5])  # same label, another image index: other tokens
+
+
 def test_compiled_quantized_round_equals_eager(monkeypatch):
     import torch._inductor.config as inductor_config
 
