@@ -75,6 +75,8 @@ setup(
         # ingress app are Ray 2.60's); the plain install needs none of it
         "ray": ["ray[serve]>=2.60"],
         "serve": ["fastapi>=0.100", "uvicorn>=0.29", "httpx"],  # vvs-engine serve (httpx: its tests' client)
+        # --quantize int8|fp8|int4: torchao 0.18 is the release built for torch 2.13 (checked on the CPU with 2.13.0)
+        "quantize": ["torchao>=0.18,<0.19"],
     },
     entry_points={"console_scripts": ["vvs-engine=vvs_engine.cli:main"]},
     ext_modules=ext_modules,

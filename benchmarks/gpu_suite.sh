@@ -19,7 +19,8 @@
 #      round kind's replay time per method at XL shape (benchmarks/round_replay.py); gpu_launches: kernels
 #      per compiled-round replay on the Zoo, counted by the profiler (benchmarks/gpu_launches.py)
 #   7. tests       the GPU tests, one process per file (a device-side assert cannot poison the others)
-#   8. the other kernel microbenchmarks (--quick), then the GPT-7B replay if time is left
+#   8. the other kernel microbenchmarks (--quick), quantized weights vs bf16 (benchmarks/quantize_gpu.py),
+#      then the GPT-7B replay if time is left
 # Every table carries its command and date. What comes back ($OUT, at most 8 files): suite.log,
 # summary.md (every table, concatenated) and results.tar.gz (everything under $RES, test logs included).
 set -uo pipefail
@@ -158,6 +159,10 @@ cat "$RES/tests/summary.txt" >> "$LOG" 2>/dev/null
 for b in bench_tree_verify bench_relaxed_acceptance bench_tree_ops bench_kv_compact; do
   step "$b" 20 python "benchmarks/kernels/$b.py" --quick --no-plot --out "$RES/kernels"
 done
+# quantized weights (torchao) vs bf16: AR decode time at the GPT-XL shape, each mode compiled (needs torchao)
+QG_FLAGS="--gpt-model GPT-XL --image-size 384 --images 1 --device $DEV --dtype bf16"
+[ "$DRY" = 1 ] && QG_FLAGS="--gpt-model GPT-B --image-size 32 --images 1 --device cpu --dtype fp32 --modes none,int8"
+step quantize_gpu 120 python benchmarks/quantize_gpu.py $QG_FLAGS --out "$RES/quantize_gpu"
 step e2e_replay_7b 60 python benchmarks/e2e.py --replay "$TRACE" $E2E_FLAGS --repeats 1 --settings "$REPLAYED" \
   --replay-models "$REPLAY_7B" --out "$RES" --tag replay_7b --no-plot
 [ -n "$BUILD_PID" ] && kill "$BUILD_PID" 2>/dev/null
@@ -169,7 +174,7 @@ step e2e_replay_7b 60 python benchmarks/e2e.py --replay "$TRACE" $E2E_FLAGS --re
   echo "$(git log -1 --format='Commit %h: %s' 2>/dev/null)"; echo
   cat "$STEPS"; echo
   echo "## tests (one process per file)"; echo '```'; cat "$RES/tests/summary.txt" 2>/dev/null; echo '```'
-  for f in "$RES"/ar_graph_step.md "$RES"/round_replay.md "$RES"/gpu_launches.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
+  for f in "$RES"/ar_graph_step.md "$RES"/round_replay.md "$RES"/gpu_launches.md "$RES"/quantize_gpu.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
   for f in "$RES"/ar_decode_eager.json; do
     [ -f "$f" ] && { echo; echo "## AR step, eager ($(basename "$f"))"; echo '```'
       python -c "import json,sys; r=json.load(open(sys.argv[1])); print('\n'.join(f'{k}: {r[k]}' for k in ('command','gpt_model','dtype','device_name','batch_rows','step_ms_median','step_ms_p10','step_ms_p90','achieved_gbps','fraction_of_peak','e2e_generate','timestamp') if k in r))" "$f"

@@ -93,6 +93,9 @@ def build_parser() -> Parser:
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (= cuda when available; default)")
     m.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or fp64 (default fp32; fp64: slow, but no batch "
                                                      "composition changes an image's tokens)")
+    m.add_argument("--quantize", default="none", metavar="MODE",
+                   help="none, int8, fp8 or int4: the target's and drafter's linear weights quantized at load, "
+                        "weight-only, through torchao (default none; int4 needs CUDA and bf16; docs/quantization.md)")
 
     c = g.add_argument_group("conditions")
     c.add_argument("--class-labels", default=None, metavar="L1,L2,...",
@@ -299,7 +302,9 @@ def cmd_generate(args) -> int:
     if args.batch_size < 1:
         raise VVSError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     device = str(resolve_device(pick_device(args.device)))
-    resolve_dtype(args.dtype)
+    from .models.quantize import check_quantize
+
+    check_quantize(args.quantize, device, resolve_dtype(args.dtype), flag="--quantize")
     from .methods import method_names
 
     if args.method not in method_names():
@@ -330,7 +335,7 @@ def cmd_generate(args) -> int:
     engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
                          device=device, dtype=args.dtype, t5_path=args.t5_path, model_dir=args.model_dir,
-                         max_prompt_tokens=args.max_prompt_tokens, threads=threads)
+                         max_prompt_tokens=args.max_prompt_tokens, threads=threads, quantize=args.quantize)
     if prompts is not None:
         enc = engine.caption_encoder
         if engine.config.model_type == "t2i" and enc is not None and enc.dim != engine.config.caption_dim:

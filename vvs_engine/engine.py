@@ -173,6 +173,7 @@ class Engine:
         self.device, self.dtype = p.device, p.dtype
         self._codebook_cache = {}
         self._cores = {}  # (method, options, sampling scope, compile, graphs) -> runtime.core.DecodeCore
+        self.quantization = "none"  # quantize_weights() sets it
 
     # --- loading ------------------------------------------------------------------------------
     @classmethod
@@ -180,7 +181,7 @@ class Engine:
              vq_model: str = "VQ-16", image_size: Optional[int] = None, drafter: Optional[str] = None,
              device="cpu", dtype="fp32", t5_path: Optional[str] = None, model_dir: Optional[str] = None,
              max_prompt_tokens: Optional[int] = None, threads: Optional[int] = None,
-             model: Optional[str] = None) -> "Engine":
+             model: Optional[str] = None, quantize: Optional[str] = None) -> "Engine":
         """Load a target (official LlamaGen file or the project's safetensors), optionally a VQ tokenizer
         and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used.
         ``model``: a Zoo target by name instead, ``zoo-gpt`` (the default) or ``zoo-gpt-32`` (32x32
@@ -189,10 +190,14 @@ class Engine:
         its prompts are left-padded to ``max_prompt_tokens`` (default 128); ``image_size`` (pixels)
         sets the Lumina-mGPT/Emu3 image. ``threads``: torch's CPU threads, set here for the whole
         process; default: the CLI's (``$OMP_NUM_THREADS``, else half the cores, at most 4), unless you
-        already called ``torch.set_num_threads`` after importing vvs_engine (then yours is kept)."""
+        already called ``torch.set_num_threads`` after importing vvs_engine (then yours is kept).
+        ``quantize``: ``none`` (default), ``int8``, ``fp8`` or ``int4``: the target's and drafter's linear
+        weights quantized at load through torchao (weight-only; docs/quantization.md)."""
+        from .models.quantize import check_quantize
         from .threads import apply_threads
 
         device, dtype = resolve_device(device), resolve_dtype(dtype)
+        quantize = check_quantize(quantize, device, dtype)
         from . import zoo
 
         gpt_ckpt, vq_ckpt, drafter = zoo.resolve_model(model, gpt_ckpt, vq_ckpt, drafter, model_dir)
@@ -211,7 +216,7 @@ class Engine:
 
                 dr = load_drafter(drafter, target)
             info["drafter"] = drafter
-            return cls(target, image_decoder, dr, None, info).to(device, dtype)
+            return cls(target, image_decoder, dr, None, info).quantize_weights(quantize, device, dtype).to(device, dtype)
         if model is not None:
             info["model"] = model
         elif gpt_ckpt is None:
@@ -234,11 +239,37 @@ class Engine:
 
             enc = CaptionEncoder(t5_path, gpt.config.cls_token_num)
         eng = cls(gpt, vq, dr, enc, info)
-        return eng.to(device, dtype)
+        return eng.quantize_weights(quantize, device, dtype).to(device, dtype)
+
+    def quantize_weights(self, mode: str, device=None, dtype=None) -> "Engine":
+        """Quantize the target's and the drafter's linear weights in place (``mode``: int8, fp8, int4;
+        ``none`` does nothing), weight-only, through torchao; the VQ decoder keeps its dtype. With
+        ``device`` / ``dtype`` the weights are cast first and each layer moves to the device just before it
+        is quantized (a model too large for the device in full precision still loads)."""
+        from .models.quantize import check_quantize, quantize_module
+
+        device = resolve_device(device) if device is not None else self.device
+        dtype = resolve_dtype(dtype) if dtype is not None else self.dtype
+        mode = check_quantize(mode, device, dtype)
+        if mode == "none":
+            return self
+        check(self.quantization == "none", f"the weights are already quantized ({self.quantization})")
+        for model in (self.gpt, self.drafter):
+            if model is not None:
+                model.to(dtype=dtype)
+                quantize_module(model, mode, device)
+        self.dtype = dtype
+        self.quantization = mode
+        self.info["quantize"] = mode
+        self._cores = {}  # kept decoders and their compiled rounds were built over the old weights
+        return self
 
     def to(self, device, dtype=None) -> "Engine":
         device = resolve_device(device)
         dtype = resolve_dtype(dtype) if dtype is not None else self.dtype
+        check(self.quantization == "none" or dtype == self.dtype,
+              f"the weights are quantized ({self.quantization}) for {str(self.dtype).replace('torch.', '')}: load "
+              f"again to compute in another dtype")
         self.gpt.to(device=device, dtype=dtype)
         if self.vq is not None:
             self.vq.to(device=device)  # the tokenizer stays fp32: decoding is a small share of the work
@@ -460,6 +491,7 @@ class Engine:
             {"per_image": [x.to_dict() for x in settings]}
         stats["seed"] = seed if not isinstance(seed, (list, tuple)) else list(seeds)
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
+        stats["quantize"] = self.quantization
         from .kernels.flash import describe
 
         # prompts are the conditions that carry a caption key mask

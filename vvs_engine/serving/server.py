@@ -75,8 +75,9 @@ def check_args(args, method_opts: dict, device: str) -> None:
     if args.method not in method_names():
         raise VVSError(f"unknown method '{args.method}'; known: {', '.join(method_names())}")
     get_method_options(args.method, method_opts)
-    resolve_device(device)
-    resolve_dtype(args.dtype)
+    from ..models.quantize import check_quantize
+
+    check_quantize(args.quantize, resolve_device(device), resolve_dtype(args.dtype), flag="--quantize")
 
 
 def build_server(args, method_opts: dict, device: str):
@@ -94,7 +95,8 @@ def build_server(args, method_opts: dict, device: str):
     engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
                          device=device, dtype=args.dtype, t5_path=args.t5_path,
-                         model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens, threads=threads)
+                         model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens, threads=threads,
+                         quantize=args.quantize)
     defaults = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale)
     name = _model_name(args)
     worker = EngineWorker(engine, args.method, method_opts, args.rows, defaults, queue_size(args),
