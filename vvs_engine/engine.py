@@ -19,6 +19,7 @@ import torch
 from .checkpoint import config_path, load_into, read_project_config, read_state_dict
 from .errors import VVSError, check
 from .models.gpt import GPT, GPT_PRESETS, GPTConfig, checked_gpt_config, gpt_config
+from .models.invariant import set_batch_invariant
 from .models.vq import VQ_PRESETS, VQConfig, VQModel, checked_vq_config, to_uint8
 from .sampling import RowSettings, SamplingParams, SamplingScope
 from .runtime.target import TargetSession
@@ -135,6 +136,24 @@ def _per_image(name: str, value, n: int) -> list:
     return [value] * n
 
 
+def _deterministic_per_call(generate):
+    """``generate(..., deterministic=None)``: True / False switch batch-invariant decoding for this
+    call only (the engine's setting is restored after it)."""
+    import functools
+
+    @functools.wraps(generate)
+    def call(self, *args, deterministic: Optional[bool] = None, **kwargs):
+        if deterministic is None or bool(deterministic) == self.deterministic:
+            return generate(self, *args, **kwargs)
+        before = self.deterministic
+        self.set_deterministic(bool(deterministic))
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            self.set_deterministic(before)
+    return call
+
+
 class Engine:
     def __init__(self, gpt: GPT, vq: Optional[VQModel] = None, drafter=None, caption_encoder=None,
                  info: Optional[dict] = None):
@@ -146,6 +165,16 @@ class Engine:
         p = next(gpt.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._codebook_cache = {}
+        self.set_deterministic(False)
+
+    # --- batch invariance (issue 53; docs/batching.md, *Batch-invariant mode*) -------------------
+    def set_deterministic(self, on: bool = True) -> "Engine":
+        """Batch-invariant decoding on or off for this engine's later calls: every GEMM of the target
+        and drafter computes each row as in any batch (``models.invariant``) and the tokenizer decodes
+        one image at a time, so an image's tokens and pixels do not depend on its batch-mates."""
+        self.deterministic = bool(on)
+        set_batch_invariant(self.deterministic, self.gpt, self.drafter)
+        return self
 
     # --- loading ------------------------------------------------------------------------------
     @classmethod
@@ -153,7 +182,7 @@ class Engine:
              vq_model: str = "VQ-16", image_size: Optional[int] = None, drafter: Optional[str] = None,
              device="cpu", dtype="fp32", t5_path: Optional[str] = None, model_dir: Optional[str] = None,
              max_prompt_tokens: Optional[int] = None, threads: Optional[int] = None,
-             model: Optional[str] = None) -> "Engine":
+             model: Optional[str] = None, deterministic: bool = False) -> "Engine":
         """Load a target (official LlamaGen file or the project's safetensors), optionally a VQ tokenizer
         and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used.
         ``model``: a Zoo target by name instead, ``zoo-gpt`` (the default) or ``zoo-gpt-32`` (32x32
@@ -162,7 +191,8 @@ class Engine:
         its prompts are left-padded to ``max_prompt_tokens`` (default 128); ``image_size`` (pixels)
         sets the Lumina-mGPT/Emu3 image. ``threads``: torch's CPU threads, set here for the whole
         process; default: the CLI's (``$OMP_NUM_THREADS``, else half the cores, at most 4), unless you
-        already called ``torch.set_num_threads`` after importing vvs_engine (then yours is kept)."""
+        already called ``torch.set_num_threads`` after importing vvs_engine (then yours is kept).
+        ``deterministic``: batch-invariant decoding (:meth:`set_deterministic`), off by default."""
         from .threads import apply_threads
 
         device, dtype = resolve_device(device), resolve_dtype(dtype)
@@ -184,7 +214,7 @@ class Engine:
 
                 dr = load_drafter(drafter, target)
             info["drafter"] = drafter
-            return cls(target, image_decoder, dr, None, info).to(device, dtype)
+            return cls(target, image_decoder, dr, None, info).to(device, dtype).set_deterministic(deterministic)
         if model is not None:
             info["model"] = model
         elif gpt_ckpt is None:
@@ -207,7 +237,7 @@ class Engine:
 
             enc = CaptionEncoder(t5_path, gpt.config.cls_token_num)
         eng = cls(gpt, vq, dr, enc, info)
-        return eng.to(device, dtype)
+        return eng.to(device, dtype).set_deterministic(deterministic)
 
     def to(self, device, dtype=None) -> "Engine":
         device = resolve_device(device)
@@ -305,6 +335,7 @@ class Engine:
         make, opts = get_method(method, self, dict(method_opts))
         return (lambda batch: make(self, batch, scope, opts)), opts
 
+    @_deterministic_per_call
     def generate(self, class_labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
                  method: str = "ar", temperature=1.0, top_k=0, top_p=1.0, cfg_scale=4.0, seed=0,
                  decode_images: bool = True, progress: bool = False,
@@ -327,7 +358,8 @@ class Engine:
         comparison; the same tokens, to the extent just said). ``seed``, ``temperature``, ``top_k``,
         ``top_p`` and ``cfg_scale`` take one value for every image or a list with one per image: images
         with different settings share the batch, each decoded as it would be alone. ``on_images(k)``: called
-        as k more images finish."""
+        as k more images finish. ``deterministic``: batch-invariant decoding for this call (None: the
+        engine's setting, :meth:`set_deterministic`)."""
         from .methods import get_method
         from .runtime.compiled import resolve as resolve_compile
         from .methods.common import retire_finished
@@ -443,6 +475,8 @@ class Engine:
         limit = min(self.vq.config.codebook_size, self.config.vocab_size)
         check(tokens.numel() == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < limit),
               f"token ids must lie in [0, {limit}) (the tokenizer's codebook)")
+        if self.deterministic:  # a convolution's bits depend on the batch: one image at a time
+            batch = 1
         out = []
         for i in range(0, tokens.shape[0], batch):
             imgs = to_uint8(self.vq.decode(tokens[i:i + batch].to(self.device)))
