@@ -77,7 +77,8 @@ def build_server(args, method_opts: dict, device: str):
     engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
                          device=device, dtype=args.dtype, t5_path=args.t5_path,
-                         model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens, threads=threads)
+                         model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens, threads=threads,
+                         deterministic=getattr(args, "deterministic", None) is not False)  # on unless --no-deterministic
     defaults = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale)
     name = _model_name(args)
     worker = EngineWorker(engine, args.method, method_opts, args.rows, defaults, queue_size(args),
