@@ -3,13 +3,13 @@ per method, dtype and batch size, on the Zoo model, in one run (the two modes in
 
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/batch_invariance_cost.py      # writes benchmarks/results/batch_invariance_cost_zoo_cpu.{md,json}
     OMP_NUM_THREADS=1 python benchmarks/batch_invariance_cost.py --methods ar,sjd --dtypes fp32 --settings 1:1
-    OMP_NUM_THREADS=1 python benchmarks/batch_invariance_cost.py --probe        # MKL's GEMM row-count classes only
+    OMP_NUM_THREADS=1 python benchmarks/batch_invariance_cost.py --probe        # the GEMM row-count probe: ..._gemm_probe.{md,json}
 
 Each setting (``batch:images``) decodes the same images (labels 0..n-1, seed 0, temperature 1, CFG 4,
 to pixels) with the mode off and on, alternately ``--repeats`` times, and keeps the fastest wall time
 of each (the machine may be shared: the minimum is the least disturbed run); the ratio is on / off.
-It also prints, for each GEMM shape of the Zoo, the row counts M below which a row's bits change
-(MKL's kernel classes; ``--probe`` prints only these). Whether the tokens agree is
+``--probe`` measures instead, for each GEMM shape of the Zoo, up to which row count M a row's bits
+change with M (MKL's kernel classes: why the mode pads to 16 rows). Whether the tokens agree is
 ``benchmarks/batch_identity.py --deterministic``'s and the tests' business.
 Where the cost comes from: a GEMM of fewer than 16 rows is padded to 16 (AR at batch 1 runs 2-row
 GEMMs: up to 8x the GEMM work) and bf16 GEMMs run in fp32; the tokenizer decodes one image at a time.
@@ -78,8 +78,6 @@ def table(result: dict) -> str:
 def write(result: dict, stem: str) -> None:
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    probe_lines = [f"| {p['dtype']} | {p['K']} x {p['N']} | {p['threads']} | {p['max_differing_M'] or 'none'} |"
-                   for p in result.get("probe", [])]
     with open(stem + ".md", "w") as f:
         f.write("# Batch-invariant decoding: cost on the CPU (Zoo model)\n\n")
         f.write(f"Written by `{result['command']}` on {result['date']} ({result['machine']}, torch "
@@ -88,13 +86,23 @@ def write(result: dict, stem: str) -> None:
         f.write("Each row: `images` Zoo images (labels 0.., seed 0, temperature 1, CFG 4, decoded to pixels) at "
                 "`batch` rows. `on / off`: wall time with `deterministic=True` over without.\n\n")
         f.write(table(result) + "\n")
-        if probe_lines:
-            f.write("\nThe plain GEMM's row-count dependence (row counts M = 1..69, 100, 128, 200, 256, 300, 512, "
-                    "1000 at three row offsets, each against a 1100-row GEMM): the largest M at which some row's bits "
-                    "differ. fp32: every M above it agrees (the mode pads to 16 rows); bf16 (oneDNN): no such floor "
-                    "for K >= 512 (the mode computes bf16 GEMMs in fp32).\n\n"
-                    "| dtype | K x N | threads | largest differing M |\n|---|---|---:|---:|\n")
-            f.write("\n".join(probe_lines) + "\n")
+
+
+def write_probe(result: dict, stem: str) -> None:
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    probe_lines = [f"| {p['dtype']} | {p['K']} x {p['N']} | {p['threads']} | {p['max_differing_M'] or 'none'} |"
+                   for p in result["probe"]]
+    with open(stem + ".md", "w") as f:
+        f.write("# GEMM rounding against the row count (CPU)\n\n")
+        f.write(f"Written by `{result['command']}` on {result['date']} ({result['machine']}, torch "
+                f"{result['torch']}).\n")
+        f.write("\nThe plain GEMM's row-count dependence (row counts M = 1..69, 100, 128, 200, 256, 300, 512, "
+                "1000 at three row offsets, each against a 1100-row GEMM): the largest M at which some row's bits "
+                "differ. fp32: every M above it agrees (the mode pads to 16 rows); bf16 (oneDNN): no such floor "
+                "for K >= 512 (the mode computes bf16 GEMMs in fp32).\n\n"
+                "| dtype | K x N | threads | largest differing M |\n|---|---|---:|---:|\n")
+        f.write("\n".join(probe_lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -107,16 +115,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(RESULTS, "batch_invariance_cost_zoo_cpu"))
     args = ap.parse_args(argv)
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    probes = probe(1) + probe(2)
-    torch.set_num_threads(threads)
-    for p in probes:
-        print(p)
-    if args.probe:
-        return 0
     result = {"command": "OMP_NUM_THREADS=1 nice -n 19 python benchmarks/batch_invariance_cost.py "
                          + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
-              platform.machine(), "torch": torch.__version__, "threads": threads, "probe": probes, "rows": []}
+              platform.machine(), "torch": torch.__version__, "threads": threads, "rows": []}
+    if args.probe:
+        result["probe"] = probe(1) + probe(2)
+        for p in result["probe"]:
+            print(p)
+        write_probe(result, args.out + "_gemm_probe")
+        return 0
     settings = [tuple(int(v) for v in s.split(":")) for s in args.settings.split(",")]
     for dtype in args.dtypes.split(","):
         eng = Engine.load(dtype=dtype, threads=threads)

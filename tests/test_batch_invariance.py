@@ -174,3 +174,28 @@ def test_an_images_pixels_do_not_depend_on_what_it_is_decoded_with(engines):
     alone = eng.decode_images(tokens[:1])
     assert np.array_equal(np.asarray(alone[0]), np.asarray(together[0]))
     assert not np.array_equal(np.asarray(together[1]), np.asarray(together[0]))  # different images
+
+
+def test_the_server_returns_generates_images_in_fp32():
+    """The issue's case: ``vvs-engine serve --method sjd-pac`` (fp32, batch-invariant by default) returns
+    for class 3, n 2, seed 11 the tokens and PNGs that ``generate --deterministic`` makes offline for
+    the same request (before the mode: 1 of the 2 images)."""
+    pytest.importorskip("fastapi", reason="the server test needs the [serve] extra (fastapi, uvicorn)")
+    import httpx
+    from serve_utils import ServerProcess, png_pixels
+
+    from vvs_engine import Engine
+
+    proc = ServerProcess(["--method", "sjd-pac", "--rows", "4", "--dtype", "fp32", "--request-timeout", "300"])
+    try:
+        with httpx.Client(base_url=proc.url, timeout=300) as client:
+            r = client.post("/v1/images/generations", json={"class_label": 3, "n": 2, "seed": 11, "return_tokens": True})
+        assert r.status_code == 200, r.text
+        served = r.json()["data"]
+    finally:
+        proc.kill()
+    offline = Engine.load(dtype="fp32", threads=1, deterministic=True).generate(
+        class_labels=[3, 3], method="sjd-pac", seed=11)
+    for j, item in enumerate(served):
+        assert item["tokens"] == offline.tokens[j].tolist(), j
+        assert np.array_equal(png_pixels(item["b64_json"]), np.asarray(offline.images[j].convert("RGB"))), j
