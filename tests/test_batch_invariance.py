@@ -205,3 +205,15 @@ def test_the_server_returns_generates_images_in_fp32():
     for j, item in enumerate(served):
         assert item["tokens"] == offline.tokens[j].tolist(), j
         assert np.array_equal(png_pixels(item["b64_json"]), np.asarray(offline.images[j].convert("RGB"))), j
+
+
+def test_the_flags():
+    """``generate --deterministic`` (default off) and ``serve --no-deterministic`` (default on: the
+    server passes ``deterministic=True`` unless the flag says False)."""
+    from vvs_engine.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--class-labels", "1", "--deterministic"]).deterministic is True
+    assert parser.parse_args(["generate", "--class-labels", "1"]).deterministic is None
+    assert parser.parse_args(["serve"]).deterministic is None
+    assert parser.parse_args(["serve", "--no-deterministic"]).deterministic is False
