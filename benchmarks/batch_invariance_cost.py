@@ -40,14 +40,14 @@ def probe(threads: int) -> list:
     """For each Zoo GEMM shape and dtype: groups of row counts M whose row 0 has the same bits, and
     the smallest M from which every row (any position) equals a 1000-row GEMM's."""
     torch.set_num_threads(threads)
-    ms = list(range(1, 70)) + [100, 128, 200, 256, 300, 512, 1000]
+    ms = list(range(1, 21)) + [24, 32, 48, 64, 100, 128, 200, 256, 300, 512, 1000]
     out = []
     for dtype in (torch.float32, torch.bfloat16):
         for k, n in ZOO_GEMMS:
             g = torch.Generator().manual_seed(0)
             w, x = (torch.randn(n, k, generator=g) * 0.05).to(dtype), torch.randn(1100, k, generator=g).to(dtype)
             ref = torch.nn.functional.linear(x, w)
-            failing = [m for m in ms for s in (0, 3, 17)
+            failing = [m for m in ms for s in (0, 3)
                        if not torch.equal(torch.nn.functional.linear(x[s:s + m].clone(), w), ref[s:s + m])]
             floor = max(failing) + 1 if failing else 1
             out.append({"dtype": str(dtype).replace("torch.", ""), "K": k, "N": n, "threads": threads,
@@ -101,10 +101,11 @@ def write_probe(result: dict, stem: str) -> None:
         f.write("# GEMM rounding against the row count (CPU)\n\n")
         f.write(f"Written by `{result['command']}` on {result['date']} ({result['machine']}, torch "
                 f"{result['torch']}).\n")
-        f.write("\nThe plain GEMM's row-count dependence (row counts M = 1..69, 100, 128, 200, 256, 300, 512, "
-                "1000 at three row offsets, each against a 1100-row GEMM): the largest M at which some row's bits "
-                "differ. fp32: every M above it agrees (the mode pads to 16 rows); bf16 (oneDNN): no such floor "
-                "for K >= 512 (the mode computes bf16 GEMMs in fp32).\n\n"
+        f.write("\nThe plain GEMM's row-count dependence (row counts M = 1..20, 24, 32, 48, 64, 100, 128, 200, 256, "
+                "300, 512, 1000 at row offsets 0 and 3, each against a 1100-row GEMM): the largest M at which some "
+                "row's bits "
+                "differ. fp32: every M above it agrees (the mode pads to 16 rows); bf16 (oneDNN): for K >= 512 "
+                "some rows differ up to a few hundred rows (the mode computes bf16 GEMMs in fp32).\n\n"
                 "| dtype | K x N | threads | largest differing M |\n|---|---|---:|---:|\n")
         f.write("\n".join(probe_lines) + "\n")
 
