@@ -5,8 +5,9 @@ batch-mates only through floating-point rounding, and on the CPU that rounding c
 MKL picks its kernel by the row count M: measured here (torch 2.13, MKL 2024.2, AVX-512, 1 and 2
 threads, fp32), a row's result is the same for every M >= 16 whatever its position, while M = 1,
 M = 2..10 (K = 256) or 2..15 (K >= 512) each give other bits (``benchmarks/batch_invariance_cost.py
---probe`` prints the classes). oneDNN's bf16 GEMM has no such floor: its bits change with M and with
-the row's position up to several hundred rows for K >= 512. So in batch-invariant mode:
+--probe``: benchmarks/results/batch_invariance_cost_zoo_cpu_gemm_probe.md). oneDNN's bf16 GEMM has no
+such floor: for K >= 512 some rows' bits change with M up to a few hundred rows. So in batch-invariant
+mode:
 
 * fp32 / fp64: a GEMM with fewer than :data:`GEMM_ROW_FLOOR` rows is padded with zero rows up to it
   (the padded rows are dropped), so every row goes through the one kernel MKL uses for M >= 16;
@@ -15,10 +16,12 @@ the row's position up to several hundred rows for K >= 512. So in batch-invarian
 
 Attention (the torch reference's SDPA on the CPU), norms, softmax and the sampling reductions
 reduce each row on its own with an order fixed by the row's length, not by the batch; the tests of
-``tests/test_batch_invariance.py`` check the tokens end to end. The switch is a flag on each layer
+``tests/test_batch_invariance.py`` check the tokens end to end (every method but VVS in fp32, whose
+remaining dependence is open: docs/batching.md). The switch is a flag on each layer
 (``set_batch_invariant``), so two engines in one process can differ, and compiled rounds see it as a
 module attribute (a guard), not as an argument threaded through the loop. On CUDA the flag changes
-nothing yet (cuBLAS's split-K choice depends on M as well; docs/batching.md).
+nothing yet (cuBLAS also picks its kernel by shape; a GPU path needs fixed-tiling kernels, not written:
+docs/batching.md).
 """
 from __future__ import annotations
 
