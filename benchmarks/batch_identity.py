@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/batch_identity.py      # writes benchmarks/results/batch_identity_zoo_cpu.{md,json}
     OMP_NUM_THREADS=1 python benchmarks/batch_identity.py --methods ar,vvs --dtypes fp64 --images 4   # a subset
+    OMP_NUM_THREADS=1 python benchmarks/batch_identity.py --deterministic   # batch-invariant mode: ..._deterministic.{md,json}
     python benchmarks/batch_identity.py --table benchmarks/results/batch_identity_zoo_cpu.json --readme docs/usage.md
 
 Each setting generates the same images (labels 0..n-1, seed 0, temperature 1, CFG 4; image i keyed by
@@ -11,6 +12,8 @@ comes from floating-point: a matrix product over a batch of 16 rows may sum in a
 over 1 row, and a sampled (or accepted) token near a tie then flips, and every later token follows
 from it. In fp64 such ties are far below the rounding, so the count there says whether the decode is
 exact. One thread (the count also depends on the thread count and the CPU's kernels).
+``--deterministic`` decodes in batch-invariant mode (``Engine.load(deterministic=True)``,
+docs/batching.md), where every count should be all images in every dtype.
 """
 from __future__ import annotations
 
@@ -64,7 +67,8 @@ END = "<!-- batch-identity:end -->"
 def write_md(result: dict, out: str) -> None:
     a_images, threads = result["images"], result["threads"]
     with open(out + ".md", "w") as f:
-        f.write(f"# Tokens against the batch size (Zoo model, CPU)\n\nWritten by `{result['command']}` "
+        mode = " in batch-invariant mode (`deterministic=True`)" if result.get("deterministic") else ""
+        f.write(f"# Tokens against the batch size (Zoo model, CPU){mode}\n\nWritten by `{result['command']}` "
                 f"({threads} thread, torch {result['torch']}). Images whose tokens equal their batch-1 "
                 f"decode; {a_images} images (labels 0..{a_images - 1} mod 16, seed 0, temperature 1, CFG 4). "
                 f"See the docstring of `benchmarks/batch_identity.py` for why they differ.\n\n")
@@ -86,10 +90,14 @@ def main(argv=None) -> int:
     ap.add_argument("--images", type=int, default=16)
     ap.add_argument("--batch-sizes", default="16", help="compared with batch 1 (default 16)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(RESULTS, "batch_identity_zoo_cpu"))
+    ap.add_argument("--deterministic", action="store_true", help="batch-invariant decoding (default out: "
+                                                                  "batch_identity_zoo_cpu_deterministic)")
+    ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None, metavar="JSON", help="only rewrite the tables from a results JSON")
     ap.add_argument("--readme", default=None, metavar="README", help="with --table: also the README's table")
     a = ap.parse_args(argv)
+    if a.out is None:
+        a.out = os.path.join(RESULTS, "batch_identity_zoo_cpu" + ("_deterministic" if a.deterministic else ""))
     if a.table:
         with open(a.table) as f:
             result = json.load(f)
@@ -104,9 +112,10 @@ def main(argv=None) -> int:
         del args[args.index("--out"):args.index("--out") + 2]
     command = " ".join(["python benchmarks/batch_identity.py"] + args)
     result = {"command": command.strip(), "images": a.images, "batch_sizes": sizes, "threads": a.threads,
-              "torch": torch.__version__, "platform": platform.platform(), "rows": []}
+              "torch": torch.__version__, "platform": platform.platform(), "deterministic": a.deterministic,
+              "rows": []}
     for dtype in a.dtypes.split(","):
-        engine = Engine.load(dtype=DTYPES[dtype], threads=a.threads)
+        engine = Engine.load(dtype=DTYPES[dtype], threads=a.threads, deterministic=a.deterministic)
         for method in a.methods.split(","):
             r = identity_rates(engine, method, a.images, sizes)
             result["rows"].append({"method": method, "dtype": dtype,

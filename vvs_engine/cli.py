@@ -96,6 +96,10 @@ def build_parser() -> Parser:
     m.add_argument("--quantize", default="none", metavar="MODE",
                    help="none, int8, fp8 or int4: the target's and drafter's linear weights quantized at load, "
                         "weight-only, through torchao (default none; int4 needs CUDA and bf16; docs/quantization.md)")
+    m.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant decoding: an image's tokens and pixels do not depend on its batch-mates "
+                        "or the rows in flight, in fp32 and bf16 too (CPU; docs/batching.md; default: off for "
+                        "generate, on for serve)")
 
     c = g.add_argument_group("conditions")
     c.add_argument("--class-labels", default=None, metavar="L1,L2,...",
@@ -335,7 +339,8 @@ def cmd_generate(args) -> int:
     engine = Engine.load(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt,
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
                          device=device, dtype=args.dtype, t5_path=args.t5_path, model_dir=args.model_dir,
-                         max_prompt_tokens=args.max_prompt_tokens, threads=threads, quantize=args.quantize)
+                         max_prompt_tokens=args.max_prompt_tokens, threads=threads, quantize=args.quantize,
+                         deterministic=bool(args.deterministic))
     if prompts is not None:
         enc = engine.caption_encoder
         if engine.config.model_type == "t2i" and enc is not None and enc.dim != engine.config.caption_dim:

@@ -19,6 +19,7 @@ import torch
 from .checkpoint import config_path, load_into, read_project_config, read_state_dict
 from .errors import VVSError, check
 from .models.gpt import GPT, GPT_PRESETS, GPTConfig, checked_gpt_config, gpt_config
+from .models.invariant import set_batch_invariant
 from .models.vq import VQ_PRESETS, VQConfig, VQModel, checked_vq_config, to_uint8
 from .sampling import RowSettings, SamplingParams, SamplingScope
 from .runtime.target import TargetSession
@@ -161,6 +162,24 @@ def _per_image(name: str, value, n: int) -> list:
     return [value] * n
 
 
+def _deterministic_per_call(generate):
+    """``generate(..., deterministic=None)``: True / False switch batch-invariant decoding for this
+    call only (the engine's setting is restored after it)."""
+    import functools
+
+    @functools.wraps(generate)
+    def call(self, *args, deterministic: Optional[bool] = None, **kwargs):
+        if deterministic is None or bool(deterministic) == self.deterministic:
+            return generate(self, *args, **kwargs)
+        before = self.deterministic
+        self.set_deterministic(bool(deterministic))
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            self.set_deterministic(before)
+    return call
+
+
 class Engine:
     def __init__(self, gpt: GPT, vq: Optional[VQModel] = None, drafter=None, caption_encoder=None,
                  info: Optional[dict] = None):
@@ -174,6 +193,16 @@ class Engine:
         self._codebook_cache = {}
         self._cores = {}  # (method, options, sampling scope, compile, graphs) -> runtime.core.DecodeCore
         self.quantization = "none"  # quantize_weights() sets it
+        self.set_deterministic(False)
+
+    # --- batch invariance (issue 53; docs/batching.md, *Batch-invariant mode*) -------------------
+    def set_deterministic(self, on: bool = True) -> "Engine":
+        """Batch-invariant decoding on or off for this engine's later calls: every GEMM of the target
+        and drafter computes each row as in any batch (``models.invariant``) and the tokenizer decodes
+        one image at a time, so an image's tokens and pixels do not depend on its batch-mates."""
+        self.deterministic = bool(on)
+        set_batch_invariant(self.deterministic, self.gpt, self.drafter)
+        return self
 
     # --- loading ------------------------------------------------------------------------------
     @classmethod
@@ -181,7 +210,8 @@ class Engine:
              vq_model: str = "VQ-16", image_size: Optional[int] = None, drafter: Optional[str] = None,
              device="cpu", dtype="fp32", t5_path: Optional[str] = None, model_dir: Optional[str] = None,
              max_prompt_tokens: Optional[int] = None, threads: Optional[int] = None,
-             model: Optional[str] = None, quantize: Optional[str] = None) -> "Engine":
+             model: Optional[str] = None, quantize: Optional[str] = None,
+             deterministic: bool = False) -> "Engine":
         """Load a target (official LlamaGen file or the project's safetensors), optionally a VQ tokenizer
         and a drafter. With no ``gpt_ckpt`` the shipped Zoo model (target, tokenizer, drafter) is used.
         ``model``: a Zoo target by name instead, ``zoo-gpt`` (the default) or ``zoo-gpt-32`` (32x32
@@ -192,7 +222,8 @@ class Engine:
         process; default: the CLI's (``$OMP_NUM_THREADS``, else half the cores, at most 4), unless you
         already called ``torch.set_num_threads`` after importing vvs_engine (then yours is kept).
         ``quantize``: ``none`` (default), ``int8``, ``fp8`` or ``int4``: the target's and drafter's linear
-        weights quantized at load through torchao (weight-only; docs/quantization.md)."""
+        weights quantized at load through torchao (weight-only; docs/quantization.md).
+        ``deterministic``: batch-invariant decoding (:meth:`set_deterministic`), off by default."""
         from .models.quantize import check_quantize
         from .threads import apply_threads
 
@@ -216,7 +247,8 @@ class Engine:
 
                 dr = load_drafter(drafter, target)
             info["drafter"] = drafter
-            return cls(target, image_decoder, dr, None, info).quantize_weights(quantize, device, dtype).to(device, dtype)
+            return cls(target, image_decoder, dr, None, info).quantize_weights(quantize, device, dtype).to(
+                device, dtype).set_deterministic(deterministic)
         if model is not None:
             info["model"] = model
         elif gpt_ckpt is None:
@@ -239,7 +271,7 @@ class Engine:
 
             enc = CaptionEncoder(t5_path, gpt.config.cls_token_num)
         eng = cls(gpt, vq, dr, enc, info)
-        return eng.quantize_weights(quantize, device, dtype).to(device, dtype)
+        return eng.quantize_weights(quantize, device, dtype).to(device, dtype).set_deterministic(deterministic)
 
     def quantize_weights(self, mode: str, device=None, dtype=None) -> "Engine":
         """Quantize the target's and the drafter's linear weights in place (``mode``: int8, fp8, int4;
@@ -364,6 +396,7 @@ class Engine:
         make, opts = get_method(method, self, dict(method_opts))
         return (lambda batch: make(self, batch, scope, opts)), opts
 
+    @_deterministic_per_call
     def generate(self, class_labels: Optional[Sequence[int]] = None, prompts: Optional[Sequence[str]] = None,
                  method: str = "ar", temperature=1.0, top_k=0, top_p=1.0, cfg_scale=4.0, seed=0,
                  decode_images: bool = True, progress: bool = False,
@@ -387,7 +420,8 @@ class Engine:
         comparison; the same tokens, to the extent just said). ``seed``, ``temperature``, ``top_k``,
         ``top_p`` and ``cfg_scale`` take one value for every image or a list with one per image: images
         with different settings share the batch, each decoded as it would be alone. ``on_images(k)``: called
-        as k more images finish.
+        as k more images finish. ``deterministic``: batch-invariant decoding for this call (None: the
+        engine's setting, :meth:`set_deterministic`).
 
         The engine keeps one decode core per (method, options, sampling scope, compile, CUDA graphs):
         decoders and their compiled, captured rounds are built at the first call that needs them and reused
@@ -597,6 +631,8 @@ class Engine:
         limit = min(self.vq.config.codebook_size, self.config.vocab_size)
         check(tokens.numel() == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < limit),
               f"token ids must lie in [0, {limit}) (the tokenizer's codebook)")
+        if self.deterministic:  # a convolution's bits depend on the batch: one image at a time
+            batch = 1
         out = []
         for i in range(0, tokens.shape[0], batch):
             imgs = to_uint8(self.vq.decode(tokens[i:i + batch].to(self.device)))

@@ -24,10 +24,10 @@ from typing import List, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..errors import VVSError
 from .hf_decoder import Decoder, DecoderConfig, rope_table_1d
+from .invariant import linear
 
 LUMINA_PROMPT_TEMPLATE = "Generate an image of {width}x{height} according to the following prompt:\n{prompt}"
 LUMINA_BOI, LUMINA_EOI, LUMINA_EOL, LUMINA_RESOLUTION_BASE = 8197, 8196, 8803, 8804
@@ -79,6 +79,8 @@ class ChameleonFamilyConfig:
 
 
 class ChameleonTarget(nn.Module):
+    batch_invariant = False  # the logits' projection (a slice of lm_head) follows models.invariant's switch
+
     def __init__(self, cfg: ChameleonFamilyConfig, dcfg: DecoderConfig, code_ids: torch.Tensor):
         super().__init__()
         self.config, self.decoder_config = cfg, dcfg
@@ -113,7 +115,7 @@ class ChameleonTarget(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Features -> logits over the codes and EOL only (rows of the text head, fp32)."""
         w = self.lm_head.weight.index_select(0, self.vocab_ids)
-        return F.linear(h, w).float()
+        return linear(self, h, w).float()  # batch-invariant while self.batch_invariant (models.invariant)
 
     # --- prompts and layout -------------------------------------------------------------------
     @staticmethod

@@ -20,9 +20,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .invariant import InvariantLinear
 
-class FusedLinear(nn.Linear):
-    """``nn.Linear(in_features, sum(sizes))`` whose output rows are the named parts in order.
+
+class FusedLinear(InvariantLinear):
+    """``nn.Linear(in_features, sum(sizes))`` whose output rows are the named parts in order (an
+    :class:`~.invariant.InvariantLinear`: batch-invariant while its flag is set).
 
     Initialisation reproduces separate ``nn.Linear`` parts created in the same order (weight then
     bias of each part), so a model built under a seed has the weights it had before fusing.

@@ -96,7 +96,8 @@ def build_server(args, method_opts: dict, device: str):
                          vq_model=args.vq_model, image_size=args.image_size, drafter=args.drafter,
                          device=device, dtype=args.dtype, t5_path=args.t5_path,
                          model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens, threads=threads,
-                         quantize=args.quantize)
+                         quantize=args.quantize,
+                         deterministic=getattr(args, "deterministic", None) is not False)  # on unless --no-deterministic
     defaults = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale)
     name = _model_name(args)
     worker = EngineWorker(engine, args.method, method_opts, args.rows, defaults, queue_size(args),
