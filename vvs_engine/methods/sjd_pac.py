@@ -1,40 +1,20 @@
 """SJD-PAC: speculative Jacobi decoding with proactive drafting and adaptive continuation (Kang, Shu, Li,
-Zhai, Chen, CVPR 2026, arXiv 2603.18599), in an exact variant and in the released (biased) one.
+Zhai, Chen, CVPR 2026, arXiv 2603.18599), in an exact variant and in the released (biased) one; the
+full account, with the released sampler's departures, is docs/jacobi.md "SJD-PAC".
 
-Each forward runs a fixed *product tree* of L nodes (:class:`ProductTree`): a main chain of M nodes
-(node j at depth j, node 0 the root = the last committed token) and, at depths 1..D-1, W candidates
-per depth forming a complete W-ary tree below the root; only candidate 0 continues past depth D-1. The
-tokens come from a candidate table C [W, M] (node of branch b at depth d shows C[b, d], whatever its
-parent), with one declared law Q[d] per depth: candidate 0 at depth d is a sample of Q[d] and
-candidates 1..W-1 are further draws *without replacement* from Q[d].
+Each forward runs a fixed *product tree* of L nodes (:class:`ProductTree`): a main chain of M nodes and,
+at depths 1..D-1, a complete W-ary tree below the root whose node of branch b at depth d shows entry
+C[b, d] of a candidate table with one declared law Q[d] per depth (candidate 0 a sample of Q[d], the
+others draws without replacement from it). One exact iteration: (1) the engine's tree verifier
+(``acceptance.verify.verify_tree``) commits A tokens + a new root; (2) adaptive continuation (SCD's
+maximal coupling) keeps or resamples the stale candidates, a sample of the stale target P_d either
+way; (3) proactive drafting draws the alternatives from P_d without replacement (Gumbel top-k), so the
+new table's law is exactly what the verifier assumes. ``--pac-variant released`` reproduces the
+published sampler (longest passing path, all-siblings residual, alternatives from the residual).
 
-One iteration (exact variant), per image, with p[n] the target after node n:
-
-1. verify the tree with the engine's tree verifier (``acceptance.verify.verify_tree``: every node's
-   children tested rank by rank against the running residual with q = Q[depth + 1] minus the rejected
-   siblings, the first accepted sibling continues, the next token from the last residual or, after a
-   leaf or the end of the chain, from p itself): A accepted tokens + one new root are committed;
-2. adaptive continuation (= SCD's maximal coupling) on the stale columns A + d (d >= 1): the node at
-   depth A + d on the accepted path continued by candidate 0 (the main chain where that runs out)
-   gives P_d = p[node]; the old candidate 0 one depth below is kept if u * Q[A + d + 1](x) < P_d(x),
-   else replaced by a sample of norm(max(0, P_d - Q)), a sample of P_d either way; past the old chain
-   it is a fresh sample of P_d;
-3. proactive drafting: at new depths 1..D-1 the alternatives are W - 1 draws without replacement from
-   P_d with candidate 0 removed (Gumbel top-k with counter-RNG noise), so the new table's law is
-   Q'[d] = P_d exactly as the verifier assumes. Depths past the old window are filled by the init
-   policy (``random``: W distinct uniform tokens declared uniform; the other policies: candidate 0 only,
-   one-hot).
-
-``--pac-variant released`` reproduces the released sampler instead (``docs/jacobi.md``): every
-sibling tested on its own, the longest passing root-to-leaf path committed (ties to the first row), a
-stale tree column tests only the chosen path's candidate and replaces it from the all-siblings residual,
-and the alternatives are drawn from that residual while declared as draws from P. It is biased (the exactness tests show it); it is there to compare
-with the published numbers.
-
-KV: the L nodes' K/V go to scratch slots; the accepted path (root + A nodes) is then copied to the
-row's slots [P_b, P_b + A + 1) (``kernels.kv_compact``). The iteration has static shapes and no host
-read (one round function, captured as one graph on CUDA), and every random number comes from the batch's
-counter RNG keyed by image and the image's own iteration, so tokens do not depend on the batch.
+KV: the nodes' K/V go to scratch slots and the accepted path moves to the row's slots. The iteration
+has static shapes and no host read, and every random number comes from the counter RNG keyed by image
+and the image's own iteration, so tokens do not depend on the batch.
 """
 from __future__ import annotations
 
