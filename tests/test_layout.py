@@ -152,3 +152,63 @@ def test_no_import_cycles():
     assert import_cycles(module_imports()) == []
     # the check finds a cycle when there is one (negative control)
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+MAX_DECODER_FIELDS = 20  # issue 50: constants grouped in small frozen dataclasses, device state in one
+
+
+def class_fields(sources: dict) -> dict:
+    """{class name: (fields, methods)} over the classes of ``sources`` ({file name: source}), bases in
+    the same sources included. A field is an attribute stored on the instance (``self.x = ...``, or on
+    an instance a classmethod builds with ``cls(...)``); properties and class attributes are none."""
+    own = {}
+    for source in sources.values():
+        for node in ast.parse(source).body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            fields, methods = set(), set()
+            for item in node.body:
+                if not isinstance(item, ast.FunctionDef):
+                    continue
+                methods.add(item.name)
+                instances = {item.args.args[0].arg} if item.args.args else set()
+                for n in ast.walk(item):
+                    if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and \
+                            isinstance(n.value.func, ast.Name) and n.value.func.id == "cls":
+                        instances |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+                for n in ast.walk(item):
+                    if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and \
+                            isinstance(n.value, ast.Name) and n.value.id in instances and n.value.id != "cls":
+                        fields.add(n.attr)
+            own[node.name] = ([b.id for b in node.bases if isinstance(b, ast.Name)], fields, methods)
+
+    def gather(name, index):
+        bases, *mine = own[name]
+        out = set(mine[index])
+        for base in bases:
+            if base in own:
+                out |= gather(base, index)
+        return out
+
+    return {name: (gather(name, 0), gather(name, 1)) for name in own}
+
+
+def loop_decoders(sources: dict) -> dict:
+    """{class: fields} of every class with the decoder protocol (``round_functions`` and ``declare_rows``,
+    its own or inherited)."""
+    return {name: f for name, (f, m) in class_fields(sources).items() if {"round_functions", "declare_rows"} <= m}
+
+
+def test_no_decoder_class_over_twenty_fields():
+    folder = os.path.join(PKG_DIR, "methods")
+    sources = {f: open(os.path.join(folder, f), encoding="utf-8").read() for f in os.listdir(folder) if f.endswith(".py")}
+    decoders = loop_decoders(sources)
+    assert {"ARDecoder", "JacobiDecoder", "PACDecoder", "SpeculativeRounds", "ZipARDecoder"} <= set(decoders)
+    over = {name: sorted(f) for name, f in decoders.items() if len(f) > MAX_DECODER_FIELDS}
+    assert not over, f"decoder classes over {MAX_DECODER_FIELDS} fields (group constants in frozen dataclasses): {over}"
+    # the count sees inherited fields and classmethod-built instances (negative control)
+    toy = ("class Base:\n    def __init__(self):\n" + "".join(f"        self.a{i} = {i}\n" for i in range(15))
+           + "    def round_functions(self): pass\n    def declare_rows(self, t): pass\n"
+           "class Child(Base):\n    @classmethod\n    def start(cls):\n        d = cls()\n        d.state = 0\n"
+           "    def __init__(self):\n        self.b, self.c = 1, 2\n        self.a0 += 1\n")
+    assert {name: len(f) for name, f in loop_decoders({"toy.py": toy}).items()} == {"Base": 15, "Child": 18}

@@ -225,6 +225,44 @@ class JacobiState:
         return [getattr(self, f.name) for f in fields(self)]
 
 
+@dataclass(frozen=True)
+class JacobiLayout:
+    """The host constants of one batched Jacobi decode (a compiled round reads them as constants)."""
+
+    policy: str  # the init policy of fresh drafts
+    coupling: str  # none (SJD), maximal or gumbel (SCD)
+    declare_old_q: bool  # SCD's negative control: kept drafts declare the q they were drawn from
+    grid_w: int  # copy-above: tokens per image row (0: other policies)
+    last_position: int  # positions past the last image token only feed discarded overshoot
+    scratch: int  # the window's first scratch slot (c + T + 2L: after every row's prefix and overshoot)
+    n_uniforms: int  # uniforms per image and iteration
+
+    @classmethod
+    def of(cls, opts, c: int, T: int, L: int) -> "JacobiLayout":
+        return cls(opts.jacobi_init, getattr(opts, "coupling", "none"), bool(getattr(opts, "coupling_declares_old_q", False)),
+                   _grid_width(T) if opts.jacobi_init == "copy-above" else 0, c + T - 1, c + T + 2 * L,
+                   3 * L if opts.jacobi_init == "random" else 2 * L)
+
+
+@dataclass(frozen=True)
+class JacobiIndex:
+    """Constant index tensors and random-number streams of the rounds, made once (a round spends no op
+    on them)."""
+
+    lanes: torch.Tensor  # [L]
+    scratch_slots: torch.Tensor  # [L] the window's scratch slots
+    window_block: torch.Tensor  # [L, S] query i sees scratch slots scratch..scratch+i (on top of its prefix)
+    update_stream: torch.Tensor
+    gumbel_stream: torch.Tensor
+
+    @classmethod
+    def of(cls, layout: JacobiLayout, L: int, session, rng) -> "JacobiIndex":
+        lanes = torch.arange(L, device=session.device)
+        rel = session.slot_ids[None, :] - layout.scratch
+        return cls(lanes, layout.scratch + lanes, (rel >= 0) & (rel <= lanes[:, None]),
+                   rng.stream_offsets([Streams.JACOBI_UPDATE]), rng.stream_offsets([GUMBEL_STREAM]))
+
+
 class JacobiDecoder:
     """Constants and buffers of one batched decode; :meth:`jacobi_iteration` is the round function.
     A decoder of ``runtime.loop`` (its protocol is at the end of the class): :meth:`start` builds and
@@ -242,27 +280,13 @@ class JacobiDecoder:
     def __init__(self, engine, batch: DecodeBatch, params, opts: SJDOptions, rule):
         self.engine, self.opts, self.rule, self.rng = engine, opts, rule, batch.rng
         self.params = params = row_sampling(params, batch, batch.cond.device)
-        self.policy = opts.jacobi_init
-        self.coupling = getattr(opts, "coupling", "none")
-        self.declare_old_q = bool(getattr(opts, "coupling_declares_old_q", False))
-        self.B = batch.size
-        self.L = L = opts.jacobi_window
+        self.B, self.L = batch.size, opts.jacobi_window
         # slots [0, c + T + 2L): prefix and overshoot of every row; then the window's scratch slots
         self.session = s = TargetSession(engine.gpt, batch.cond, self.B, params.use_cfg, batch.key_mask,
-                                         extra_slots=3 * L)
+                                         extra_slots=3 * self.L)
         self.c, self.T, self.V = s.c, s.T, engine.config.vocab_size
-        self.grid_w = _grid_width(self.T) if self.policy == "copy-above" else 0
-        self.last_position = self.c + self.T - 1  # positions past the last image token only feed discarded overshoot
-        dev = self.device = s.device
-        self.lanes = torch.arange(L, device=dev)
-        self.scratch = scratch = self.c + self.T + 2 * L
-        self.scratch_slots = scratch + self.lanes
-        # query i of the window sees scratch slots scratch..scratch+i (on top of its row's prefix)
-        rel = s.slot_ids[None, :] - scratch
-        self.window_block = (rel >= 0) & (rel <= self.lanes[:, None])  # [L, S]
-        self.n_uniforms = 3 * L if self.policy == "random" else 2 * L
-        self.update_stream = self.rng.stream_offsets([Streams.JACOBI_UPDATE])
-        self.gumbel_stream = self.rng.stream_offsets([GUMBEL_STREAM])
+        self.layout = JacobiLayout.of(opts, self.c, self.T, self.L)
+        self.index = JacobiIndex.of(self.layout, self.L, s, self.rng)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, x]) if self.params.use_cfg else x
@@ -271,11 +295,11 @@ class JacobiDecoder:
         return process_logits(guided_logits(self.session.logits(h), self.params), self.params)
 
     def batch_rows(self) -> torch.Tensor:
-        return torch.arange(self.B, device=self.device)
+        return torch.arange(self.B, device=self.session.device)
 
     # --- prefill (eager) ----------------------------------------------------------------------------
     def prefill(self) -> JacobiState:
-        B, L, V, T, dev = self.B, self.L, self.V, self.T, self.device
+        B, L, V, T, dev = self.B, self.L, self.V, self.T, self.session.device
         p0 = self.processed(self.session.prefill()[:, -1])  # [B, V]
         first = self.rng.sample(p0, 0, Streams.SAMPLE)  # [B]; iterations use steps 1, 2, ...
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
@@ -287,8 +311,8 @@ class JacobiDecoder:
                          accepted_hist=zeros(B, L), accepted_carried=zeros(B),
                          window_start=torch.full((B,), self.c, dtype=torch.long, device=dev))
         st.tokens.index_put_((self.batch_rows(), torch.zeros_like(first)), first)
-        window = torch.where(self.lanes == 0, first[:, None], 0)
-        u_init = self.rng.uniform(0, Streams.JACOBI_INIT, L) if self.policy == "random" else None
+        window = torch.where(self.index.lanes == 0, first[:, None], 0)
+        u_init = self.rng.uniform(0, Streams.JACOBI_INIT, L) if self.layout.policy == "random" else None
         window, fresh = self.fill_fresh(window, torch.ones_like(first), p0, st.tokens, st.n_committed, u_init)
         st.window.copy_(window)
         st.fresh.copy_(fresh)
@@ -302,24 +326,24 @@ class JacobiDecoder:
     # --- one Jacobi iteration: static shapes, no host read ------------------------------------------
     def jacobi_iteration(self, st: JacobiState) -> None:
         B, L, V, T = self.B, self.L, self.V, self.T
-        s, lanes, params = self.session, self.lanes, self.params
+        s, lanes, params = self.session, self.index.lanes, self.params
         rows_b = self.batch_rows()
         self.place_last_window_kv(st)
         active = st.n_committed < T  # [B] finished images keep running but commit nothing
         prefix = self.rows(self.c + st.n_committed - 1)  # [rows] the window starts at the last committed token
-        positions = (prefix[:, None] + lanes).clamp(max=self.last_position)  # [rows, L]
+        positions = (prefix[:, None] + lanes).clamp(max=self.layout.last_position)  # [rows, L]
         visible = s.slot_ids < prefix[:, None]  # [rows, S]
         if s.has_key_mask:
             visible = visible & s.key_valid
-        mask = visible[:, None, :] | self.window_block  # [rows, L, S]
-        h = s.forward_at(st.window, positions, self.scratch_slots, mask)
+        mask = visible[:, None, :] | self.index.window_block  # [rows, L, S]
+        h = s.forward_at(st.window, positions, self.index.scratch_slots, mask)
         p = self.processed(h)  # [B, L, V]
         st.window_start.copy_(self.c + st.n_committed - 1)  # its K/V go there next iteration
 
         # One counter-RNG draw per iteration, split by lane: L - 1 acceptance tests, L Jacobi samples
         # (with maximal coupling: the L - 1 replacement samples and the last one), the residual sample,
         # and L fresh random drafts (random init only).
-        u = kernels.counter_uniform(self.rng.key, random_step(st), self.update_stream, self.n_uniforms,
+        u = kernels.counter_uniform(self.rng.key, random_step(st), self.index.update_stream, self.layout.n_uniforms,
                                      fuse_when_compiled=True)[:, 0]
 
         # --- every prediction p[j] at once: one pass over the vocabulary when compiled --------------
@@ -358,7 +382,7 @@ class JacobiDecoder:
         if L > 1:
             src_q = src[:, 1:, None].expand(B, L - 1, V)
             carried_q = p.gather(1, src_q)
-            if self.declare_old_q and self.coupling == "maximal":
+            if self.layout.declare_old_q and self.layout.coupling == "maximal":
                 # negative control: a kept draft (its test passed) declares the q it was drawn from
                 kept = ok.gather(1, src[:, 1:])  # [B, L-1]
                 carried_q = torch.where(kept[..., None], st.draft_q.gather(1, src_q), carried_q)
@@ -389,7 +413,7 @@ class JacobiDecoder:
     def count_iteration(self, st, n_accepted: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """The iteration's histogram entry and forward of each image that is still decoding (``active``
         [B]) after it accepted ``n_accepted`` [B] drafts (< L) -> the new committed counts [B]."""
-        lanes = self.lanes
+        lanes = self.index.lanes
         st.accepted_hist.add_(((lanes == n_accepted[:, None]) & active[:, None]).long())  # rows are distinct
         st.passes.add_(active.long())
         # Lanes 0..n_accepted commit a token; lane 0 also carries the old count, so the new count is one
@@ -409,11 +433,11 @@ class JacobiDecoder:
         some of the rows would be a loop of its own)."""
         B, L, V = p.shape
         y = sample_inverse_cdf_one_pass(p, u_y)  # [B, L]
-        if self.coupling == "maximal":
+        if self.layout.coupling == "maximal":
             replaced = sample_inverse_cdf_one_pass(residual, u_y)
-            y = torch.where(self.lanes < L - 1, torch.where(ok, next_tokens, replaced), y)
-        elif self.coupling == "gumbel":
-            y = (p.clamp(min=0).log() + self.gumbel_noise(n_committed[:, None] + self.lanes, V)).argmax(-1)
+            y = torch.where(self.index.lanes < L - 1, torch.where(ok, next_tokens, replaced), y)
+        elif self.layout.coupling == "gumbel":
+            y = (p.clamp(min=0).log() + self.gumbel_noise(n_committed[:, None] + self.index.lanes, V)).argmax(-1)
         return y
 
     def gumbel_noise(self, token_index: torch.Tensor, V: int) -> torch.Tensor:
@@ -421,7 +445,7 @@ class JacobiDecoder:
         (seed, image, token index), the same in every iteration until that token is committed."""
         B, n = token_index.shape
         key = self.rng.key[:, None].expand(B, n).reshape(-1)
-        u = kernels.counter_uniform(key, token_index.reshape(-1), self.gumbel_stream, V, fuse_when_compiled=True)
+        u = kernels.counter_uniform(key, token_index.reshape(-1), self.index.gumbel_stream, V, fuse_when_compiled=True)
         u = u[:, 0].view(B, n, V)
         return gumbel(u)
 
@@ -453,14 +477,14 @@ class JacobiDecoder:
         before its forward overwrites the scratch slots, rather than at the end of the last one:
         compiled, the copy's gather and write then run beside the round's first kernels instead of as
         two launches of their own after the forward. Attention sees the same cache either way."""
-        dst = self.rows(st.window_start)[:, None] + self.lanes
-        self.session.kv.move(self.scratch_slots.expand_as(dst), dst)  # index_put_: in place when compiled
+        dst = self.rows(st.window_start)[:, None] + self.index.lanes
+        self.session.kv.move(self.index.scratch_slots.expand_as(dst), dst)  # index_put_: in place when compiled
 
     def round_buffers(self) -> list:
         """What a rerun of an iteration (the warm-up runs of a CUDA graph capture, a failed compile)
         must restore: the state and the scratch slots' K/V (views), which an iteration first copies to
         the rows."""
-        kv, window = self.session.kv, slice(self.scratch, self.scratch + self.L)
+        kv, window = self.session.kv, slice(self.layout.scratch, self.layout.scratch + self.L)
         return self.state.tensors() + [kv.k[:, :, :, window], kv.v[:, :, :, window]]
 
     def fill_fresh(self, window, n_kept, left_dist, tokens, n_committed, u_init):
@@ -470,19 +494,19 @@ class JacobiDecoder:
         V, n = self.V, window.shape[1]
         lanes = torch.arange(n, device=window.device)
         fresh = lanes >= n_kept[:, None]
-        if self.policy == "random":
+        if self.layout.policy == "random":
             guess = (u_init * V).ceil().long().clamp(1, V) - 1  # (0, 1] -> 0..V-1
-        elif self.policy == "argmax-left":
+        elif self.layout.policy == "argmax-left":
             # the left neighbour of the first fresh slot was drawn from left_dist; later fresh slots
             # copy their one-hot left neighbour, i.e. the same argmax
             guess = left_dist.argmax(-1, keepdim=True)
         else:  # copy-left, and copy-above's fallback in the first image row
             guess = window.gather(1, (n_kept - 1).clamp(min=0)[:, None])
         window = torch.where(fresh, guess, window)
-        if self.policy == "copy-above":
+        if self.layout.policy == "copy-above":
             # image index of window slot i is n - 1 + i; the token above is grid_w earlier: committed
             # (in ``tokens``) or itself in the window (resolved in a few passes, nearest rows first).
-            grid_w = self.grid_w
+            grid_w = self.layout.grid_w
             above = n_committed[:, None] - 1 + lanes - grid_w
             has_above = fresh & (above >= 0)
             in_window = above >= n_committed[:, None] - 1

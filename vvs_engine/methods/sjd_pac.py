@@ -1,40 +1,20 @@
 """SJD-PAC: speculative Jacobi decoding with proactive drafting and adaptive continuation (Kang, Shu, Li,
-Zhai, Chen, CVPR 2026, arXiv 2603.18599), in an exact variant and in the released (biased) one.
+Zhai, Chen, CVPR 2026, arXiv 2603.18599), in an exact variant and in the released (biased) one; the
+full account, with the released sampler's departures, is docs/jacobi.md "SJD-PAC".
 
-Each forward runs a fixed *product tree* of L nodes (:class:`ProductTree`): a main chain of M nodes
-(node j at depth j, node 0 the root = the last committed token) and, at depths 1..D-1, W candidates
-per depth forming a complete W-ary tree below the root; only candidate 0 continues past depth D-1. The
-tokens come from a candidate table C [W, M] (node of branch b at depth d shows C[b, d], whatever its
-parent), with one declared law Q[d] per depth: candidate 0 at depth d is a sample of Q[d] and
-candidates 1..W-1 are further draws *without replacement* from Q[d].
+Each forward runs a fixed *product tree* of L nodes (:class:`ProductTree`): a main chain of M nodes and,
+at depths 1..D-1, a complete W-ary tree below the root whose node of branch b at depth d shows entry
+C[b, d] of a candidate table with one declared law Q[d] per depth (candidate 0 a sample of Q[d], the
+others draws without replacement from it). One exact iteration: (1) the engine's tree verifier
+(``acceptance.verify.verify_tree``) commits A tokens + a new root; (2) adaptive continuation (SCD's
+maximal coupling) keeps or resamples the stale candidates, a sample of the stale target P_d either
+way; (3) proactive drafting draws the alternatives from P_d without replacement (Gumbel top-k), so the
+new table's law is exactly what the verifier assumes. ``--pac-variant released`` reproduces the
+published sampler (longest passing path, all-siblings residual, alternatives from the residual).
 
-One iteration (exact variant), per image, with p[n] the target after node n:
-
-1. verify the tree with the engine's tree verifier (``acceptance.verify.verify_tree``: every node's
-   children tested rank by rank against the running residual with q = Q[depth + 1] minus the rejected
-   siblings, the first accepted sibling continues, the next token from the last residual or, after a
-   leaf or the end of the chain, from p itself): A accepted tokens + one new root are committed;
-2. adaptive continuation (= SCD's maximal coupling) on the stale columns A + d (d >= 1): the node at
-   depth A + d on the accepted path continued by candidate 0 (the main chain where that runs out)
-   gives P_d = p[node]; the old candidate 0 one depth below is kept if u * Q[A + d + 1](x) < P_d(x),
-   else replaced by a sample of norm(max(0, P_d - Q)), a sample of P_d either way; past the old chain
-   it is a fresh sample of P_d;
-3. proactive drafting: at new depths 1..D-1 the alternatives are W - 1 draws without replacement from
-   P_d with candidate 0 removed (Gumbel top-k with counter-RNG noise), so the new table's law is
-   Q'[d] = P_d exactly as the verifier assumes. Depths past the old window are filled by the init
-   policy (``random``: W distinct uniform tokens declared uniform; the other policies: candidate 0 only,
-   one-hot).
-
-``--pac-variant released`` reproduces the released sampler instead (``docs/jacobi.md``): every
-sibling tested on its own, the longest passing root-to-leaf path committed (ties to the first row), a
-stale tree column tests only the chosen path's candidate and replaces it from the all-siblings residual,
-and the alternatives are drawn from that residual while declared as draws from P. It is biased (the exactness tests show it); it is there to compare
-with the published numbers.
-
-KV: the L nodes' K/V go to scratch slots; the accepted path (root + A nodes) is then copied to the
-row's slots [P_b, P_b + A + 1) (``kernels.kv_compact``). The iteration has static shapes and no host
-read (one round function, captured as one graph on CUDA), and every random number comes from the batch's
-counter RNG keyed by image and the image's own iteration, so tokens do not depend on the batch.
+KV: the nodes' K/V go to scratch slots and the accepted path moves to the row's slots. The iteration
+has static shapes and no host read, and every random number comes from the counter RNG keyed by image
+and the image's own iteration, so tokens do not depend on the batch.
 """
 from __future__ import annotations
 
@@ -229,6 +209,27 @@ def top_few(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return torch.cat(indices, -1), torch.cat(values, -1)
 
 
+@dataclass(frozen=True)
+class PACIndex:
+    """SJD-PAC's constants on top of the Jacobi decoder's: the variant, the tree's attention block over
+    the scratch slots, the random-number streams and the depth index."""
+
+    variant: str
+    n_alt_depths: int  # depths with alternative candidates (1..D-1; none at W = 1)
+    tree_block: torch.Tensor  # [N, S] node n sees the scratch slots of its ancestors
+    pac_stream: torch.Tensor
+    alt_stream: torch.Tensor
+    depth_lanes: torch.Tensor  # [M]
+
+    @classmethod
+    def of(cls, tree: "ProductTree", variant: str, scratch: int, session, rng) -> "PACIndex":
+        rel = session.slot_ids[None, :] - scratch  # [1, S]
+        in_scratch = (rel >= 0) & (rel < tree.L)
+        return cls(variant, tree.D - 1 if tree.W > 1 else 0, in_scratch & tree.ancestor[:, rel.clamp(0, tree.L - 1)[0]],
+                   rng.stream_offsets([PAC_STREAM]), rng.stream_offsets([PAC_GUMBEL_STREAM]),
+                   torch.arange(tree.M, device=session.device))
+
+
 class PACDecoder(JacobiDecoder):
     """SJD-PAC on the Jacobi decoder's session, KV layout and counters; :meth:`jacobi_iteration` is the
     round function (static shapes, no host read)."""
@@ -237,28 +238,20 @@ class PACDecoder(JacobiDecoder):
 
     def __init__(self, engine, batch: DecodeBatch, params, opts: SJDPACOptions, rule):
         super().__init__(engine, batch, params, opts, rule)
-        self.variant = opts.pac_variant
-        self.tree = tr = ProductTree(self.L, opts.pac_width, opts.pac_depth, self.device)
-        self.W, self.D, self.M = tr.W, tr.D, tr.M
-        rel = self.session.slot_ids[None, :] - self.scratch  # [1, S]
-        in_scratch = (rel >= 0) & (rel < self.L)
-        self.tree_block = in_scratch & tr.ancestor[:, rel.clamp(0, self.L - 1)[0]]  # [N, S]
-        self.n_alt_depths = self.D - 1 if self.W > 1 else 0
-        self.pac_stream = self.rng.stream_offsets([PAC_STREAM])
-        self.alt_stream = self.rng.stream_offsets([PAC_GUMBEL_STREAM])
-        self.depth_lanes = torch.arange(self.M, device=self.device)
+        self.tree = ProductTree(self.L, opts.pac_width, opts.pac_depth, self.session.device)
+        self.pac = PACIndex.of(self.tree, opts.pac_variant, self.layout.scratch, self.session, self.rng)
 
     # --- random numbers -------------------------------------------------------------------------
     def uniforms(self, step):
         """(u_node [B, N], u_next [B], u_ac [B, M], u_res [B, M], u_fresh [B, M]) of one iteration."""
-        N, M = self.L, self.M
-        u = kernels.counter_uniform(self.rng.key, step, self.pac_stream, N + 1 + 3 * M, fuse_when_compiled=True)[:, 0]
+        N, M = self.L, self.tree.M
+        u = kernels.counter_uniform(self.rng.key, step, self.pac.pac_stream, N + 1 + 3 * M, fuse_when_compiled=True)[:, 0]
         return u[:, :N], u[:, N], u[:, N + 1: N + 1 + M], u[:, N + 1 + M: N + 1 + 2 * M], u[:, N + 1 + 2 * M:]
 
     def alt_noise(self, step):
         """Gumbel noise [B, D - 1, V] for the candidates of depths 1..D-1."""
-        B, n, V = self.B, self.n_alt_depths, self.V
-        u = kernels.counter_uniform(self.rng.key, step, self.alt_stream, max(n, 1) * V, fuse_when_compiled=True)[:, 0]
+        B, n, V = self.B, self.pac.n_alt_depths, self.V
+        u = kernels.counter_uniform(self.rng.key, step, self.pac.alt_stream, max(n, 1) * V, fuse_when_compiled=True)[:, 0]
         return gumbel(u[:, : n * V].view(B, n, V))
 
     def sample(self, dist, u):
@@ -270,19 +263,19 @@ class PACDecoder(JacobiDecoder):
         root and the carried candidates, each a sample of ``stale_p`` [B, M, V]) and their alternatives
         (``alts`` [B, W - 1, D - 1], ``alts_valid``); depths >= n_kept are fresh. Returns (cand, valid,
         Q, fresh)."""
-        B, W, M, V, nd = self.B, self.W, self.M, self.V, self.n_alt_depths
-        lanes = self.depth_lanes
+        B, W, M, V, nd = self.B, self.tree.W, self.tree.M, self.V, self.pac.n_alt_depths
+        lanes = self.pac.depth_lanes
         left = stale_p.gather(1, (n_kept - 1)[:, None, None].expand(B, 1, V))[:, 0]
         chain, fresh = self.fill_fresh(chain, n_kept, left, tokens, n_new, u_fresh)
-        random_init = self.policy == "random"
+        random_init = self.layout.policy == "random"
         if random_init:
-            fresh_q = torch.full((B, M, V), 1.0 / V, device=self.device)  # uniform tokens, declared uniform
+            fresh_q = torch.full((B, M, V), 1.0 / V, device=self.session.device)  # uniform tokens, declared uniform
         else:
             fresh_q = one_hot(chain, V)  # deterministic guesses, declared one-hot
         table_q = torch.where(fresh[..., None], fresh_q, stale_p)
         table_q = torch.where((lanes == 0)[None, :, None], 0.0, table_q)
         cand = chain[:, None, :].expand(B, W, M)
-        valid = (torch.arange(W, device=self.device) == 0)[None, :, None].expand(B, W, M)
+        valid = (torch.arange(W, device=self.session.device) == 0)[None, :, None].expand(B, W, M)
         if nd:
             fresh_alt = fresh[:, 1: 1 + nd]  # [B, nd]
             if random_init:  # W distinct uniform tokens: the top W of pure noise
@@ -298,7 +291,7 @@ class PACDecoder(JacobiDecoder):
             # exists; every other cell repeats candidate 0 and is no candidate. Indexed rather than
             # padded and concatenated: compiled, the table is then written straight into the state
             # (a concatenation of the [B, nd, W - 1] top-k outputs is laid out in their order and copied)
-            w, d = torch.arange(W, device=self.device)[:, None], lanes[None, :]
+            w, d = torch.arange(W, device=self.session.device)[:, None], lanes[None, :]
             is_alt = (w >= 1) & (d >= 1) & (d <= nd)  # [W, M]
             at = ((w - 1).clamp(min=0), (d - 1).clamp(0, nd - 1))
             alt_ok = is_alt & alts_valid[:, at[0], at[1]]  # [B, W, M]
@@ -312,15 +305,15 @@ class PACDecoder(JacobiDecoder):
         logits = P.clamp(min=0).log() + noise
         logits = logits.masked_fill(one_hot(c0, self.V) > 0, float("-inf"))
         if torch.compiler.is_compiling():  # fused by Inductor; eagerly topk is one op (top_few: 8 more)
-            indices, values = top_few(logits, self.W - 1)
+            indices, values = top_few(logits, self.tree.W - 1)
         else:
-            top = logits.topk(self.W - 1, dim=-1)
+            top = logits.topk(self.tree.W - 1, dim=-1)
             indices, values = top.indices, top.values
         return indices.permute(0, 2, 1), (values > float("-inf")).permute(0, 2, 1)
 
     # --- prefill (eager) ----------------------------------------------------------------------------
     def prefill(self) -> PACState:
-        B, L, V, T, W, M, dev = self.B, self.L, self.V, self.T, self.W, self.M, self.device
+        B, L, V, T, W, M, dev = self.B, self.L, self.V, self.T, self.tree.W, self.tree.M, self.session.device
         p0 = self.processed(self.session.prefill()[:, -1])
         first = self.rng.sample(p0, 0, 0)  # rng.Streams.SAMPLE at step 0, as SJD
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
@@ -329,8 +322,8 @@ class PACDecoder(JacobiDecoder):
         n = torch.ones(B, dtype=torch.long, device=dev)
         step = torch.zeros_like(first)
         _, _, _, _, u_fresh = self.uniforms(step)
-        chain = torch.where(self.depth_lanes == 0, first[:, None], 0)
-        nd = self.n_alt_depths
+        chain = torch.where(self.pac.depth_lanes == 0, first[:, None], 0)
+        nd = self.pac.n_alt_depths
         cand, valid, table_q, fresh = self.new_table(
             chain, n, p0[:, None, :].expand(B, M, V), zeros(B, W - 1, nd), torch.zeros(B, W - 1, nd, dtype=torch.bool,
                                                                                        device=dev),
@@ -341,30 +334,30 @@ class PACDecoder(JacobiDecoder):
 
     # --- one iteration ------------------------------------------------------------------------------
     def jacobi_iteration(self, st: PACState) -> None:
-        B, L, V, T, W, M = self.B, self.L, self.V, self.T, self.W, self.M
+        B, L, V, T, W, M = self.B, self.L, self.V, self.T, self.tree.W, self.tree.M
         s, tr, params = self.session, self.tree, self.params
         rows_b = self.batch_rows()
         active = st.n_committed < T
         prefix = self.rows(self.c + st.n_committed - 1)
-        positions = (prefix[:, None] + tr.depth).clamp(max=self.last_position)  # [rows, N]
+        positions = (prefix[:, None] + tr.depth).clamp(max=self.layout.last_position)  # [rows, N]
         visible = s.slot_ids < prefix[:, None]
         if s.has_key_mask:
             visible = visible & s.key_valid
-        mask = visible[:, None, :] | self.tree_block
+        mask = visible[:, None, :] | self.pac.tree_block
         node_tokens = st.cand.reshape(B, W * M)[:, tr.cell]  # [B, N]
         node_valid = st.cand_valid.reshape(B, W * M)[:, tr.cell]
-        h = s.forward_at(node_tokens, positions, self.scratch_slots, mask)
+        h = s.forward_at(node_tokens, positions, self.index.scratch_slots, mask)
         p = self.processed(h)  # [B, N, V]: p[n] = the target after node n
 
         step = random_step(st)
         u_node, u_next, u_ac, u_res, u_fresh = self.uniforms(step)
-        noise = self.alt_noise(step) if self.n_alt_depths else None
+        noise = self.alt_noise(step) if self.pac.n_alt_depths else None
         child_depth = (tr.depth + 1).clamp(max=M - 1)
         node_q = st.table_q.gather(1, child_depth[None, :, None].expand(B, L, V))  # [B, N, V] law of n's children
         kids = tr.children[None].expand(B, L, W)
         kid_ok = node_valid.gather(1, kids.clamp(min=0).reshape(B, -1)).view(B, L, W)
         children = torch.where((kids >= 0) & kid_ok, kids, -1)
-        if self.variant == "exact":
+        if self.pac.variant == "exact":
             path, A, last, root = self.verify_exact(node_tokens, children, p, node_q, u_node, u_next)
             parent = tr.zero_path[last]  # [B, M]: the node whose output predicts depth j + 1
         else:
@@ -372,11 +365,11 @@ class PACDecoder(JacobiDecoder):
                                                                               u_node, u_next)
 
         # --- commit the path and the new root; its K/V move to the row's slots ----------------------
-        lanes = self.depth_lanes
+        lanes = self.pac.depth_lanes
         path_tokens = node_tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, M - 1]
         values = torch.where(lanes == A[:, None], root[:, None], torch.cat([path_tokens, path_tokens[:, :1]], 1))
         st.tokens.index_put_((rows_b[:, None], st.n_committed[:, None] + lanes), values)
-        src = self.scratch + path.clamp(min=0)  # [B, M]
+        src = self.layout.scratch + path.clamp(min=0)  # [B, M]
         s.kv.move(self.rows(src), prefix[:, None] + lanes)
         on_path = (lanes[1:] <= A[:, None])  # depths 1..A
         carried = (on_path & ~st.fresh[:, 1:]).sum(1)
@@ -393,7 +386,7 @@ class PACDecoder(JacobiDecoder):
         old_depth = (col + 1).clamp(max=M - 1)
         x = st.cand[:, 0].gather(1, old_depth)  # old candidate 0 one depth below
         q_old = st.table_q.gather(1, old_depth[..., None].expand(B, M, V))
-        if self.variant == "exact":
+        if self.pac.variant == "exact":
             ok = params.pick(lambda: P.argmax(-1) == x,
                              lambda: u_ac * q_old.gather(2, x[..., None])[..., 0] < value_at(P, x))
             res = self.rule.residual(P.reshape(-1, V), q_old.reshape(-1, V), x.reshape(-1), None).view(B, M, V)
@@ -409,10 +402,10 @@ class PACDecoder(JacobiDecoder):
         chain = torch.where(lanes == 0, root[:, None], c0)
 
         # --- proactive drafting: alternatives at new depths 1..D-1 -----------------------------------
-        nd = self.n_alt_depths
+        nd = self.pac.n_alt_depths
         if nd:
             d_alt = slice(1, 1 + nd)
-            if self.variant == "exact":
+            if self.pac.variant == "exact":
                 alts, alts_valid = self.alternatives(P[:, d_alt], c0[:, d_alt], noise)
             else:  # W draws from the residual; a kept candidate 0 shifts them to ranks 1..W-1
                 top = (res[:, d_alt].clamp(min=0).log() + noise).topk(W, dim=-1)
@@ -423,8 +416,8 @@ class PACDecoder(JacobiDecoder):
                 alts = torch.where(kept, draws[:, : W - 1], draws[:, 1:])
                 alts_valid = torch.where(kept, drawn[:, : W - 1], drawn[:, 1:])
         else:
-            alts = torch.zeros(B, 0, 0, dtype=torch.long, device=self.device)
-            alts_valid = torch.zeros(B, 0, 0, dtype=torch.bool, device=self.device)
+            alts = torch.zeros(B, 0, 0, dtype=torch.long, device=self.session.device)
+            alts_valid = torch.zeros(B, 0, 0, dtype=torch.bool, device=self.session.device)
         cand, valid, table_q, fresh = self.new_table(chain, n_kept, P, alts, alts_valid, noise, u_fresh,
                                                      st.tokens, n_new)
         st.cand.copy_(cand)
@@ -436,7 +429,7 @@ class PACDecoder(JacobiDecoder):
     def verify_exact(self, node_tokens, children, p, node_q, u_node, u_next):
         """First-accepted-sibling verification (the engine's tree verifier) -> (path [B, M], A [B],
         last [B], root [B])."""
-        forest = _Forest(node_tokens, children, node_q, self.M - 1)
+        forest = _Forest(node_tokens, children, node_q, self.tree.M - 1)
         out = self.params.pick(lambda: verify_tree(forest, p, self.rule, u_node, u_next, True),
                                lambda: verify_tree(forest, p, self.rule, u_node, u_next, False))
         return out.path, out.n_accepted, out.last, out.next_token
@@ -447,10 +440,11 @@ class PACDecoder(JacobiDecoder):
         -> (path [B, M], A [B], root [B], column parents [B, M], pass [B, N], all-siblings residual
         [B, N, V])."""
         B, N, V = p.shape
-        tr, W, M, D = self.tree, self.W, self.M, self.D
+        tr = self.tree
+        W, M, D = tr.W, tr.M, tr.D
         r = p.clone()
         q = node_q.clone()
-        passed = torch.zeros(B, N, dtype=torch.bool, device=self.device)
+        passed = torch.zeros(B, N, dtype=torch.bool, device=self.session.device)
         for rank in range(W):
             child = children[:, :, rank]  # [B, N]
             has = child >= 0
@@ -474,7 +468,7 @@ class PACDecoder(JacobiDecoder):
         A = lengths.gather(1, best[:, None])[:, 0]
         row_nodes = tr.rows[best]  # [B, D]
         parent = torch.cat([row_nodes, tr.main[D:].expand(B, M - D)], 1)  # released: chosen row, then main chain
-        path = torch.where(self.depth_lanes <= A[:, None], parent, -1)
+        path = torch.where(self.pac.depth_lanes <= A[:, None], parent, -1)
         last = parent.gather(1, A[:, None])[:, 0]
         dist = r.gather(1, last[:, None, None].expand(B, 1, V))[:, 0]
         # A fully accepted chain takes its bonus token from p (the release draws it uniformly, since its
@@ -485,8 +479,8 @@ class PACDecoder(JacobiDecoder):
 
     def summarize(self, counters: dict, loop_stats: dict) -> dict:
         return {**super().summarize(counters, loop_stats),
-                "accepted_alternatives": int(counters["accepted_alternatives"].sum()), "pac_width": self.W,
-                "pac_depth": self.D, "pac_main_chain": self.M, "pac_variant": self.variant}
+                "accepted_alternatives": int(counters["accepted_alternatives"].sum()), "pac_width": self.tree.W,
+                "pac_depth": self.tree.D, "pac_main_chain": self.tree.M, "pac_variant": self.pac.variant}
 
 
 @register("sjd-pac", SJDPACOptions)

@@ -2,18 +2,19 @@
 
 Each sequence of the batch has its own draft tree, acceptance length, residual sample, KV layout,
 feature cache, pending chain and committed count, all in static-shape [B, ...] device buffers
-(:class:`DecodeState`). A round is one function that updates those buffers in place:
+(:class:`DecodeState`); the constants sit in :class:`SpecLayout` (tree sizes) and :class:`SpecIndex`
+(index vectors, random-number streams). A round is one function that updates the state in place:
 
     prefill: target over the condition; root ~ p; drafter eats the condition features; tree = draft(root)
-    verify_round:  one target forward over [pending chain | tree] per sequence; p = processed target
-                   distributions; accept a path with the rule; next token from the residual; compact KV;
-                   cache features; drafter eats the fresh features; tree = draft(next)
+    verify_round:  _verify_forward (one target forward over [pending chain | tree] per sequence, the tree
+                   verified with the rule) -> _commit_path (KV compacted, features cached, tokens
+                   committed) -> [_roll_back] -> _draft_next (drafter eats the fresh features; tree = draft)
     skip_round:    (VVS) commit a truncated random tree path unverified; its last token becomes the root;
                    drafter eats stale cached target features; tree = draft(root)
 
-The host loop (:func:`decode`) only picks the next round kind and reads small device counters
-(all finished, the batch wants to skip, tokens committed) one round late, so it never waits for the
-device. Sequences that finish stop committing (their lengths freeze) while the batch runs on.
+The decode loop (``runtime.loop``) only picks the next round kind and reads the status (tokens
+committed, sequences wanting to skip) one round late, so it never waits for the device. Sequences
+that finish stop committing (their lengths freeze) while the batch runs on.
 Every random draw comes from the batch's :class:`~vvs_engine.rng.CounterRNG` keyed by the image
 index and the round number, so an image's tokens do not depend on its batch-mates.
 """
@@ -21,14 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .. import kernels
-from ..acceptance.verify import default_lantern_k, make_rule, verify_tree
+from ..acceptance.verify import check_lantern_reference, default_lantern_k, make_rule, verify_tree
 from ..drafting.session import DraftSession, TreeSpec
-from ..drafting.tree import STATIC_TREES, DraftTree
+from ..drafting.tree import STATIC_TREES, DraftTree, static_layout
 from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
@@ -39,18 +40,57 @@ from . import schedule as sched
 
 
 @dataclass
-class SpecOptions(MethodOptions):
+class RuleOptions:
+    """The acceptance rule and LANTERN's parameters (SpecOptions' rule part)."""
+
     accept: Optional[str] = option(None, "acceptance rule: exact, lantern, lantern++, gsd or cascade")
     lantern_k: Optional[int] = option(None, "LANTERN: codebook neighbours k; default codebook size // 16")
     lantern_delta: float = option(0.2, "LANTERN: total-variation budget delta per step")
     lantern_lambda: float = option(2.0, "LANTERN++: cap lambda on the relaxed mass (<= lambda * p(x))")
     lantern_reference_residual: str = option("off", "LANTERN: off, or llamagen / lumina-mgpt to reproduce that "
                                                     "family's released residual and greedy test")
+
+    def check_rule(self) -> None:
+        d = self.lantern_delta
+        if not isinstance(d, (int, float)) or math.isnan(d) or not 0 <= d <= 1:
+            raise VVSError(f"lantern-delta must be in [0, 1], got {d}")
+        lam = self.lantern_lambda
+        if not isinstance(lam, (int, float)) or math.isnan(lam) or lam < 1:
+            raise VVSError(f"lantern-lambda must be >= 1, got {lam}")
+        if self.lantern_k is not None and not _positive_int(self.lantern_k):
+            raise VVSError(f"lantern-k must be an integer >= 1, got {self.lantern_k}")
+        self.lantern_reference_residual = check_lantern_reference(self.lantern_reference_residual)
+
+
+@dataclass
+class TreeOptions:
+    """The draft tree (SpecOptions' tree part)."""
+
     tree: Optional[str] = option(None, "draft tree: dynamic (EAGLE-2), static (naive_extend_57) or chain")
     tree_total: int = option(59, "dynamic tree: nodes including the root")
     tree_depth: int = option(4, "dynamic tree: expansion steps (levels = depth + 1); chain length")
     tree_topk: int = option(10, "dynamic tree: children per expanded node")
     static_tree: str = "naive_extend_57"
+
+    def check_tree(self) -> None:
+        if self.tree not in (None, "dynamic", "static", "chain"):
+            raise VVSError(f"tree must be dynamic, static or chain, got '{self.tree}'")
+        for name in ("tree_total", "tree_depth", "tree_topk"):
+            if not _positive_int(getattr(self, name)):
+                raise VVSError(f"{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)}")
+        if self.tree_total < 2:
+            raise VVSError("tree-total must be >= 2 (root + one draft)")
+        if self.static_tree not in STATIC_TREES:
+            raise VVSError(f"unknown static tree '{self.static_tree}'; known: {', '.join(STATIC_TREES)}")
+
+    def tree_spec(self) -> TreeSpec:
+        return TreeSpec(self.tree or "dynamic", self.tree_total, self.tree_depth, self.tree_topk, self.static_tree)
+
+
+@dataclass
+class SkipOptions:
+    """VVS's verification skipping (SpecOptions' skip part; skip_policy never: no skips)."""
+
     skip_policy: str = option("never", "VVS: never, uniform (skip every interval-th round) or dynamic "
                                        "(skip when the draft paths agree)")
     skip_interval: int = option(2, "VVS uniform: skip on rounds r >= 5 with r % interval == 1 (1 = never)")
@@ -59,43 +99,12 @@ class SpecOptions(MethodOptions):
     post_verify: str = option("fill", "VVS: skipped chain at the next verification: fill (keep) or reject "
                                       "(roll back to the first rejected token)")
     feature_reuse: str = "latest"  # latest | repeat
-    rule_options: dict = field(default_factory=dict)  # extra options for registered rules
-    # GSD's grouped rule under any drafter-based method (--accept gsd); None = the rule's default
-    gsd_group: Optional[int] = option(None, "GSD: group size G (tokens that may share a draft's acceptance)")
-    gsd_prob_threshold: Optional[float] = option(None, "GSD: keep a group member j only if |p(j) - p(x)| < this")
-    gsd_dist_threshold: Optional[float] = option(None, "GSD: ... and its squared distance to x on the unit "
-                                                       "codebook < this")
-    gsd_window_edge: Optional[str] = option(None, "GSD: shorten, or sjd (the released code's plain SJD ratio "
-                                                  "when the window falls off the lowest ranks)")
 
-    def validate(self):
-        if self.tree not in (None, "dynamic", "static", "chain"):
-            raise VVSError(f"tree must be dynamic, static or chain, got '{self.tree}'")
-        for name in ("tree_total", "tree_depth", "tree_topk"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise VVSError(f"{name.replace('_', '-')} must be an integer >= 1, got {v}")
-        if self.tree_total < 2:
-            raise VVSError("tree-total must be >= 2 (root + one draft)")
-        if self.static_tree not in STATIC_TREES:
-            raise VVSError(f"unknown static tree '{self.static_tree}'; known: {', '.join(STATIC_TREES)}")
-        d = self.lantern_delta
-        if not isinstance(d, (int, float)) or math.isnan(d) or not 0 <= d <= 1:
-            raise VVSError(f"lantern-delta must be in [0, 1], got {d}")
-        lam = self.lantern_lambda
-        if not isinstance(lam, (int, float)) or math.isnan(lam) or lam < 1:
-            raise VVSError(f"lantern-lambda must be >= 1, got {lam}")
-        if self.lantern_k is not None and (isinstance(self.lantern_k, bool) or not isinstance(self.lantern_k, int)
-                                           or self.lantern_k < 1):
-            raise VVSError(f"lantern-k must be an integer >= 1, got {self.lantern_k}")
-        from ..acceptance.verify import check_lantern_reference
-
-        self.lantern_reference_residual = check_lantern_reference(self.lantern_reference_residual)
+    def check_skip(self) -> None:
         if self.skip_policy not in ("never", "uniform", "dynamic"):
             raise VVSError(f"skip-policy must be never, uniform or dynamic, got '{self.skip_policy}'")
-        i = self.skip_interval
-        if isinstance(i, bool) or not isinstance(i, int) or i < 1:
-            raise VVSError(f"skip-interval must be an integer >= 1, got {i}")
+        if not _positive_int(self.skip_interval):
+            raise VVSError(f"skip-interval must be an integer >= 1, got {self.skip_interval}")
         s = self.skip_threshold
         if not isinstance(s, (int, float)) or math.isnan(s) or not -1 <= s <= 1:
             raise VVSError(f"skip-threshold must be in [-1, 1], got {s}")
@@ -105,14 +114,40 @@ class SpecOptions(MethodOptions):
             raise VVSError(f"post-verify must be fill or reject, got '{self.post_verify}'")
         if self.feature_reuse not in ("latest", "repeat"):
             raise VVSError(f"feature-reuse must be latest or repeat, got '{self.feature_reuse}'")
+
+
+@dataclass
+class RegisteredRuleOptions:
+    """Options of registered rules, GSD's among them (the rule part's rest: after the skip part, so the
+    flags, the README table and the options' repr keep their order)."""
+
+    rule_options: dict = field(default_factory=dict)  # extra options for registered rules
+    # GSD's grouped rule under any drafter-based method (--accept gsd); None = the rule's default
+    gsd_group: Optional[int] = option(None, "GSD: group size G (tokens that may share a draft's acceptance)")
+    gsd_prob_threshold: Optional[float] = option(None, "GSD: keep a group member j only if |p(j) - p(x)| < this")
+    gsd_dist_threshold: Optional[float] = option(None, "GSD: ... and its squared distance to x on the unit "
+                                                       "codebook < this")
+    gsd_window_edge: Optional[str] = option(None, "GSD: shorten, or sjd (the released code's plain SJD ratio "
+                                                  "when the window falls off the lowest ranks)")
+
+
+def _positive_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
+
+
+@dataclass
+class SpecOptions(RegisteredRuleOptions, SkipOptions, TreeOptions, RuleOptions, MethodOptions):
+    """The drafter methods' options: rule, tree and skip parts (dataclass bases; fields in that order)."""
+
+    def validate(self):
+        self.check_tree()
+        self.check_rule()
+        self.check_skip()
         return self
 
     def check_engine(self, engine):
         if engine.drafter is None:
             raise VVSError("this method needs a drafter (--drafter PATH, or use the Zoo model)")
-
-    def tree_spec(self) -> TreeSpec:
-        return TreeSpec(self.tree or "dynamic", self.tree_total, self.tree_depth, self.tree_topk, self.static_tree)
 
     def check_fits(self, shape) -> None:
         """A tree no deeper than the image, a dynamic tree's top-k no wider than the vocabulary (static and
@@ -218,6 +253,65 @@ def _own_tree(tree: DraftTree) -> DraftTree:
     return DraftTree(**{f: c(getattr(tree, f)) for f in TREE_BUFFERS}, sampled=tree.sampled)
 
 
+@dataclass(frozen=True)
+class SpecLayout:
+    """The draft tree's sizes: nodes per tree, the deepest path, a pending chain's width."""
+
+    nodes: int
+    max_depth: int
+    chain_width: int  # a pending chain: old root + up to max_depth drafts
+
+    @classmethod
+    def of(cls, spec: TreeSpec) -> "SpecLayout":
+        if spec.kind == "dynamic":
+            depth = spec.depth + 1
+        elif spec.kind == "chain":
+            depth = spec.depth
+        else:
+            depth = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
+        return cls(spec.max_nodes, depth, depth + 1)
+
+
+@dataclass(frozen=True)
+class SpecIndex:
+    """Constant index vectors and random-number streams of the rounds, made once, outside any compiled
+    round (a round spends no op on them), and VVS-D's normalised codebook."""
+
+    path_slots: torch.Tensor  # [max_depth + 1]
+    chain_slots: torch.Tensor  # [chain_width]
+    verify_streams: torch.Tensor
+    skip_stream: torch.Tensor
+    node_lanes: torch.Tensor
+    seq_ids: torch.Tensor  # [B] index vectors of the buffer writes
+    row_ids: torch.Tensor  # [rows]
+    skip_codebook: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, layout: SpecLayout, rng, B: int, rows: int, dev, codebook_engine=None) -> "SpecIndex":
+        codebook = None
+        if codebook_engine is not None:
+            codebook = torch.nn.functional.normalize(codebook_engine.codebook_vectors().float(), dim=-1)
+        return cls(torch.arange(layout.max_depth + 1, device=dev), torch.arange(layout.chain_width, device=dev),
+                   rng.stream_offsets([Streams.ACCEPT, Streams.SAMPLE]), rng.stream_offsets([Streams.SKIP]),
+                   rng.lane_offsets(layout.nodes), torch.arange(B, device=dev), torch.arange(rows, device=dev), codebook)
+
+
+class VerifyStep(NamedTuple):
+    """A verify round's results before they are written back: the sequences' new lengths, the accepted
+    drafts, and the drafter's pairs (features, tokens) from ``extend_start`` with the new root at
+    ``root_index``."""
+
+    n_out: torch.Tensor
+    target_len: torch.Tensor
+    draft_len: torch.Tensor
+    n_acc: torch.Tensor
+    pair_feats: torch.Tensor
+    pair_tokens: torch.Tensor
+    extend_start: torch.Tensor
+    root_index: torch.Tensor
+    root: torch.Tensor
+
+
 class SpeculativeRounds:
     """The caches, buffers and round functions of one batch. ``verify_round``, ``verify_after_skip``
     and ``skip_round`` take no arguments, update :attr:`state` in place and never read the host."""
@@ -229,31 +323,12 @@ class SpeculativeRounds:
         self.params = params = row_sampling(params, batch, batch.cond.device)
         B = self.batch = batch.size
         spec = opts.tree_spec()
-        self.nodes = spec.max_nodes
-        if spec.kind == "dynamic":
-            self.max_depth = spec.depth + 1
-        elif spec.kind == "chain":
-            self.max_depth = spec.depth
-        else:
-            from ..drafting.tree import static_layout
-
-            self.max_depth = static_layout(STATIC_TREES[spec.static_name](), "cpu")["max_depth"]
-        self.chain_width = self.max_depth + 1  # a pending chain: old root + up to max_depth drafts
-        extra = 2 * (self.nodes + self.chain_width) + 8
+        self.layout = layout = SpecLayout.of(spec)
+        extra = 2 * (layout.nodes + layout.chain_width) + 8
         self.target = s = TargetSession(engine.gpt, batch.cond, B, params.use_cfg, batch.key_mask, extra_slots=extra)
         self.draft = DraftSession(engine.drafter, s.rows, s.S, params, spec)
-        self.c, self.T, self.dev = s.c, s.T, s.device
-        # Constant index vectors of the rounds, made once (a round spends no op on them).
-        self.path_slots = torch.arange(self.max_depth + 1, device=self.dev)
-        self.chain_slots = torch.arange(self.chain_width, device=self.dev)
-        self.verify_streams = self.rng.stream_offsets([Streams.ACCEPT, Streams.SAMPLE])
-        self.skip_stream = self.rng.stream_offsets([Streams.SKIP])
-        self.node_lanes = self.rng.lane_offsets(self.nodes)  # made here, outside any compiled round
-        self.skip_codebook = None
-        if opts.skip_policy == "dynamic":
-            self.skip_codebook = torch.nn.functional.normalize(engine.codebook_vectors().float(), dim=-1)
-        self.seq_ids = torch.arange(B, device=self.dev)  # index vectors of the buffer writes
-        self.row_ids = torch.arange(s.rows, device=self.dev)
+        self.c, self.T = s.c, s.T
+        self.index = SpecIndex.of(layout, self.rng, B, s.rows, s.device, engine if opts.skip_policy == "dynamic" else None)
         self.state = self._prefill()
         # VVS-U's per-sequence schedule, followed on the host (it is a function of each sequence's own
         # rounds): rounds taken part in, and whether the last one was a skip
@@ -274,11 +349,11 @@ class SpeculativeRounds:
     def _scatter_positions_(self, x: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
         """x[r, idx[r, j]] = src[r, j] for x [rows, S, D], idx [B, n] (both CFG halves)."""
         r = self.rows_of(idx.clamp(max=x.shape[1] - 1))
-        x.index_put_((self.row_ids[: r.shape[0], None], r), src.to(x.dtype))
+        x.index_put_((self.index.row_ids[: r.shape[0], None], r), src.to(x.dtype))
 
     def _write_out_(self, idx: torch.Tensor, tokens: torch.Tensor) -> None:
         out = self.state.out
-        out.index_put_((self.seq_ids[: idx.shape[0], None], idx.clamp(max=out.shape[1] - 1)), tokens)
+        out.index_put_((self.index.seq_ids[: idx.shape[0], None], idx.clamp(max=out.shape[1] - 1)), tokens)
 
     def _count_(self, hist: torch.Tensor, bins: torch.Tensor, counts: torch.Tensor) -> None:
         """hist[b, bins[b]] += counts[b] (the per-sequence histograms), as a one-hot add: compiled, it
@@ -288,13 +363,13 @@ class SpeculativeRounds:
 
     # --- prefill (eager) -------------------------------------------------------------------------------
     def _prefill(self) -> DecodeState:
-        s, B, dev = self.target, self.batch, self.dev
-        Dmax = self.max_depth
+        s, B, dev = self.target, self.batch, self.target.device
+        Dmax = self.layout.max_depth
         step = torch.full((B,), -1, dtype=torch.long, device=dev)  # round -1: before the first round
         H0 = s.prefill()  # [rows, c, D]
         root = self.rng.sample(process_logits(guided_logits(s.logits(H0[:, -1]), self.params), self.params),
                                step, Streams.SAMPLE)  # [B]
-        out = torch.zeros(B, self.T + 3 * (Dmax + 1) + self.chain_width, dtype=torch.long, device=dev)
+        out = torch.zeros(B, self.T + 3 * (Dmax + 1) + self.layout.chain_width, dtype=torch.long, device=dev)
         out[:, 0] = root
         feats = torch.zeros(s.rows, s.S, H0.shape[-1], dtype=H0.dtype, device=dev)
         feats[:, : s.c] = H0
@@ -306,7 +381,7 @@ class SpeculativeRounds:
         tree = _own_tree(self.draft.build(root, h_draft[:, -1], length, self.rng, round0))
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
         st = DecodeState(out=out, n_out=torch.ones(B, dtype=torch.long, device=dev), target_len=length.clone(),
-                         draft_len=length.clone(), feats=feats, tree=tree, chain_tokens=zeros(B, self.chain_width),
+                         draft_len=length.clone(), feats=feats, tree=tree, chain_tokens=zeros(B, self.layout.chain_width),
                          chain_len=zeros(B), round=round0, status=zeros(B + 1), target_passes=zeros(B), skipped=zeros(B),
                          accepted_hist=zeros(B, Dmax + 1), skip_hist=zeros(B, Dmax + 1), rolled_back=zeros(B))
         self._update_status(st)
@@ -328,7 +403,7 @@ class SpeculativeRounds:
         if policy == "uniform":
             interval = self.opts.skip_interval
             return can & (st.round >= sched.FIRST_SKIP_ROUND) & (st.round % interval == 1) & (interval > 1)
-        return can & (sched.path_similarity(st.tree, self.skip_codebook) >= self.opts.skip_threshold)
+        return can & (sched.path_similarity(st.tree, self.index.skip_codebook) >= self.opts.skip_threshold)
 
     # --- rounds ----------------------------------------------------------------------------------------
     def verify_round(self) -> None:
@@ -364,16 +439,28 @@ class SpeculativeRounds:
         self._update_status(st)
 
     def _verify(self, with_chain: bool) -> None:
+        """A verify round in four stages: the target forward over [pending chain | tree] and the tree's
+        verification; the accepted path committed; (post_verify=reject) the rollback of a rejected
+        skipped chain; the drafter fed and the next tree drafted."""
+        a = self.state.chain_len if with_chain else None
+        H, logits, res, off, tree_start, active = self._verify_forward(a)
+        step = self._commit_path(H, res, off, tree_start, active, a)
+        if with_chain and self.opts.post_verify == "reject":
+            step = self._roll_back(step, logits[:, :self.layout.chain_width], H, a, active)
+        self._draft_next(step, active, with_chain)
+
+    def _verify_forward(self, a):
+        """One target forward per sequence over its pending chain (``a``: chain lengths, or None without
+        one) and its tree, then the tree verified -> (features H [rows, Q, D], guided logits, the
+        verification, the tree's first query, its root position, active [B])."""
         st, s, tree, params = self.state, self.target, self.state.tree, self.params
-        B, N, Dmax, Cmax, T = self.batch, self.nodes, self.max_depth, self.chain_width, self.T
+        B, T, Cmax = self.batch, self.T, self.layout.chain_width
         P_t = st.target_len
-        path_slots, chain_slots = self.path_slots, self.chain_slots
-        if with_chain:
-            a = st.chain_len
+        if a is not None:
             tree_start = P_t + a  # the tree's root position: after the skipped chain
             active = st.n_out - a < T
             tokens = torch.cat([st.chain_tokens, tree.tokens], 1)
-            positions = torch.cat([P_t[:, None] + chain_slots, tree_start[:, None] + tree.depth], 1)
+            positions = torch.cat([P_t[:, None] + self.index.chain_slots, tree_start[:, None] + tree.depth], 1)
             local, off = post_verify_mask(tree.mask, a, Cmax), Cmax
         else:
             tree_start = P_t
@@ -383,23 +470,29 @@ class SpeculativeRounds:
         H = s.forward_per_sequence(tokens, positions, P_t, local)  # [rows, Q, D]
         logits = guided_logits(s.logits(H), params)  # [B, Q, V]
         p = process_logits(logits[:, off:], params)
-        u = kernels.counter_uniform(self.rng.key, st.round, self.verify_streams, N, self.node_lanes,
-                                    fuse_when_compiled=True)
+        u = kernels.counter_uniform(self.rng.key, st.round, self.index.verify_streams, self.layout.nodes,
+                                    self.index.node_lanes, fuse_when_compiled=True)
         u_accept, u_sample = u[:, 0], u[:, 1, 0]
         # a greedy row verifies its drafts as deterministic ones, whatever the batch-mates drew
         res = params.pick(lambda: verify_tree(replace(tree, sampled=False) if tree.sampled else tree, p, self.rule, u_accept, u_sample, True,
                                               logits=logits[:, off:], hidden=H[:B, off:], engine=self.engine),
                           lambda: verify_tree(tree, p, self.rule, u_accept, u_sample, False, logits=logits[:, off:],
                                               hidden=H[:B, off:], engine=self.engine))  # conditional rows' features
+        return H, logits, res, off, tree_start, active
+
+    def _commit_path(self, H, res, off, tree_start, active, a) -> "VerifyStep":
+        """The accepted path's K/V and features moved after the chain, its tokens committed."""
+        st, s = self.state, self.target
+        P_t, path_slots = st.target_len, self.index.path_slots
         path, n_acc, next_token = res.path, res.n_accepted, res.next_token
         node = off + path.clamp(min=0)  # [B, Dmax + 1] query index of each accepted node
         dst = tree_start[:, None] + path_slots
         s.kv.move(self.rows_of(P_t[:, None] + node), self.rows_of(dst))  # accepted path -> after the chain
-        if with_chain:  # the skipped chain's fresh features replace the stale ones it was drafted from
-            self._scatter_positions_(st.feats, P_t[:, None] + chain_slots, H[:, :Cmax])
+        if a is not None:  # the skipped chain's fresh features replace the stale ones it was drafted from
+            self._scatter_positions_(st.feats, P_t[:, None] + self.index.chain_slots, H[:, :self.layout.chain_width])
         path_feats = self._gather_positions(H, node)
         self._scatter_positions_(st.feats, dst, path_feats)
-        accepted = tree.tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, Dmax]
+        accepted = st.tree.tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, Dmax]
         # Drafter pairs: (fresh feature at each accepted node, the token after it); the last is the new root.
         # They are also the committed tokens: the accepted drafts, then the next token at n_acc (slots
         # past it are rewritten by later rounds).
@@ -407,51 +500,59 @@ class SpeculativeRounds:
         self._write_out_(st.n_out[:, None] + path_slots, pair_tokens)
         committed = torch.where(active, n_acc + 1, 0)
         n_out = st.n_out + committed
-        target_len = (P_t + torch.where(active, a, 0) if with_chain else P_t) + committed
-        draft_len = st.draft_len + committed
-        pair_feats, extend_start, root_index, root = path_feats, st.draft_len, n_acc, next_token
-        if with_chain and self.opts.post_verify == "reject":
-            rollback, keep, token = self._check_chain(logits[:, :Cmax], a, active)
-            restart = st.n_out - a + keep - 1  # out index of the rejected skipped token
-            self._write_out_(torch.where(rollback, restart, n_out + Dmax + 1)[:, None], token[:, None])
-            n_out = torch.where(rollback, restart + 1, n_out)
-            target_len = torch.where(rollback, P_t + keep, target_len)
-            draft_len = torch.where(rollback, P_t + keep, draft_len)
-            # One drafter pair (fresh feature at the rejected position, the resampled token).
-            chain_feat = self._gather_positions(H, (keep - 1)[:, None])
-            row_rollback = self.rows_of(rollback)[:, None, None]
-            pair_feats = torch.where(row_rollback, torch.cat([chain_feat, path_feats[:, 1:]], 1), path_feats)
-            pair_tokens = torch.where(rollback[:, None], torch.cat([token[:, None], pair_tokens[:, 1:]], 1),
-                                      pair_tokens)
-            extend_start = torch.where(rollback, P_t + keep - 1, extend_start)
-            root_index = torch.where(rollback, 0, root_index)
-            root = torch.where(rollback, token, root)
-            n_acc = torch.where(rollback, 0, n_acc)
-            st.rolled_back.add_(rollback.long())
-        h_draft = self.draft.extend(pair_feats, pair_tokens, extend_start)
-        h_root = self._gather_positions(h_draft, root_index[:, None])[:, 0]
+        target_len = (P_t + torch.where(active, a, 0) if a is not None else P_t) + committed
+        return VerifyStep(n_out, target_len, st.draft_len + committed, n_acc, path_feats, pair_tokens, st.draft_len,
+                          n_acc, next_token)
+
+    def _roll_back(self, step: "VerifyStep", chain_logits, H, a, active) -> "VerifyStep":
+        """post_verify=reject: a sequence whose skipped chain fails its test goes back to the first
+        rejected token, resampled: one drafter pair (the fresh feature there, the new token)."""
+        st, P_t = self.state, self.state.target_len
+        rollback, keep, token = self._check_chain(chain_logits, a, active)
+        restart = st.n_out - a + keep - 1  # out index of the rejected skipped token
+        self._write_out_(torch.where(rollback, restart, step.n_out + self.layout.max_depth + 1)[:, None], token[:, None])
+        n_out = torch.where(rollback, restart + 1, step.n_out)
+        target_len = torch.where(rollback, P_t + keep, step.target_len)
+        draft_len = torch.where(rollback, P_t + keep, step.draft_len)
+        chain_feat = self._gather_positions(H, (keep - 1)[:, None])
+        row_rollback = self.rows_of(rollback)[:, None, None]
+        pair_feats = torch.where(row_rollback, torch.cat([chain_feat, step.pair_feats[:, 1:]], 1), step.pair_feats)
+        pair_tokens = torch.where(rollback[:, None], torch.cat([token[:, None], step.pair_tokens[:, 1:]], 1),
+                                  step.pair_tokens)
+        extend_start = torch.where(rollback, P_t + keep - 1, step.extend_start)
+        root_index = torch.where(rollback, 0, step.root_index)
+        root = torch.where(rollback, token, step.root)
+        n_acc = torch.where(rollback, 0, step.n_acc)
+        st.rolled_back.add_(rollback.long())
+        return VerifyStep(n_out, target_len, draft_len, n_acc, pair_feats, pair_tokens, extend_start, root_index, root)
+
+    def _draft_next(self, step: "VerifyStep", active, with_chain: bool) -> None:
+        """The drafter eats the round's pairs; the counters and lengths advance; the next tree is drafted."""
+        st = self.state
+        h_draft = self.draft.extend(step.pair_feats, step.pair_tokens, step.extend_start)
+        h_root = self._gather_positions(h_draft, step.root_index[:, None])[:, 0]
         counted = active.long()
         st.target_passes.add_(counted)
-        self._count_(st.accepted_hist, n_acc, counted)
-        st.n_out.copy_(n_out)
-        st.target_len.copy_(target_len)
-        st.draft_len.copy_(draft_len)
+        self._count_(st.accepted_hist, step.n_acc, counted)
+        st.n_out.copy_(step.n_out)
+        st.target_len.copy_(step.target_len)
+        st.draft_len.copy_(step.draft_len)
         if with_chain:  # a plain verify round follows a verify round: its chain is already empty
             st.chain_len.zero_()
         st.round.add_(1)
-        _copy_tree_(st.tree, self.draft.build(root, h_root, draft_len, self.rng, st.round))
+        _copy_tree_(st.tree, self.draft.build(step.root, h_root, step.draft_len, self.rng, st.round))
 
     def _check_chain(self, chain_logits, a, active):
         """post_verify=reject: test the a tokens committed unverified (chain[1:a] and the new root)
         against the chain's fresh logits. -> (rollback [B], keep [B] chain entries that stay, the
         resampled token [B])."""
-        st, B, Cmax = self.state, self.batch, self.chain_width
-        j = torch.arange(Cmax, device=self.dev)
+        st, B, Cmax = self.state, self.batch, self.layout.chain_width
+        j = torch.arange(Cmax, device=self.target.device)
         skipped = torch.where(j[None] + 1 < a[:, None], st.chain_tokens.roll(-1, 1), st.tree.tokens[:, :1])
         p = process_logits(chain_logits, self.params)  # [B, Cmax, V]
         u = self.rng.uniform(st.round, Streams.CHAIN, (Cmax + 1,))
         def sampled_test():
-            passed, _ = self.rule.accept(p.flatten(0, 1), skipped.flatten(), torch.ones(B * Cmax, device=self.dev),
+            passed, _ = self.rule.accept(p.flatten(0, 1), skipped.flatten(), torch.ones(B * Cmax, device=self.target.device),
                                          u[:, :Cmax].flatten(), None)
             return passed.view(B, Cmax)
 
@@ -466,7 +567,7 @@ class SpeculativeRounds:
 
     def _skip(self) -> None:
         st, tree = self.state, self.state.tree
-        B, Dmax = self.batch, self.max_depth
+        B, Dmax = self.batch, self.layout.max_depth
         active = st.n_out < self.T
         choice = self._select_path(tree)  # [B] leaf node
         leaf = tree.is_leaf
@@ -474,13 +575,13 @@ class SpeculativeRounds:
         a = torch.minimum(tree.depth.gather(1, choice[:, None])[:, 0], mean_len - 1).clamp(min=1)  # truncation
         path = tree.paths.gather(1, choice[:, None, None].expand(B, 1, Dmax + 1))[:, 0]  # [B, Dmax + 1]
         drafted = tree.tokens.gather(1, path[:, 1:].clamp(min=0))  # path[a] is the next root
-        self._write_out_(st.n_out[:, None] + self.path_slots[:Dmax], drafted)
+        self._write_out_(st.n_out[:, None] + self.index.path_slots[:Dmax], drafted)
         committed = torch.where(active, a, 0)
         st.chain_tokens.copy_(tree.tokens.gather(1, path.clamp(min=0)))  # old root + a - 1 drafts: no KV yet
         st.chain_len.copy_(committed)
         # Stale features: the a most recent cached target features ("latest"), or the last one repeated.
         if self.opts.feature_reuse == "latest":
-            positions = ((st.target_len - a)[:, None] + self.path_slots[:Dmax]).clamp(min=0)
+            positions = ((st.target_len - a)[:, None] + self.index.path_slots[:Dmax]).clamp(min=0)
         else:
             positions = (st.target_len - 1)[:, None].expand(B, Dmax)
         h_draft = self.draft.extend(self._gather_positions(st.feats, positions), drafted, st.draft_len)
@@ -497,8 +598,8 @@ class SpeculativeRounds:
         """A root-to-leaf path per sequence: uniform over leaves (VVS default), or the most confident."""
         leaf = tree.is_leaf
         if self.opts.select == "random":
-            score = kernels.counter_uniform(self.rng.key, self.state.round, self.skip_stream, tree.n,
-                                            self.node_lanes, fuse_when_compiled=True)[:, 0]
+            score = kernels.counter_uniform(self.rng.key, self.state.round, self.index.skip_stream, tree.n,
+                                            self.index.node_lanes, fuse_when_compiled=True)[:, 0]
             score = score.to(torch.float64)
         else:  # confidence: highest cumulative draft log-prob along the path
             lp = tree.draft_logp if tree.draft_logp is not None else torch.zeros(leaf.shape, device=leaf.device)

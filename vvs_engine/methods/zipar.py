@@ -1,60 +1,22 @@
 """ZipAR: several image rows decoded at once (He et al., ICML 2025, arXiv 2412.04062), plain and with
-each row's frontier decoded as a Jacobi window verified by the SJD rule (``--zipar-verify sjd``).
+each row's frontier decoded as a Jacobi window verified by the SJD rule (``--zipar-verify sjd``); PJD's
+rules on top (``--method pjd``). The full account, with what is exact and what the release does
+differently, is docs/zipar.md.
 
-A token depends mostly on its spatial neighbours, so row r + 1 need not wait for row r to finish:
-it starts once row r holds ``window`` codes (s), and every forward then advances each row in flight
-by one token (a diagonal wavefront). The target sees a *partial* context: the slots already filled,
-at their raster positions. That is the approximation (ZipAR is lossy); everything else is exact:
+Row r + 1 starts once row r holds ``window`` codes (s) and every forward advances each row in flight
+(a diagonal wavefront). The target sees a *partial* context, the slots already filled at their raster
+positions: that is the approximation (ZipAR is lossy). The rest is exact: K/V at each token's raster
+slot, RoPE at raster positions, a mask built on the device from per-row counts of written codes (an
+unfilled slot is never attended), a forced end-of-line token placed up front (Lumina-mGPT, Emu3), and
+a row start without one fed a *stand-in* whose K/V only its own query sees. A fixed-window decode takes
+``(H - 1) * min(s, W) + W - 1`` forwards (:func:`fixed_window_forwards`); the round function serves
+``R`` rows in flight and the device state decides which lanes commit, with no host read, so images at
+different steps share a forward. With SJD each row feeds L lanes (its last code + L - 1 drafts) and
+commits the accepted prefix plus one token; with s >= W the tokens are raster AR's (tested).
 
-* K/V are written at each token's raster slot (``c + r * W' + column``), RoPE at raster positions
-  (LlamaGen's 2-D table is indexed by raster position as usual), and each query sees exactly the
-  slots that hold a committed token's K/V and precede it in raster order (plus itself). The mask is
-  built on the device from per-row counts of written codes (every row is filled as a prefix), never
-  from a raster-causal mask: an unfilled slot is never attended (the released LlamaGen code attends
-  them; we do not).
-* Geometry (:class:`RowGeometry`, read through :func:`row_geometry`): LlamaGen and Janus are square
-  grids of codes; Lumina-mGPT and Emu3 rows end with the forced end-of-line token (EOL), which is
-  placed in the token buffer up front (never sampled) and whose K/V are written once, by the query
-  that starts the next row (its output is that row's first code, as in raster order).
-* Row starts without an EOL (LlamaGen, Janus): the query that predicts (r, 0) sits at the raster
-  position of (r - 1, W - 1), the end of the row above, which does not exist yet. When the row above
-  is complete, that query feeds the real token there (raster order exactly). Otherwise it feeds a
-  *stand-in*, the newest committed code of the row above, whose K/V go to a scratch slot that only
-  this one query sees; the raster slot (r - 1, W - 1) is written once, by the real token when it
-  arrives (the row's "tail" feed, K/V only). So no query ever attends a stand-in or an unfilled
-  slot; the stand-in only shapes the input of the one query that starts the row. (Withholding that
-  query until the real token exists would be raster order: the token sits at the end of the row
-  above.)
-
-Schedule (fixed window, one token per row per forward): row 0 starts from the prefill, row r at
-forward r * s; every row needs W - 1 more forwards after its first code, so a decode takes
-``(H - 1) * min(s, W) + W - 1`` forwards (:func:`fixed_window_forwards`; W codes per row, H rows;
-prefill excluded, as for AR's T - 1). With s >= W the rows run one after the other: the tokens are
-raster AR's (LlamaGen/Janus: T - 1 forwards; Lumina-mGPT/Emu3: H fewer than AR's T - 1, because
-the forced EOL needs no forward of its own). The schedule is the same for every image of a model,
-resolution and window (:func:`fixed_window_plan` computes it on the host, for the tests and the
-docs); the round function serves ``R`` rows in flight (the most the window allows) and the device
-state decides which lanes commit, without any host read, so images at different steps (admitted at
-different times by the one loop, ``runtime.loop``) share a forward. Lanes past an image's rows in
-flight (the first and last rows of its plan) do nothing: the same tokens and forwards as a plan that
-runs only the rows in flight, at the compute of R lanes per forward.
-
-``--zipar-verify sjd``: each row in flight feeds a window of L lanes along its row (its last
-committed code, then L - 1 drafts: the previous forward's target samples at those columns, the
-Jacobi update, or copies of the code above for new columns) and commits the accepted prefix plus
-one token by the SJD rule, so a row may commit several codes per forward. The window rule stays:
-code (r, c) may be committed only while row r - 1 holds at least c + s codes (or is complete); a
-row that may commit nothing in a forward takes no part in it. Exactness: every committed token is
-an exact sample of the target given the context its forward saw (the filled slots of the rows above
-and the row's own committed prefix), the same law plain ZipAR samples from at that context; the
-contexts differ from raster AR's (partial rows above), so the tokens are not distributed as raster
-AR unless s >= W (rows sequential: exact SJD per row, tokens distributed as raster AR).
-``tests/test_zipar.py`` checks both statements.
-
-Randomness is keyed by image and raster index (batch-invariant): the token at raster index t of an
-image is drawn with the counter RNG at step t of the ``SAMPLE`` stream, as AR draws it, so with
-s >= W ZipAR's sampled tokens are AR's too. Drafts are tested with ``ACCEPT`` uniforms at their
-raster index (each index is tested at most once) and Jacobi samples use the row's forward counter.
+Randomness is keyed by image and raster index (batch-invariant): the token at raster index t is drawn
+at step t of the ``SAMPLE`` stream, as AR draws it; drafts are tested with ``ACCEPT`` uniforms at their
+raster index and Jacobi samples use the row's forward counter.
 """
 from __future__ import annotations
 
@@ -283,6 +245,118 @@ class ZipARState:
         return [getattr(self, f.name) for f in fields(self)]
 
 
+@dataclass(frozen=True)
+class ZipARLayout:
+    """The host constants of one batched ZipAR decode: the row layout, the window rules and the rows a
+    forward serves (a compiled round reads them as constants)."""
+
+    rows: int  # H image rows
+    codes: int  # W codes per row
+    width: int  # W' tokens per row (the codes, then the end-of-line token, if any)
+    eol: Optional[int]  # the end-of-line token (a method-vocabulary index), or None
+    window: int  # the start lag s
+    commit_lag: int  # the window s unless PJD's separate commit lag is set
+    commit_drafts: bool  # PJD's released commit rule
+    random_init: bool  # new drafts: uniform image codes (PJD)
+    keep: float  # PJD's keep rule (0: off)
+    n_image_codes: int  # random drafts draw image codes only (not the EOL)
+    rows_served: int  # R: the rows of the round function
+    capped: bool  # --zipar-max-rows below the rows the commit lag allows
+
+    @classmethod
+    def of(cls, geo: RowGeometry, opts: ZipAROptions, vocab_size: int) -> "ZipARLayout":
+        R = rows_in_flight(geo, opts.commit_lag)
+        capped = 0 < opts.zipar_max_rows < R
+        return cls(geo.rows, geo.codes, geo.width, geo.eol, opts.zipar_window, opts.commit_lag,
+                   opts.zipar_commit == "drafts", opts.zipar_init == "random", float(opts.zipar_keep),
+                   geo.eol if geo.eol is not None else vocab_size, opts.zipar_max_rows if capped else R, capped)
+
+    @property
+    def has_eol(self) -> bool:
+        return self.eol is not None
+
+    @property
+    def n_row_entries(self) -> int:
+        """Entries of the per-row arrays (``ZipARState``)."""
+        return self.rows + self.rows_served + 2
+
+    @property
+    def sink_row(self) -> int:
+        """The per-row entry that takes the writes of lanes that write nothing."""
+        return self.n_row_entries - 1
+
+
+@dataclass(frozen=True)
+class ZipARIndex:
+    """Constant index tensors of the rounds and their random-number streams, made once: a dict filled
+    while a round is traced is a guard that fails on the next call (one recompile of every ZipAR/PJD
+    round), and a round spends no op on them."""
+
+    scratch: torch.Tensor  # [R, L] a scratch slot per lane
+    window_lanes: torch.Tensor  # [L]
+    row_lanes: torch.Tensor  # [R]
+    vocab: torch.Tensor  # [V]
+    stored_rows: torch.Tensor  # [H] where rows 0 .. H - 1 sit in the per-row arrays
+    batch_ids: torch.Tensor  # [B, 1]
+    slot_row: torch.Tensor  # [S] row of an image slot (others: -1)
+    slot_col: torch.Tensor  # [S] column of an image slot (others: a column no count reaches)
+    slot_is_code: torch.Tensor  # [S]
+    slot_is_eol: torch.Tensor  # [S]
+    cond_visible: torch.Tensor  # [rows, S] condition slots each row sees (follows admitted rows' key masks)
+    sample_stream: torch.Tensor
+    accept_stream: torch.Tensor
+    update_stream: torch.Tensor
+    init_stream: torch.Tensor
+
+    @classmethod
+    def of(cls, decoder: "ZipARDecoder", s: TargetSession) -> "ZipARIndex":
+        c, T, Wp, W, dev, rng = decoder.c, decoder.T, decoder.Wp, decoder.W, s.device, decoder.rng
+        t = s.slot_ids - c
+        image = (t >= 0) & (t < T)
+        col = torch.where(image, t.remainder(Wp), Wp + 1)
+        return cls((c + T + torch.arange(decoder.R * decoder.L, device=dev)).view(decoder.R, decoder.L),
+                   torch.arange(decoder.L, device=dev), torch.arange(decoder.R, device=dev),
+                   torch.arange(decoder.V, device=dev), torch.arange(1, decoder.H + 1, device=dev),
+                   torch.arange(decoder.B, device=dev)[:, None], torch.where(image, t.div(Wp, rounding_mode="floor"), -1),
+                   col, image & (col < W), image & (col == W) if decoder.layout.has_eol else torch.zeros_like(image),
+                   (s.slot_ids < c) & s.key_valid, *(rng.stream_offsets([stream]) for stream in (
+                       Streams.SAMPLE, Streams.ACCEPT, Streams.JACOBI_UPDATE, Streams.JACOBI_INIT)))
+
+
+class Frontier(NamedTuple):
+    """The served rows of one ZipAR round as it reads them ([B, R] each): row, its per-row entry, codes,
+    K/V written, codes of the row above, forwards so far; whether it is an image row, codes the window
+    rule allows it now, whether it takes part, starts, starts from a stand-in, or re-feeds lane 0."""
+
+    row: torch.Tensor
+    at: torch.Tensor
+    codes: torch.Tensor
+    written: torch.Tensor
+    above: torch.Tensor
+    rounds_before: torch.Tensor
+    real_row: torch.Tensor
+    allowed: torch.Tensor
+    active: torch.Tensor
+    start: torch.Tensor
+    stand_in: torch.Tensor
+    refeed: torch.Tensor
+
+
+class Feed(NamedTuple):
+    """The R x L lanes of one round ([B, R, L]): raster index fed, live, input tokens, positions, K/V slots,
+    whether a lane writes its own slot; with drafts (L > 1) the drafts, which are fresh, and their q."""
+
+    raster: torch.Tensor
+    live: torch.Tensor
+    inputs: torch.Tensor
+    position: torch.Tensor
+    slot: torch.Tensor
+    own_slot: torch.Tensor
+    drafts: Optional[torch.Tensor]
+    fresh: Optional[torch.Tensor]
+    stored_q: Optional[torch.Tensor]
+
+
 class ZipARDecoder:
     """Constants and buffers of one batched decode; :meth:`zipar_round` is the round function. A
     decoder of ``runtime.loop`` (protocol at the end of the class): :meth:`start` builds and prefills one."""
@@ -299,51 +373,16 @@ class ZipARDecoder:
     def __init__(self, engine, batch: DecodeBatch, params, opts: ZipAROptions, rule=None):
         self.engine, self.opts = engine, opts
         self.params, self.rng = row_sampling(params, batch, batch.cond.device), batch.rng
-        params = self.params
         self.rule = rule if rule is not None else ExactRule()
-        self.geometry = geo = row_geometry(engine.gpt)
-        self.window, self.L = opts.zipar_window, opts.lanes
-        self.commit_lag = opts.commit_lag  # the window s unless PJD's separate commit lag is set
-        self.commit_drafts = opts.zipar_commit == "drafts"
-        self.random_init, self.keep = opts.zipar_init == "random", float(opts.zipar_keep)
-        self.B = batch.size
-        self.H, self.W, self.Wp = geo.rows, geo.codes, geo.width
-        self.has_eol = geo.eol is not None
-        self.n_image_codes = geo.eol if self.has_eol else engine.config.vocab_size  # random drafts: codes only
-        self.R = rows_in_flight(geo, self.commit_lag)  # the rows of the round function
-        self.capped = 0 < opts.zipar_max_rows < self.R
-        if self.capped:
-            self.R = opts.zipar_max_rows
-        self.n_row_entries = self.H + self.R + 2
-        self.sink_row = self.n_row_entries - 1
-        L, R = self.L, self.R
-        self.session = s = TargetSession(engine.gpt, batch.cond, self.B, params.use_cfg, batch.key_mask,
-                                         extra_slots=R * L)
+        self.layout = layout = ZipARLayout.of(row_geometry(engine.gpt), opts, engine.config.vocab_size)
+        self.B, self.L, self.R = batch.size, opts.lanes, layout.rows_served
+        self.H, self.W, self.Wp = layout.rows, layout.codes, layout.width
+        self.session = s = TargetSession(engine.gpt, batch.cond, self.B, self.params.use_cfg, batch.key_mask,
+                                         extra_slots=self.R * self.L)
         self.c, self.T, self.V = s.c, s.T, engine.config.vocab_size
-        if geo.tokens != self.T:
-            raise VVSError(f"zipar: the row layout has {geo.tokens} tokens but the model {self.T}")
-        dev = self.device = s.device
-        self.scratch = (self.c + self.T + torch.arange(R * L, device=dev)).view(R, L)  # a slot per lane
-        self.window_lanes = torch.arange(L, device=dev)
-        # made here, not on first use inside the round: a dict filled while the round is traced is a
-        # guard that fails on the next call (one recompile of every ZipAR/PJD round)
-        self.row_lanes = torch.arange(R, device=dev)
-        self.vocab = torch.arange(engine.config.vocab_size, device=dev)
-        self.stored_rows = torch.arange(1, self.H + 1, device=dev)  # where rows 0 .. H - 1 sit in the per-row arrays
-        self.batch_ids = torch.arange(self.B, device=dev)[:, None]
-        # per-slot row and column of image slots (others: row -1, a column no count reaches)
-        t = s.slot_ids - self.c
-        image = (t >= 0) & (t < self.T)
-        self.slot_row = torch.where(image, t.div(self.Wp, rounding_mode="floor"), -1)
-        col = torch.where(image, t.remainder(self.Wp), self.Wp + 1)
-        self.slot_is_code = image & (col < self.W)
-        self.slot_is_eol = image & (col == self.W) if self.has_eol else torch.zeros_like(image)
-        self.slot_col = col
-        self.cond_visible = (s.slot_ids < self.c) & s.key_valid  # [rows, S]
-        self.sample_stream = self.rng.stream_offsets([Streams.SAMPLE])
-        self.accept_stream = self.rng.stream_offsets([Streams.ACCEPT])
-        self.update_stream = self.rng.stream_offsets([Streams.JACOBI_UPDATE])
-        self.init_stream = self.rng.stream_offsets([Streams.JACOBI_INIT])
+        if layout.rows * layout.width != self.T:
+            raise VVSError(f"zipar: the row layout has {layout.rows * layout.width} tokens but the model {self.T}")
+        self.index = ZipARIndex.of(self, s)
 
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, x]) if self.params.use_cfg else x
@@ -358,29 +397,29 @@ class ZipARDecoder:
 
     def random_codes(self, step: torch.Tensor) -> torch.Tensor:
         """PJD's new drafts: uniform image codes keyed by (image, ``step``) on the JACOBI_INIT stream."""
-        u = self.uniforms(step, self.init_stream)
-        return (u * self.n_image_codes).long().clamp(max=self.n_image_codes - 1)
+        u = self.uniforms(step, self.index.init_stream)
+        return (u * self.layout.n_image_codes).long().clamp(max=self.layout.n_image_codes - 1)
 
     # --- prefill (eager) ----------------------------------------------------------------------------
     def prefill(self) -> ZipARState:
-        B, L, V, T, dev = self.B, self.L, self.V, self.T, self.device
-        n = self.n_row_entries
+        B, L, V, T, dev = self.B, self.L, self.V, self.T, self.session.device
+        n = self.layout.n_row_entries
         p0 = self.processed(self.session.prefill()[:, -1])
         first = self.rng.sample(p0, 0, Streams.SAMPLE)  # as AR draws image token 0
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)
         tokens = zeros(B, T + 1)
-        if self.has_eol:  # the layout's end-of-line tokens: placed, never sampled
+        if self.layout.has_eol:  # the layout's end-of-line tokens: placed, never sampled
             eol_cols = torch.arange(self.H, device=dev) * self.Wp + self.W
-            tokens.index_put_((self.batch_ids.expand(B, self.H), eol_cols.expand(B, self.H)),
-                              torch.tensor(self.geometry.eol, device=dev))
-        tokens.index_put_((self.batch_ids[:, 0], zeros(B)), first)
+            tokens.index_put_((self.index.batch_ids.expand(B, self.H), eol_cols.expand(B, self.H)),
+                              torch.tensor(self.layout.eol, device=dev))
+        tokens.index_put_((self.index.batch_ids[:, 0], zeros(B)), first)
         entry = torch.arange(n, device=dev)  # index 0: the complete virtual row above row 0; 1: row 0
         codes = torch.where(entry == 0, self.W, (entry == 1).long()).expand(B, n).clone()
         written = torch.where(entry == 0, self.W, 0).expand(B, n).clone()
         Vq = V if L > 1 else 1
         draft = first[:, None, None].expand(B, n, L).clone()  # row 0: copy-left
-        if self.random_init:  # row 0's drafts (lane i: column i), as a row's first drafts are drawn in a round
-            draft[:, 1] = self.random_codes(self.window_lanes.expand(B, L) + 1)
+        if self.layout.random_init:  # row 0's drafts (lane i: column i), as a row's first drafts are drawn in a round
+            draft[:, 1] = self.random_codes(self.index.window_lanes.expand(B, L) + 1)
         return ZipARState(tokens=tokens, codes=codes, written=written,
                           eol_written=torch.zeros(B, n, dtype=torch.bool, device=dev), lo=zeros(B),
                           row_rounds=zeros(B, n), draft=draft,
@@ -411,7 +450,7 @@ class ZipARDecoder:
 
     def rows_written(self, rows: torch.Tensor) -> None:
         """Rows took other images (admission, compaction): the condition visibility follows their key masks."""
-        self.cond_visible.copy_((self.session.slot_ids < self.c) & self.session.key_valid)
+        self.index.cond_visible.copy_((self.session.slot_ids < self.c) & self.session.key_valid)
 
     def committed_mask(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, T] bool: the final positions of rows ``rows`` (several image rows commit at once: each row's
@@ -424,21 +463,38 @@ class ZipARDecoder:
     def summarize(self, counters: dict, loop_stats: dict) -> dict:
         passes, rows = int(counters["passes"].sum()), int(counters["committing_rows"].sum())
         return {"target_forward_passes": passes, "batch_iterations": loop_stats["batch_rounds"],
-                "zipar_window": self.window, "zipar_verify": self.opts.zipar_verify, "zipar_lanes": self.L,
+                "zipar_window": self.layout.window, "zipar_verify": self.opts.zipar_verify, "zipar_lanes": self.L,
                 "committing_rows": rows, "accepted_drafts": int(counters["accepted"].sum()),
                 "rows_per_forward": rows / passes if passes else 0.0,
-                "zipar_commit_lag": self.commit_lag, "zipar_commit": self.opts.zipar_commit,
-                "zipar_init": self.opts.zipar_init, "zipar_keep": self.keep, "zipar_rows": self.R,
+                "zipar_commit_lag": self.layout.commit_lag, "zipar_commit": self.opts.zipar_commit,
+                "zipar_init": self.opts.zipar_init, "zipar_keep": self.layout.keep, "zipar_rows": self.R,
                 "most_rows_per_forward": int(counters["busiest"].max()) if passes else 0,
                 "cap_waits": int(counters["cap_waits"].sum()), "testing_rows": int(counters["testing_rows"].sum())}
 
     # --- one forward: static shapes, no host read ---------------------------------------------------
     def zipar_round(self, st: ZipARState, R: int) -> None:
         """One target forward serving rows ``lo .. lo + R - 1`` of every image: feed each row's last
-        committed code (or its start, or its tail) and, with SJD, its drafts; commit."""
-        B, L, V, H, W, Wp, c, T = self.B, self.L, self.V, self.H, self.W, self.Wp, self.c, self.T
-        s, lanes, b = self.session, self.window_lanes, self.batch_ids
-        row = st.lo[:, None] + self.row_lanes[:R]  # [B, R]
+        committed code (or its start, or its tail) and, with SJD, its drafts; commit. Stages: the served
+        rows and the window rule (:meth:`frontier`), the lanes' inputs (:meth:`feed`), the attention mask
+        over the filled slots (:meth:`attention_mask`), the forward, acceptance (:meth:`accept`), the
+        commit (:meth:`commit`), the next drafts (:meth:`next_drafts`) and the counters (:meth:`count_round`)."""
+        B, L, V, s = self.B, self.L, self.V, self.session
+        f = self.frontier(st, R)
+        x = self.feed(st, f, R)
+        mask = self.attention_mask(st, f, x, R)
+        Q = R * L
+        h = s.forward_at(x.inputs.view(B, Q), self.rows_of(x.position.view(B, Q)), self.rows_of(x.slot.view(B, Q)), mask)
+        p = self.processed(h).view(B, R, L, V)
+        k, nxt, tested = self.accept(p, f, x, R)
+        commits, new_codes = self.commit(st, f, x, k, nxt, R)
+        if L > 1:
+            self.next_drafts(st, f, x, p, k, tested, commits, new_codes, R)
+        self.count_round(st, R, f.codes, f.active, f.allowed, commits)
+
+    def frontier(self, st: ZipARState, R: int) -> "Frontier":
+        """The served rows as this round reads them, and what the window rule allows each."""
+        L, H, W = self.L, self.H, self.W
+        row = st.lo[:, None] + self.index.row_lanes[:R]  # [B, R]
         at = row + 1  # index into the per-row arrays
         codes, written = st.codes.gather(1, at), st.written.gather(1, at)
         above, below = st.codes.gather(1, at - 1), st.codes.gather(1, at + 1)
@@ -447,25 +503,30 @@ class ZipARDecoder:
         above_done = above >= W
         # the window rule: a row starts once the row above holds s codes (the start lag) and then commits
         # column c while the row above holds c + commit lag codes (ZipAR: the same s; PJD: 8 and 2)
-        started = (codes > 0) | (above >= self.window)
-        last_allowed = torch.where(above_done, W - 1, torch.where(started, above - self.commit_lag, -1))
+        started = (codes > 0) | (above >= self.layout.window)
+        last_allowed = torch.where(above_done, W - 1, torch.where(started, above - self.layout.commit_lag, -1))
         allowed = torch.where(real_row, (last_allowed - codes + 1).clamp(0, L), 0)  # codes it may commit now
         tail = real_row & (codes == W) & (written == W - 1) & (row < H - 1)  # K/V of the last code
-        if not self.has_eol:
+        if not self.layout.has_eol:
             tail = tail & (below > 0)  # else the next row's start feeds the real token itself
         active = (allowed > 0) | tail
         start = active & (codes == 0)
-        stand_in = start & ~above_done if not self.has_eol else torch.zeros_like(start)
+        stand_in = start & ~above_done if not self.layout.has_eol else torch.zeros_like(start)
         # lane 0 feeds a token whose K/V are already in its slot (drafts-only commits: the last accepted
         # draft; or a row that started and committed nothing): it writes a scratch slot instead, so a
         # filled slot is never rewritten, and sees its own new K/V there, not the old ones
-        if self.has_eol:
+        if self.layout.has_eol:
             fed_is_written = st.eol_written.gather(1, at - 1)
         else:
             fed_is_written = st.written.gather(1, at - 1) >= W
         refeed = active & torch.where(codes > 0, written >= codes, start & ~stand_in & fed_is_written)
+        return Frontier(row, at, codes, written, above, rounds_before, real_row, allowed, active, start, stand_in, refeed)
 
-        # --- inputs, positions and K/V slots of the R x L lanes ---------------------------------------
+    def feed(self, st: ZipARState, f: "Frontier", R: int) -> "Feed":
+        """Inputs, positions and K/V slots of the R x L lanes."""
+        B, L, V, W, Wp, c, T = self.B, self.L, self.V, self.W, self.Wp, self.c, self.T
+        lanes = self.index.window_lanes
+        row, at, codes, above, active, stand_in, refeed = f.row, f.at, f.codes, f.above, f.active, f.stand_in, f.refeed
         column = codes[..., None] - 1 + lanes  # [B, R, L] column of the token each lane feeds (-1: start)
         live = active[..., None] & (column < W)
         raster = row[..., None] * Wp + column  # a start's lane 0: r * W' - 1, the raster predecessor
@@ -478,39 +539,46 @@ class ZipARDecoder:
             stored_fresh = st.fresh.gather(1, at[..., None].expand(B, R, L))
             # a row that starts now: copies of the codes above (or of its input beyond them), or random codes
             above_col = (row - 1)[..., None] * Wp + lanes - 1
-            if self.random_init:
+            if self.layout.random_init:
                 copy = self.random_codes(row[..., None] * Wp + lanes)  # step: raster index + 1, row round 0
             else:
                 copy_above = st.tokens.gather(1, above_col.clamp(0, T - 1).view(B, -1)).view(B, R, L)
                 copy = torch.where(lanes - 1 < above[..., None], copy_above, lane0[..., None])
-            new_row = ((codes == 0) & (rounds_before == 0))[..., None]  # not a started row that committed nothing
+            new_row = ((codes == 0) & (f.rounds_before == 0))[..., None]  # not a started row that committed nothing
             drafts = torch.where(new_row, copy, stored)
             fresh = new_row | stored_fresh
             inputs = torch.cat([lane0[..., None], drafts[..., 1:]], -1)
         else:
             inputs = lane0[..., None]
+            drafts = fresh = stored_q = None
         position = (c + raster).clamp(0, c + T - 1)
         own_slot = live & ~((stand_in | refeed)[..., None] & (lanes == 0))
-        slot = torch.where(own_slot, c + raster, self.scratch[:R])  # [B, R, L]
+        slot = torch.where(own_slot, c + raster, self.index.scratch[:R])  # [B, R, L]
+        return Feed(raster, live, inputs, position, slot, own_slot, drafts, fresh, stored_q)
 
-        # --- the cache after this forward's writes: per-row counts -> filled slots ------------------
-        trash = self.sink_row
+    def attention_mask(self, st: ZipARState, f: "Frontier", x: "Feed", R: int) -> torch.Tensor:
+        """The cache after this forward's writes (per-row counts -> filled slots) and what each lane sees."""
+        B, L, W, c = self.B, self.L, self.W, self.c
+        s, lanes, b = self.session, self.index.window_lanes, self.index.batch_ids
+        at, codes, active, start, stand_in, refeed = f.at, f.codes, f.active, f.start, f.stand_in, f.refeed
+        raster, slot, own_slot = x.raster, x.slot, x.own_slot
+        trash = self.layout.sink_row
         feeds_own = active & (codes > 0) & ~refeed  # lane 0 writes the row's last committed code
         real_start = start & ~stand_in
-        if self.has_eol:
+        if self.layout.has_eol:
             st.eol_written.index_put_((b.expand(B, R), torch.where(real_start, at - 1, trash)),
                                       torch.ones_like(real_start))
             st.written.index_put_((b.expand(B, R), torch.where(feeds_own, at, trash)), codes)
         else:  # a real start writes the last code of the row above
             index = torch.cat([torch.where(feeds_own, at, trash), torch.where(real_start, at - 1, trash)], 1)
             st.written.index_put_((b.expand(B, 2 * R), index), torch.cat([codes, torch.full_like(codes, W)], 1))
-        slot_row = (self.slot_row + 1).expand(B, -1)
-        filled = self.slot_is_code & (self.slot_col < st.written.gather(1, slot_row))
-        if self.has_eol:
-            filled = filled | (self.slot_is_eol & st.eol_written.gather(1, slot_row))
+        slot_row = (self.index.slot_row + 1).expand(B, -1)
+        filled = self.index.slot_is_code & (self.index.slot_col < st.written.gather(1, slot_row))
+        if self.layout.has_eol:
+            filled = filled | (self.index.slot_is_eol & st.eol_written.gather(1, slot_row))
         before = s.slot_ids <= (c + raster[..., 0])[..., None]  # [B, R, S]: raster order
         context = (filled[:, None, :] & before)[:, :, None, :]  # [B, R, 1, S]
-        if self.commit_drafts:  # a re-fed lane 0 sees its new K/V (scratch), not the old ones in its slot
+        if self.layout.commit_drafts:  # a re-fed lane 0 sees its new K/V (scratch), not the old ones in its slot
             old_self = refeed[..., None] & (s.slot_ids == (c + raster[..., 0])[..., None])  # [B, R, S]
             context = context & ~(old_self[:, :, None, :] & (lanes == 0)[:, None])
         mine = slot[..., None] == s.slot_ids  # [B, R, L, S]
@@ -519,14 +587,15 @@ class ZipARDecoder:
         shared = mine & own_slot[..., None]
         window = shared.long().cumsum(2) > 0
         visible = (context | window | mine).view(B, R * L, -1)
-        mask = self.rows_of(visible) | self.cond_visible[:, None, :]
+        mask = self.rows_of(visible) | self.index.cond_visible[:, None, :]
+        return mask
 
-        # --- forward ------------------------------------------------------------------------------------
-        Q = R * L
-        h = s.forward_at(inputs.view(B, Q), self.rows_of(position.view(B, Q)), self.rows_of(slot.view(B, Q)), mask)
-        p = self.processed(h).view(B, R, L, V)
-
-        # --- acceptance: the longest passing prefix of the drafts the window rule allows -------------
+    def accept(self, p: torch.Tensor, f: "Frontier", x: "Feed", R: int):
+        """The longest passing prefix of the drafts the window rule allows -> (accepted drafts k [B, R], the
+        token after them [B, R], (drafts, their q(x)) for PJD's keep rule, or None without drafts)."""
+        B, L, V, Wp, T = self.B, self.L, self.V, self.Wp, self.T
+        lanes, row, codes, allowed = self.index.window_lanes, f.row, f.codes, f.allowed
+        inputs, fresh, raster, live, stored_q, rounds_before = x.inputs, x.fresh, x.raster, x.live, x.stored_q, f.rounds_before
         pick = self.params.pick  # greedy rows' result, sampled rows' result
         if L > 1:
             d = inputs[..., 1:]  # [B, R, L-1]: draft of lane i tested against lane i-1's output
@@ -536,8 +605,8 @@ class ZipARDecoder:
             def sampled_test():
                 # keyed by raster index: tested at most once, unless lower rows commit drafts only (they
                 # re-test a column in a later forward: then by row round too)
-                test_step = raster[..., 1:] + (rounds_before[..., None] * (T + 1) if self.commit_drafts else 0)
-                u = self.uniforms(test_step, self.accept_stream)
+                test_step = raster[..., 1:] + (rounds_before[..., None] * (T + 1) if self.layout.commit_drafts else 0)
+                u = self.uniforms(test_step, self.index.accept_stream)
                 passed, _ = self.rule.accept(p[..., :-1, :].reshape(-1, V), d.reshape(-1), qx.reshape(-1),
                                              u.reshape(-1), None)
                 return passed.view(B, R, L - 1)
@@ -548,22 +617,28 @@ class ZipARDecoder:
             n_tested = testable.long().sum(-1)
             after = (k + 1).clamp(max=L - 1)[..., None]  # the draft that failed (if one did)
             rejected = d.gather(2, after - 1)[..., 0]
-            one_hot = (self.vocab == rejected[..., None]).to(p.dtype)
+            one_hot = (self.index.vocab == rejected[..., None]).to(p.dtype)
             rejected_q = torch.where(fresh.gather(2, after), one_hot,  # fresh: [B, R, 1]
                                      q.gather(2, (after - 1)[..., None].expand(B, R, 1, V))[..., 0, :])
             q_k = torch.where((k < n_tested)[..., None], rejected_q, 0.0)  # the bonus token: q = 0
         else:
             k = torch.zeros_like(codes)
-            rejected, q_k = torch.zeros_like(codes), torch.zeros(B, R, V, device=self.device, dtype=p.dtype)
+            d = qx = None
+            rejected, q_k = torch.zeros_like(codes), torch.zeros(B, R, V, device=self.session.device, dtype=p.dtype)
         p_k = p.gather(2, k[..., None, None].expand(B, R, 1, V))[..., 0, :]
         residual = self.rule.residual(p_k.reshape(-1, V), q_k.reshape(-1, V), rejected.reshape(-1), None).view(B, R, V)
         decided = row * Wp + codes + k  # raster index of the token after the accepted prefix
         nxt = pick(lambda: residual.argmax(-1),
-                   lambda: sample_inverse_cdf(residual, self.uniforms(decided, self.sample_stream)))
+                   lambda: sample_inverse_cdf(residual, self.uniforms(decided, self.index.sample_stream)))
+        return k, nxt, (d, qx)
 
-        # --- commit: accepted drafts, then the residual / bonus token ---------------------------------
+    def commit(self, st: ZipARState, f: "Frontier", x: "Feed", k, nxt, R: int):
+        """Accepted drafts, then the residual / bonus token -> (codes committed per row, new code counts)."""
+        B, L, W, Wp, T = self.B, self.L, self.W, self.Wp, self.T
+        lanes, b, trash = self.index.window_lanes, self.index.batch_ids, self.layout.sink_row
+        row, at, codes, allowed, active, real_row, inputs = f.row, f.at, f.codes, f.allowed, f.active, f.real_row, x.inputs
         commits = torch.where(allowed > 0, k + 1, 0)
-        if self.commit_drafts:  # PJD's release: below the top unfinished row, the accepted drafts only
+        if self.layout.commit_drafts:  # PJD's release: below the top unfinished row, the accepted drafts only
             unfinished_row = real_row & (codes < W)
             top = unfinished_row & (unfinished_row.long().cumsum(1) == 1)
             commits = torch.where(allowed > 0, k + top.long(), 0)
@@ -575,57 +650,66 @@ class ZipARDecoder:
         if L > 1:  # accepted drafts were fed at their own slots: their K/V are in place (filled from now on)
             st.written.index_put_((b.expand(B, R), torch.where((allowed > 0) & (k > 0), at, trash)), codes + k)
         st.row_rounds.index_put_((b.expand(B, R), at), st.row_rounds.gather(1, at) + active.long())
+        return commits, new_codes
 
-        if L > 1:  # --- next drafts: the Jacobi update, copies for new columns --------------------------
-            rounds = st.row_rounds.gather(1, at)  # after this forward: a new step for the next samples
-            y = pick(lambda: p.argmax(-1),
-                     lambda: sample_inverse_cdf(p, self.uniforms(rounds[..., None] * (T + 1) + raster + 1,
-                                                                 self.update_stream)))
-            source = commits[..., None] - 1 + lanes  # new lane i holds the column old lane (commits - 1 + i) decided
-            src = source.clamp(0, L - 1)
-            carried = (source >= 0) & (source <= L - 1) & live.gather(2, src)
-            new_column = new_codes[..., None] - 1 + lanes
-            if self.random_init:
-                copy = self.random_codes(rounds[..., None] * (T + 1) + row[..., None] * Wp + new_column + 1)
-            else:
-                copy_above = st.tokens.gather(1, ((row - 1)[..., None] * Wp + new_column).clamp(0, T - 1).view(B, -1))
-                last = st.tokens.gather(1, (row * Wp + new_codes - 1).clamp(0, T - 1))
-                copy = torch.where((new_column < above[..., None]) & (row > 0)[..., None], copy_above.view(B, R, L),
-                                   last[..., None])
-            new_drafts = torch.where(carried, y.gather(2, src), copy)
-            new_q = p.gather(2, src[..., None].expand(B, R, L, V))
-            new_fresh = ~carried
-            if self.keep > 0:  # PJD's keep rule (lossy): the old draft of the column, fed at old lane src + 1
-                old_lane = (src + 1).clamp(max=L - 1)
-                ratio = (p[..., :-1, :].gather(3, d[..., None])[..., 0] / qx).clamp(max=1.0)  # [B, R, L-1]
-                kept = (carried & (source > k[..., None]) & (source + 1 <= L - 1) & live.gather(2, old_lane)
-                        & (ratio.gather(2, (old_lane - 1).clamp(min=0)) > self.keep))
-                new_drafts = torch.where(kept, inputs.gather(2, old_lane), new_drafts)
-                new_q = torch.where(kept[..., None], stored_q.gather(2, old_lane[..., None].expand(B, R, L, V)), new_q)
-                new_fresh = torch.where(kept, fresh.gather(2, old_lane), new_fresh)
-            update = (allowed > 0)[..., None]  # the row took part in the test (plain ZipAR + SJD: it committed)
-            st.draft.index_put_((b.expand(B, R), at), torch.where(update, new_drafts, drafts))
-            st.fresh.index_put_((b.expand(B, R), at), torch.where(update, new_fresh, fresh))
-            st.draft_q.index_put_((b.expand(B, R), at), torch.where(update[..., None], new_q, stored_q))
-            st.accepted.add_(torch.where(allowed > 0, k, 0).sum(1))
+    def next_drafts(self, st: ZipARState, f: "Frontier", x: "Feed", p, k, tested, commits, new_codes, R: int) -> None:
+        """The next drafts (SJD lanes): the Jacobi update of carried columns, copies (or random codes) for new ones."""
+        B, L, V, Wp, T = self.B, self.L, self.V, self.Wp, self.T
+        lanes, b, pick = self.index.window_lanes, self.index.batch_ids, self.params.pick
+        row, at, above, allowed, live, raster, inputs = f.row, f.at, f.above, f.allowed, x.live, x.raster, x.inputs
+        drafts, fresh, stored_q, (d, qx) = x.drafts, x.fresh, x.stored_q, tested
+        rounds = st.row_rounds.gather(1, at)  # after this forward: a new step for the next samples
+        y = pick(lambda: p.argmax(-1),
+                 lambda: sample_inverse_cdf(p, self.uniforms(rounds[..., None] * (T + 1) + raster + 1,
+                                                             self.index.update_stream)))
+        source = commits[..., None] - 1 + lanes  # new lane i holds the column old lane (commits - 1 + i) decided
+        src = source.clamp(0, L - 1)
+        carried = (source >= 0) & (source <= L - 1) & live.gather(2, src)
+        new_column = new_codes[..., None] - 1 + lanes
+        if self.layout.random_init:
+            copy = self.random_codes(rounds[..., None] * (T + 1) + row[..., None] * Wp + new_column + 1)
+        else:
+            copy_above = st.tokens.gather(1, ((row - 1)[..., None] * Wp + new_column).clamp(0, T - 1).view(B, -1))
+            last = st.tokens.gather(1, (row * Wp + new_codes - 1).clamp(0, T - 1))
+            copy = torch.where((new_column < above[..., None]) & (row > 0)[..., None], copy_above.view(B, R, L),
+                               last[..., None])
+        new_drafts = torch.where(carried, y.gather(2, src), copy)
+        new_q = p.gather(2, src[..., None].expand(B, R, L, V))
+        new_fresh = ~carried
+        if self.layout.keep > 0:  # PJD's keep rule (lossy): the old draft of the column, fed at old lane src + 1
+            old_lane = (src + 1).clamp(max=L - 1)
+            ratio = (p[..., :-1, :].gather(3, d[..., None])[..., 0] / qx).clamp(max=1.0)  # [B, R, L-1]
+            kept = (carried & (source > k[..., None]) & (source + 1 <= L - 1) & live.gather(2, old_lane)
+                    & (ratio.gather(2, (old_lane - 1).clamp(min=0)) > self.layout.keep))
+            new_drafts = torch.where(kept, inputs.gather(2, old_lane), new_drafts)
+            new_q = torch.where(kept[..., None], stored_q.gather(2, old_lane[..., None].expand(B, R, L, V)), new_q)
+            new_fresh = torch.where(kept, fresh.gather(2, old_lane), new_fresh)
+        update = (allowed > 0)[..., None]  # the row took part in the test (plain ZipAR + SJD: it committed)
+        st.draft.index_put_((b.expand(B, R), at), torch.where(update, new_drafts, drafts))
+        st.fresh.index_put_((b.expand(B, R), at), torch.where(update, new_fresh, fresh))
+        st.draft_q.index_put_((b.expand(B, R), at), torch.where(update[..., None], new_q, stored_q))
+        st.accepted.add_(torch.where(allowed > 0, k, 0).sum(1))
 
-        # --- bookkeeping -------------------------------------------------------------------------------
+    def count_round(self, st: ZipARState, R: int, codes, active, allowed, commits) -> None:
+        """The round's counters, then the finished rows (``lo``) and the committed count the loop reads.
+        ``codes`` [B, R]: the served rows' codes before this round's commits."""
+        H, W, T = self.H, self.W, self.T
         unfinished = st.lo < H
         st.passes.add_(unfinished.long())
         st.committing_rows.add_((commits > 0).long().sum(1))
         st.testing_rows.add_((allowed > 0).long().sum(1))
         st.busiest.copy_(torch.maximum(st.busiest, active.long().sum(1)))
-        if self.capped:  # the row after the served ones, had it been served (rows further down cannot start)
+        if self.layout.capped:  # the row after the served ones, had it been served (rows further down cannot start)
             next_row = st.lo + R
             next_codes = st.codes.gather(1, (next_row + 1)[:, None])[:, 0]
             next_above = codes[:, R - 1]  # before this forward's commits, as the rule read it
             next_last = torch.where(next_above >= W, W - 1,
-                                    torch.where((next_codes > 0) | (next_above >= self.window),
-                                                next_above - self.commit_lag, -1))
+                                    torch.where((next_codes > 0) | (next_above >= self.layout.window),
+                                                next_above - self.layout.commit_lag, -1))
             st.cap_waits.add_((unfinished & (next_row < H) & (next_last >= next_codes)).long())
-        rows = self.stored_rows
+        rows = self.index.stored_rows
         done = (st.codes[:, rows] == W) & ((st.written[:, rows] == W) | (rows == H))
-        if not self.has_eol:
+        if not self.layout.has_eol:
             done = done | ((st.codes[:, rows] == W) & (st.codes[:, rows + 1] == 0))
         st.lo.copy_(done.long().cumprod(1).sum(1))
         # tokens committed, for the loop: T once every row is done, else the codes so far (< T)

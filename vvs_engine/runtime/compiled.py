@@ -198,7 +198,3 @@ def status(rounds: dict) -> dict:
     never ran counts as not compiled."""
     return {name: bool(getattr(fn, "ok", False)) for name, fn in rounds.items()}
 
-
-def merge_compiled(a: dict, b: dict) -> dict:
-    """Two ``stats["compiled"]`` dicts (say before and after a retirement): compiled in both."""
-    return {k: a.get(k, True) and b.get(k, True) for k in {**a, **b}}

@@ -62,9 +62,3 @@ class OpCounter(TorchDispatchMode):
         nonempty = [t for t in outs if t.numel()]
         return not nonempty or not all(t.untyped_storage().data_ptr() in ins for t in nonempty)
 
-
-def count_ops(fn, *args, **kwargs):
-    """-> (fn's result, OpCounter) for one call."""
-    with OpCounter() as counter:
-        result = fn(*args, **kwargs)
-    return result, counter

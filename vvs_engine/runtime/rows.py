@@ -19,7 +19,7 @@ unconditional row ``r + n``); host-side per-row lists (a schedule the host follo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Union
+from typing import Dict, Sequence, Union
 
 import torch
 
@@ -50,12 +50,6 @@ class RowTable:
             raise ValueError(f"row buffer '{name}' has {size} rows along dim {dim}, expected {expected}")
         self.buffers[name] = RowBuffer(value, dim, model_rows)
         return self
-
-    def __getitem__(self, name: str) -> Buffer:
-        return self.buffers[name].value
-
-    def names(self) -> List[str]:
-        return list(self.buffers)
 
     def _index(self, rows: torch.Tensor, model_rows: bool) -> torch.Tensor:
         return torch.cat([rows, rows + self.images]) if model_rows and self.use_cfg else rows

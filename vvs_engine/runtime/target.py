@@ -88,10 +88,6 @@ class TargetSession:
         return self.model.forward_hidden(x, positions, self.kv, slots, visible[:, None])
 
     # --- row selection: the decode loop's admission and retirement ---------------------------------
-    def cfg_rows(self, images: torch.Tensor) -> torch.Tensor:
-        """Images [n] -> their model rows: the conditional rows, then (CFG) the unconditional ones."""
-        return torch.cat([images, images + self.n]) if self.use_cfg else images
-
     def declare_rows(self, table) -> None:
         """This session's per-row buffers (model rows) in a decoder's ``runtime.rows.RowTable``."""
         table.add("target_k", self.kv.k, dim=1, model_rows=True)
