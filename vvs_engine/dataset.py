@@ -254,9 +254,10 @@ def save_npz_reproducible(f, arrays: dict) -> None:
                 np.lib.format.write_array(entry, np.asanyarray(value), allow_pickle=False)
 
 
-# Stats that measure time, not tokens: kept out of the shard files (identical runs give identical files)
-# and recorded per shard in the manifest's run entry instead.
-TIME_STATS = ("wall_time_s",)
+# Stats that describe the run, not the tokens (times; what the engine's persistent core had to build, which
+# depends on what ran before in the process): kept out of the shard files (identical runs give identical
+# files) and recorded per shard in the manifest's run entry instead.
+TIME_STATS = ("wall_time_s", "round_seconds", "graph_captures", "compiles")
 
 
 def write_shard(out_dir: str, k: int, indices: range, labels, prompt_ids, prompts, result: dict, n_images: int):

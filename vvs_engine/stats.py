@@ -8,7 +8,7 @@ from typing import List
 SUMMED = {"n_images", "tokens_generated", "target_forward_passes", "wall_time_s", "verified_steps", "skip_steps",
           "tokens_committed_unverified", "post_verify_rollbacks", "draft_forward_passes", "jacobi_rounds",
           "accepted_drafts_fresh", "accepted_drafts_carried",
-          "batch_iterations", "batch_rounds"}  # loop iterations of each call's batches: counts, never averaged
+          "batch_iterations", "batch_rounds", "round_seconds", "graph_captures", "compiles"}  # loop iterations of each call's batches: counts, never averaged
 SUMMED_DICTS = {"staleness_histogram", "time_split_s", "accepted_drafts_histogram", "rounds_by_kind"}
 
 
