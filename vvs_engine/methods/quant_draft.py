@@ -1,8 +1,8 @@
 """Self-speculative decoding: a weight-only quantized copy of the target drafts, the target verifies.
 
 No trained drafter: the draft model is the target itself with its linear weights quantized through
-torchao (``models/quantize.py``; int8 by default, fp8 where it runs), built once per engine and kept on
-it. The copy has its own ``TargetSession`` (its own KV cache, the same condition rows). One round, per
+torchao (``models/quantize.py``; int8 by default, fp8 or int4 where they run), built once per engine
+and kept on it. The copy has its own ``TargetSession`` (its own KV cache, the same condition rows). One round, per
 image, with P = the last committed token's position:
 
     draft: the copy runs the last committed token, then its own drafts, k forwards in all, and draws
@@ -47,7 +47,7 @@ from .common import DecodeBatch, row_sampling
 from .options import MethodOptions, option
 from .registry import register
 
-DRAFT_MODES = ("int8", "fp8")  # int4 (CUDA, bf16 only) could be added; it was never run here
+DRAFT_MODES = ("int8", "fp8", "int4")  # where check_quantize lets them run (int4: CUDA and bf16; never run here)
 MAX_DRAFT = 32
 QUANT_DRAFT_STREAM = 17  # counter-RNG stream of a round's uniforms (distinct from rng.Streams)
 
@@ -56,7 +56,7 @@ QUANT_DRAFT_STREAM = 17  # counter-RNG stream of a round's uniforms (distinct fr
 class QuantDraftOptions(MethodOptions):
     draft_length: int = option(4, "quant-draft: chain length k drafted by the quantized copy per round")
     draft_quantize: str = option("int8", "quant-draft: weight-only quantization of the drafting copy of the "
-                                         "target: int8 or fp8")
+                                         "target: int8, fp8 or int4 (CUDA, bf16)")
 
     def validate(self):
         k = self.draft_length
@@ -189,7 +189,8 @@ class QuantDraftDecoder:
         n = ok.long().cumprod(1).sum(1)  # [B] accepted drafts, 0..k
         residual = self.rule.residual(p.reshape(-1, V), q.reshape(-1, V), None, None).view(B, k + 1, V)
         us = u[:, 2 * k, None].expand(B, k + 1)
-        nxt = self.params.pick(lambda: p.argmax(-1), lambda: sample_inverse_cdf(residual, us)).gather(1, n[:, None])[:, 0]
+        nxt = self.params.pick(lambda: p.argmax(-1), lambda: sample_inverse_cdf(residual, us))
+        nxt = nxt.gather(1, n[:, None])[:, 0]
         values = torch.where(self.lanes == n[:, None], nxt[:, None], torch.cat([d, d[:, -1:]], 1))
         st.tokens.index_put_((self.image_ids[:, None], st.count[:, None] + self.lanes), values)
         st.accepted_hist.add_(((self.lanes == n[:, None]) & active[:, None]).long())
