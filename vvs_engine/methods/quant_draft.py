@@ -69,7 +69,7 @@ class QuantDraftOptions(MethodOptions):
     def check_engine(self, engine):
         if getattr(engine, "quantization", "none") != "none":
             raise VVSError(f"quant-draft verifies with the full-precision target, but this engine's weights are "
-                           f"already quantized ({engine.quantization}): load it without --quantize")
+                           f"already quantized ({engine.quantization}): load it unquantized")
         check_quantize(self.draft_quantize, engine.device, draft_dtype(engine.dtype), flag="draft-quantize")
 
     def decode_shape(self, shape) -> tuple:
