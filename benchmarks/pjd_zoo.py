@@ -56,10 +56,21 @@ SETTINGS = [
     qs.SETTING_BY_NAME["PJD-E1 start 4"],
     ("PJD rule + keep 0.5", "pjd", dict(PJD_CAP, zipar_commit="drafts", zipar_keep=0.5)),
     ("PJD-E1 no cap", "pjd", {}),  # every started row served: does the cap of 4 cost forwards on a wide grid?
+    # the 32x32 frontier (issue 52): the smaller start lags with and without SJD windows in the rows, and every
+    # drafter-free family's best 16x16 setting (the exact ones: SJD-PAC W=2 D=3, SCD L=32); the drafter families
+    # (EAGLE, LANTERN, CASCADE, VVS) are not here: this script loads no drafter for another Zoo member
+    qs.SETTING_BY_NAME["ZipAR s=2"],
+    ("ZipAR s=3", "zipar", {"zipar_window": 3}),
+    qs.SETTING_BY_NAME["ZipAR s=2 + SJD L=4"],
+    ("ZipAR s=3 + SJD L=4", "zipar", {"zipar_window": 3, "zipar_verify": "sjd", "zipar_jacobi_window": 4}),
+    qs.SETTING_BY_NAME["SJD-PAC W=2 D=3"],
+    qs.SETTING_BY_NAME["SCD L=32"],
+    qs.SETTING_BY_NAME["GSD G=14"],
 ]
 # the order a run generates them: the issue's settings cheapest first, then the extra PJD ones
 ORDER = ["AR", "ZipAR s=4", "ZipAR s=8", "SJD-PAC", "ZipAR s=4 + SJD L=4", "PJD-E1", "PJD rule", "SJD",
-         "PJD-E1 start 4", "PJD rule + keep 0.5", "PJD-E1 no cap"]
+         "PJD-E1 start 4", "PJD rule + keep 0.5", "PJD-E1 no cap", "ZipAR s=2", "ZipAR s=2 + SJD L=4",
+         "SJD-PAC W=2 D=3", "ZipAR s=3", "ZipAR s=3 + SJD L=4", "SCD L=32", "GSD G=14"]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 # settings quality_speed caches too: this table's name -> quality_speed's name
 SHARED_CACHE = {"AR": "AR", "SJD": "SJD", "SJD-PAC": "SJD-PAC W=3 D=3"}

@@ -144,6 +144,19 @@ SETTINGS = [
     ("ZipAR s=2 + SJD L=4", "zipar", {"zipar_window": 2, "zipar_verify": "sjd", "zipar_jacobi_window": 4}),
 ]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
+# Controls of the instrument D (issue 52): AR sampling a known-wrong distribution, to show what D and the parity
+# rule detect. They are no method's setting (no frontier, no family); each changes the sampling, which is part
+# of its cache key.
+CONTROL_SAMPLING = {"AR T=1.05": {"temperature": 1.05}, "AR T=1.1": {"temperature": 1.1},
+                    "AR top-k 64": {"top_k": 64}}
+CONTROLS = [(name, "ar", {}) for name in CONTROL_SAMPLING]
+CONTROL_BY_NAME = {s[0]: s for s in CONTROLS}
+
+
+def sampling_for(name: str, sampling: dict) -> dict:
+    """The sampling a setting decodes with: the shared one, or a control's change to it."""
+    return {**sampling, **CONTROL_SAMPLING.get(name, {})}
+
 # The core settings, in the order a run generates them (cheapest first, so a short run finishes some).
 CORE = ["AR", "SJD", "GSD G=8", "VVS-U i=2 fill", "CASCADE", "VVS-U i=2 + GSD", "VVS-U i=2 + CASCADE",
         "VVS-D s=0.65 fill", "LANTERN++ l=2", "LANTERN d=0.2", "EAGLE-2", "ZipAR s=4", "SCD L=16", "SJD-PAC W=3 D=3"]
@@ -1046,7 +1059,8 @@ def main(argv=None) -> int:
                          f"near 0.5 to +-4.3 points)")
     ap.add_argument("--settings", default="core",
                     help="what to generate: core (the default), frontier (core, then every front setting, cheapest "
-                         "first), all, or a comma list of setting names (AR is "
+                         "first), all, controls (AR at T 1.05, T 1.1 and top-k 64: the instrument's controls), or a "
+                         "comma list of setting names (AR is "
                          "always included). The report lists every setting with a complete cache either way. "
                          "Known: " + ", ".join(SETTING_BY_NAME))
     ap.add_argument("--report-only", action="store_true", help="generate nothing; rebuild the report from the cache")
@@ -1098,12 +1112,14 @@ def main(argv=None) -> int:
             generate = [n for n in CORE + FRONTIER if n in known_names]
         elif a.settings == "all":
             generate = known_names
+        elif a.settings == "controls":
+            generate = list(CONTROL_BY_NAME)
         else:
             generate = [s.strip() for s in a.settings.split(",") if s.strip()]
-            bad = [n for n in generate if n not in SETTING_BY_NAME]
+            bad = [n for n in generate if n not in SETTING_BY_NAME and n not in CONTROL_BY_NAME]
             if bad:
                 raise VVSError(f"unknown setting(s) {', '.join(bad)}; known: {', '.join(SETTING_BY_NAME)}")
-            unavailable = [n for n in generate if n not in known_names]
+            unavailable = [n for n in generate if n not in known_names and n not in CONTROL_BY_NAME]
             if unavailable:
                 raise VVSError(f"setting(s) {', '.join(unavailable)} need a method this engine does not have")
         generate = ["AR"] + [n for n in generate if n != "AR"]
@@ -1123,15 +1139,16 @@ def main(argv=None) -> int:
             return verify_all(eng, known, labels, a, sampling, ckpt, cache_dir)
         # Generate in order, honouring the time budget between settings; then report everything cached.
         settings = [s for s in known if s[0] == "AR"] + [s for s in known if s[0] != "AR"]
-        order = [SETTING_BY_NAME[n] for n in generate]
+        order = [SETTING_BY_NAME.get(n) or CONTROL_BY_NAME[n] for n in generate]
         for name, method, opts in order:
             if a.time_budget and time.time() - t_start > a.time_budget:
                 print(f"[quality_speed] time budget of {a.time_budget:.0f} s spent: {name} and later settings "
                       f"are left for the next run", flush=True)
                 break
-            key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size, a.device)
+            key = setting_key(ckpt, method, opts, sampling_for(name, sampling), labels, a.seed, a.batch_size,
+                              a.device)
             print(f"[quality_speed] {name}", flush=True)
-            generate_setting(eng, name, method, opts, labels, a.seed, sampling, a.batch_size,
+            generate_setting(eng, name, method, opts, labels, a.seed, sampling_for(name, sampling), a.batch_size,
                              os.path.join(cache_dir, _slug(name) + ".npz"), key, True, not a.no_ops)
         if a.no_report:
             print(f"[quality_speed] generated into {cache_dir}; report not rebuilt (--no-report)", flush=True)
