@@ -187,6 +187,8 @@ def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, r
         row = {"name": name, "method": method, "options": resolved(method, opts), "n_images": len(labels),
                "forwards": float(gen["forwards"].mean()), "gen_seconds": float(gen.get("gen_seconds", -1.0)),
                **metrics}
+        # the sampling gap D, kept in this table's tokens folder (quality_speed's for the settings read from there)
+        row["gap"] = qs.gap_of(eng, name, gen["tokens"], labels, qs.gap_sampling(sampling), ckpt, cache_dir, batch_size)
         if method in ("zipar", "pjd"):
             eff = row["options"]
             row["start_lag"] = eff["zipar_window"]
@@ -209,6 +211,7 @@ def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, r
     if rows and rows[0]["method"] != "ar":
         raise SystemExit("error: AR's tokens are not cached: run AR first")
     qs.parity_verdicts(rows)
+    qs.place_levels(rows)
     pairs = []  # paired differences between two settings on the same bootstrap draws
     for a, b in PAIRS:
         if a in all_draws and b in all_draws:
@@ -259,15 +262,16 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
              "at most 4 rows per forward (no cap in `PJD-E1 no cap`); E1 = every row commits by the SJD rule "
              "(exact per forward), PJD rule = rows below the top one commit accepted drafts only (the release).", "",
              "| setting | forwards / image | TPF | class acc | Δ acc vs AR | FD (classifier) | Δ FD | parity | "
-             "rows / forward | codes / row-forward | cap waits / image |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "D (nats/token) | z | level | rows / forward | codes / row-forward | cap waits / image |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rpf = f"{r['rows_per_forward']:.2f} (max {r['most_rows_per_forward']})" if "rows_per_forward" in r else "–"
         cpr = f"{r['codes_per_row_forward']:.2f}" if "codes_per_row_forward" in r else "–"
         waits = f"{r['cap_waits']:.2f}" if "cap_waits" in r and r["method"] == "pjd" else "–"
         lines.append(f"| {r['name']} | {r['forwards']:.1f} | {qs._ci(r['tpf'], 2)} | {qs._ci(r['class_accuracy'], 3)} | "
                      f"{qs._diff(r['class_accuracy'], 3)} | {qs._ci(r['fd_classifier'], 2)} | "
-                     f"{qs._diff(r['fd_classifier'], 2)} | {'yes' if r['parity'] else 'no'} | {rpf} | {cpr} | {waits} |")
+                     f"{qs._diff(r['fd_classifier'], 2)} | {'yes' if r['parity'] else 'no'} | {qs._gap(r)} | {qs._z(r)} | "
+                     f"{r.get('level') or '–'} | {rpf} | {cpr} | {waits} |")
     if missing:
         lines += ["", f"Not generated yet (no complete cache): {', '.join(missing)}."]
     unrecorded = [r["name"] for r in rows if r.get("row_stats_missing")]
@@ -275,6 +279,7 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
         lines += ["", f"Row statistics not recorded for {', '.join(unrecorded)}: their tokens were read from "
                       "`quality_speed`'s cache, which keeps tokens and forwards only, so they have no measured v "
                       "(no step-model row, no extrapolation to other grids)."]
+    lines += [""] + qs.levels_markdown(rows)[:-1]
     if pairs:
         lines += ["", "## Paired differences between settings", "",
                   "Δ = first − second on the same images and bootstrap draws (95 % intervals): does the released "
@@ -424,7 +429,9 @@ def main(argv=None) -> int:
     with open(a.out + ".md", "w") as f:
         f.write(md)
     with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows, "missing": missing, "pairs": pairs}, f, indent=1, default=str)
+        levels = {level: (front[0]["name"] if front else None) for level, front in qs.level_fronts(rows).items()}
+        json.dump({"meta": meta, "rows": rows, "missing": missing, "pairs": pairs, "fastest_per_level": levels}, f,
+                  indent=1, default=str)
     if a.doc:
         write_doc(a.doc, md, doc_tag(a.model))
     print(md)

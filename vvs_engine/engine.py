@@ -310,7 +310,8 @@ class Engine:
                  decode_images: bool = True, progress: bool = False,
                  batch_size: int = 16, image_indices: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, clean_captions: bool = True, compile: Optional[bool] = None,
-                 static_batches: bool = False, on_images=None, **method_opts) -> GenerationOutput:
+                 static_batches: bool = False, on_images=None, preset: Optional[str] = None,
+                 **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt), ``batch_size`` images in flight. Returns tokens,
         PIL images (when a tokenizer is loaded) and stats. Image i draws its random numbers from
         (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size, on
@@ -327,8 +328,16 @@ class Engine:
         comparison; the same tokens, to the extent just said). ``seed``, ``temperature``, ``top_k``,
         ``top_p`` and ``cfg_scale`` take one value for every image or a list with one per image: images
         with different settings share the batch, each decoded as it would be alone. ``on_images(k)``: called
-        as k more images finish."""
+        as k more images finish. ``preset``: ``exact``, ``near-lossless`` or ``fastest`` instead of ``method``
+        and its options: the fastest committed setting of that level of fidelity for this target's grid
+        (``vvs_engine.presets``)."""
         from .methods import get_method
+
+        if preset is not None:
+            from .presets import resolve_preset
+
+            check(method == "ar" and not method_opts, "give preset or method and its options, not both")
+            method, method_opts = resolve_preset(preset, self.tokens_per_image)
         from .runtime.compiled import resolve as resolve_compile
         from .methods.common import retire_finished
         from .runtime import loop
