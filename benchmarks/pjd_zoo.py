@@ -369,6 +369,8 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=None, help="comma list of setting names to generate (AR always runs "
                                                      "first); default all. Known: " + ", ".join(SETTING_BY_NAME))
     ap.add_argument("--report-only", action="store_true", help="generate nothing; tables from the cache")
+    ap.add_argument("--gap-only", action="store_true", help="generate nothing, write no tables: the sampling gap D "
+                                                            "of every cached setting into <out>_tokens/sampling_gap.json")
     ap.add_argument("--model", default="zoo-gpt", help="the Zoo target by name: zoo-gpt (16x16, default) or another "
                                                        "Zoo member with the same tokenizer (zoo-gpt-32 once it ships)")
     ap.add_argument("--out", default=None, help="output prefix: .md, .json, _tokens/ (default "
@@ -411,6 +413,13 @@ def main(argv=None) -> int:
     labels = [c for c in range(eng.config.num_classes) for _ in range(a.images_per_class)]
     cache_dir = a.out + "_tokens"
     os.makedirs(cache_dir, exist_ok=True)
+    if a.gap_only:  # the settings asked for (default all) in that order, each with a complete cache
+        for name in ["AR"] + [n for n in names if n != "AR"]:
+            _, method, opts = SETTING_BY_NAME[name]
+            gen, _ = load_setting(name, method, opts, labels, a.seed, sampling, a.batch_size, ckpt, cache_dir)
+            if gen is not None:
+                qs.gap_of(eng, name, gen["tokens"], labels, qs.gap_sampling(sampling), ckpt, cache_dir, a.batch_size)
+        return 0
     if not a.report_only:
         order = ["AR"] + [n for n in names if n != "AR"]
         generate(eng, [SETTING_BY_NAME[n] for n in order], labels, a.seed, sampling, a.batch_size, ckpt, cache_dir)
