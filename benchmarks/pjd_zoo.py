@@ -160,7 +160,7 @@ def step_model(start_lag, rows, codes, per_row):
     return (start_lag * (rows - 1) + codes) / per_row
 
 
-def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, reps, work_dir):
+def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, reps, work_dir, cached_gaps=False):
     from vvs_engine.evaluation.quality import reference_features
 
     T = eng.tokens_per_image
@@ -188,7 +188,10 @@ def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, r
                "forwards": float(gen["forwards"].mean()), "gen_seconds": float(gen.get("gen_seconds", -1.0)),
                **metrics}
         # the sampling gap D, kept in this table's tokens folder (quality_speed's for the settings read from there)
-        row["gap"] = qs.gap_of(eng, name, gen["tokens"], labels, qs.gap_sampling(sampling), ckpt, cache_dir, batch_size)
+        gap = qs.gap_of(eng, name, gen["tokens"], labels, qs.gap_sampling(sampling), ckpt, cache_dir, batch_size,
+                        compute=not cached_gaps)
+        if gap is not None:
+            row["gap"] = gap
         if method in ("zipar", "pjd"):
             eff = row["options"]
             row["start_lag"] = eff["zipar_window"]
@@ -369,6 +372,9 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=None, help="comma list of setting names to generate (AR always runs "
                                                      "first); default all. Known: " + ", ".join(SETTING_BY_NAME))
     ap.add_argument("--report-only", action="store_true", help="generate nothing; tables from the cache")
+    ap.add_argument("--cached-gaps", action="store_true", help="the tables with the D values already in "
+                                                               "sampling_gap.json only (no new ones: a setting "
+                                                               "without D is placed at parity at most)")
     ap.add_argument("--gap-only", action="store_true", help="generate nothing, write no tables: the sampling gap D "
                                                             "of every cached setting into <out>_tokens/sampling_gap.json")
     ap.add_argument("--model", default="zoo-gpt", help="the Zoo target by name: zoo-gpt (16x16, default) or another "
@@ -424,11 +430,12 @@ def main(argv=None) -> int:
         order = ["AR"] + [n for n in names if n != "AR"]
         generate(eng, [SETTING_BY_NAME[n] for n in order], labels, a.seed, sampling, a.batch_size, ckpt, cache_dir)
     rows, missing, grid, pairs = report(eng, SETTINGS, labels, a.seed, sampling, a.batch_size, ckpt, cache_dir,
-                                 a.bootstrap, a.out + "_work")
+                                        a.bootstrap, a.out + "_work", a.cached_gaps)
     command = "OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py" + (
         f" --model {a.model}" if a.model != "zoo-gpt" else "") + (
         f" --images-per-class {a.images_per_class}" if a.images_per_class != DEFAULT_PER_CLASS else "") + (
-        f" --settings \"{a.settings}\"" if a.settings else "") + (
+        f" --settings \"{a.settings}\"" if a.settings and not a.report_only else "") + (
+        " --report-only" if a.report_only else "") + (" --cached-gaps" if a.cached_gaps else "") + (
         f" --out {os.path.relpath(a.out, ROOT)}" if out_given else "") + (
         f" --doc {os.path.relpath(os.path.abspath(a.doc), ROOT)}" if a.doc else "")
     meta = {"command": command, "n_images": len(labels), "per_class": a.images_per_class, "seed": a.seed,
