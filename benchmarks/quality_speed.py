@@ -1462,7 +1462,8 @@ def gaps_of_cache(eng, settings, labels, a, sampling, ckpt, cache_dir) -> int:
         with open(a.out + ".json") as f:
             rank = {r["name"]: (not r.get("parity", False), -r["tpf"]["value"]) for r in json.load(f)["rows"]
                     if "tpf" in r}
-        settings = sorted(settings, key=lambda s: (s[0] != "AR", rank.get(s[0], (False, 0.0))))
+        settings = sorted(settings, key=lambda s: (s[0] != "AR", s[0] not in CONTROL_BY_NAME,
+                                                   rank.get(s[0], (False, 0.0))))
     for name, method, opts in settings:
         key = setting_key(ckpt, method, opts, sampling_for(name, sampling), labels, a.seed, a.batch_size, a.device)
         gen = load_cache(os.path.join(cache_dir, _slug(name) + ".npz"), digest_of(key))
