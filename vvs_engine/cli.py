@@ -562,8 +562,8 @@ def cmd_eval(args) -> int:
     out_json = args.out or os.path.join(args.images, "metrics.json")
     check_writable_file(out_json, "--out" if args.out else "eval's metrics file")  # before minutes of compute
     apply_threads(args.threads)
-    metrics = call("vvs_engine.evaluation.report", "evaluate_dir", args.images, None, not args.no_inception, None,
-                   args.target)
+    gap_args = (None, args.target) if args.target else ()  # (inception_path, target): the sampling gap when asked
+    metrics = call("vvs_engine.evaluation.report", "evaluate_dir", args.images, None, not args.no_inception, *gap_args)
     if not isinstance(metrics, dict):
         return _exit_code(metrics)
     print(json.dumps(json_ready(metrics), indent=2))  # shown even if writing the file fails
