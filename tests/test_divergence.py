@@ -78,6 +78,9 @@ def test_levels_need_construction_and_evidence():
     assert fastest == {"exact": "exact", "near-lossless": "relaxed, tiny D", "parity": "relaxed"}
     md = "\n".join(qs.levels_markdown(rows))
     assert "| exact | 1 | exact | " in md and "| near-lossless | 1 | relaxed, tiny D |" in md
+    # the README's evidence for every exact claim names the exact-by-construction setting that misses
+    claims = qs.exact_claims_sentence(rows)
+    assert "(3 of 3 settings measured" in claims and "Outside its interval of 0: exact by construction, D off" in claims
 
 
 def test_eval_reports_the_gap_given_the_target(tmp_path, capsys):
