@@ -56,10 +56,21 @@ SETTINGS = [
     qs.SETTING_BY_NAME["PJD-E1 start 4"],
     ("PJD rule + keep 0.5", "pjd", dict(PJD_CAP, zipar_commit="drafts", zipar_keep=0.5)),
     ("PJD-E1 no cap", "pjd", {}),  # every started row served: does the cap of 4 cost forwards on a wide grid?
+    # the 32x32 frontier (issue 52): the smaller start lags with and without SJD windows in the rows, and every
+    # drafter-free family's best 16x16 setting (the exact ones: SJD-PAC W=2 D=3, SCD L=32); the drafter families
+    # (EAGLE, LANTERN, CASCADE, VVS) are not here: this script loads no drafter for another Zoo member
+    qs.SETTING_BY_NAME["ZipAR s=2"],
+    ("ZipAR s=3", "zipar", {"zipar_window": 3}),
+    qs.SETTING_BY_NAME["ZipAR s=2 + SJD L=4"],
+    ("ZipAR s=3 + SJD L=4", "zipar", {"zipar_window": 3, "zipar_verify": "sjd", "zipar_jacobi_window": 4}),
+    qs.SETTING_BY_NAME["SJD-PAC W=2 D=3"],
+    qs.SETTING_BY_NAME["SCD L=32"],
+    qs.SETTING_BY_NAME["GSD G=14"],
 ]
 # the order a run generates them: the issue's settings cheapest first, then the extra PJD ones
 ORDER = ["AR", "ZipAR s=4", "ZipAR s=8", "SJD-PAC", "ZipAR s=4 + SJD L=4", "PJD-E1", "PJD rule", "SJD",
-         "PJD-E1 start 4", "PJD rule + keep 0.5", "PJD-E1 no cap"]
+         "PJD-E1 start 4", "PJD rule + keep 0.5", "PJD-E1 no cap", "ZipAR s=2", "ZipAR s=2 + SJD L=4",
+         "SJD-PAC W=2 D=3", "ZipAR s=3", "ZipAR s=3 + SJD L=4", "SCD L=32", "GSD G=14"]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
 # settings quality_speed caches too: this table's name -> quality_speed's name
 SHARED_CACHE = {"AR": "AR", "SJD": "SJD", "SJD-PAC": "SJD-PAC W=3 D=3"}
@@ -149,7 +160,7 @@ def step_model(start_lag, rows, codes, per_row):
     return (start_lag * (rows - 1) + codes) / per_row
 
 
-def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, reps, work_dir):
+def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, reps, work_dir, cached_gaps=False):
     from vvs_engine.evaluation.quality import reference_features
 
     T = eng.tokens_per_image
@@ -176,6 +187,11 @@ def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, r
         row = {"name": name, "method": method, "options": resolved(method, opts), "n_images": len(labels),
                "forwards": float(gen["forwards"].mean()), "gen_seconds": float(gen.get("gen_seconds", -1.0)),
                **metrics}
+        # the sampling gap D, kept in this table's tokens folder (quality_speed's for the settings read from there)
+        gap = qs.gap_of(eng, name, gen["tokens"], labels, qs.gap_sampling(sampling), ckpt, cache_dir, batch_size,
+                        compute=not cached_gaps)
+        if gap is not None:
+            row["gap"] = gap
         if method in ("zipar", "pjd"):
             eff = row["options"]
             row["start_lag"] = eff["zipar_window"]
@@ -198,6 +214,7 @@ def report(eng, settings, labels, seed, sampling, batch_size, ckpt, cache_dir, r
     if rows and rows[0]["method"] != "ar":
         raise SystemExit("error: AR's tokens are not cached: run AR first")
     qs.parity_verdicts(rows)
+    qs.place_levels(rows)
     pairs = []  # paired differences between two settings on the same bootstrap draws
     for a, b in PAIRS:
         if a in all_draws and b in all_draws:
@@ -248,15 +265,16 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
              "at most 4 rows per forward (no cap in `PJD-E1 no cap`); E1 = every row commits by the SJD rule "
              "(exact per forward), PJD rule = rows below the top one commit accepted drafts only (the release).", "",
              "| setting | forwards / image | TPF | class acc | Δ acc vs AR | FD (classifier) | Δ FD | parity | "
-             "rows / forward | codes / row-forward | cap waits / image |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "D (nats/token) | z | level | rows / forward | codes / row-forward | cap waits / image |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rpf = f"{r['rows_per_forward']:.2f} (max {r['most_rows_per_forward']})" if "rows_per_forward" in r else "–"
         cpr = f"{r['codes_per_row_forward']:.2f}" if "codes_per_row_forward" in r else "–"
         waits = f"{r['cap_waits']:.2f}" if "cap_waits" in r and r["method"] == "pjd" else "–"
         lines.append(f"| {r['name']} | {r['forwards']:.1f} | {qs._ci(r['tpf'], 2)} | {qs._ci(r['class_accuracy'], 3)} | "
                      f"{qs._diff(r['class_accuracy'], 3)} | {qs._ci(r['fd_classifier'], 2)} | "
-                     f"{qs._diff(r['fd_classifier'], 2)} | {'yes' if r['parity'] else 'no'} | {rpf} | {cpr} | {waits} |")
+                     f"{qs._diff(r['fd_classifier'], 2)} | {'yes' if r['parity'] else 'no'} | {qs._gap(r)} | {qs._z(r)} | "
+                     f"{r.get('level') or '–'} | {rpf} | {cpr} | {waits} |")
     if missing:
         lines += ["", f"Not generated yet (no complete cache): {', '.join(missing)}."]
     unrecorded = [r["name"] for r in rows if r.get("row_stats_missing")]
@@ -264,6 +282,7 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
         lines += ["", f"Row statistics not recorded for {', '.join(unrecorded)}: their tokens were read from "
                       "`quality_speed`'s cache, which keeps tokens and forwards only, so they have no measured v "
                       "(no step-model row, no extrapolation to other grids)."]
+    lines += [""] + qs.levels_markdown(rows)[:-1]
     if pairs:
         lines += ["", "## Paired differences between settings", "",
                   "Δ = first − second on the same images and bootstrap draws (95 % intervals): does the released "
@@ -353,6 +372,11 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=None, help="comma list of setting names to generate (AR always runs "
                                                      "first); default all. Known: " + ", ".join(SETTING_BY_NAME))
     ap.add_argument("--report-only", action="store_true", help="generate nothing; tables from the cache")
+    ap.add_argument("--cached-gaps", action="store_true", help="the tables with the D values already in "
+                                                               "sampling_gap.json only (no new ones: a setting "
+                                                               "without D is placed at parity at most)")
+    ap.add_argument("--gap-only", action="store_true", help="generate nothing, write no tables: the sampling gap D "
+                                                            "of every cached setting into <out>_tokens/sampling_gap.json")
     ap.add_argument("--model", default="zoo-gpt", help="the Zoo target by name: zoo-gpt (16x16, default) or another "
                                                        "Zoo member with the same tokenizer (zoo-gpt-32 once it ships)")
     ap.add_argument("--out", default=None, help="output prefix: .md, .json, _tokens/ (default "
@@ -395,15 +419,23 @@ def main(argv=None) -> int:
     labels = [c for c in range(eng.config.num_classes) for _ in range(a.images_per_class)]
     cache_dir = a.out + "_tokens"
     os.makedirs(cache_dir, exist_ok=True)
+    if a.gap_only:  # the settings asked for (default all) in that order, each with a complete cache
+        for name in ["AR"] + [n for n in names if n != "AR"]:
+            _, method, opts = SETTING_BY_NAME[name]
+            gen, _ = load_setting(name, method, opts, labels, a.seed, sampling, a.batch_size, ckpt, cache_dir)
+            if gen is not None:
+                qs.gap_of(eng, name, gen["tokens"], labels, qs.gap_sampling(sampling), ckpt, cache_dir, a.batch_size)
+        return 0
     if not a.report_only:
         order = ["AR"] + [n for n in names if n != "AR"]
         generate(eng, [SETTING_BY_NAME[n] for n in order], labels, a.seed, sampling, a.batch_size, ckpt, cache_dir)
     rows, missing, grid, pairs = report(eng, SETTINGS, labels, a.seed, sampling, a.batch_size, ckpt, cache_dir,
-                                 a.bootstrap, a.out + "_work")
+                                        a.bootstrap, a.out + "_work", a.cached_gaps)
     command = "OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py" + (
         f" --model {a.model}" if a.model != "zoo-gpt" else "") + (
         f" --images-per-class {a.images_per_class}" if a.images_per_class != DEFAULT_PER_CLASS else "") + (
-        f" --settings \"{a.settings}\"" if a.settings else "") + (
+        f" --settings \"{a.settings}\"" if a.settings and not a.report_only else "") + (
+        " --report-only" if a.report_only else "") + (" --cached-gaps" if a.cached_gaps else "") + (
         f" --out {os.path.relpath(a.out, ROOT)}" if out_given else "") + (
         f" --doc {os.path.relpath(os.path.abspath(a.doc), ROOT)}" if a.doc else "")
     meta = {"command": command, "n_images": len(labels), "per_class": a.images_per_class, "seed": a.seed,
@@ -413,7 +445,9 @@ def main(argv=None) -> int:
     with open(a.out + ".md", "w") as f:
         f.write(md)
     with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows, "missing": missing, "pairs": pairs}, f, indent=1, default=str)
+        levels = {level: (front[0]["name"] if front else None) for level, front in qs.level_fronts(rows).items()}
+        json.dump({"meta": meta, "rows": rows, "missing": missing, "pairs": pairs, "fastest_per_level": levels}, f,
+                  indent=1, default=str)
     if a.doc:
         write_doc(a.doc, md, doc_tag(a.model))
     print(md)

@@ -144,6 +144,19 @@ SETTINGS = [
     ("ZipAR s=2 + SJD L=4", "zipar", {"zipar_window": 2, "zipar_verify": "sjd", "zipar_jacobi_window": 4}),
 ]
 SETTING_BY_NAME = {s[0]: s for s in SETTINGS}
+# Controls of the instrument D (issue 52): AR sampling a known-wrong distribution, to show what D and the parity
+# rule detect. They are no method's setting (no frontier, no family); each changes the sampling, which is part
+# of its cache key.
+CONTROL_SAMPLING = {"AR T=1.05": {"temperature": 1.05}, "AR T=1.1": {"temperature": 1.1},
+                    "AR top-k 64": {"top_k": 64}}
+CONTROLS = [(name, "ar", {}) for name in CONTROL_SAMPLING]
+CONTROL_BY_NAME = {s[0]: s for s in CONTROLS}
+
+
+def sampling_for(name: str, sampling: dict) -> dict:
+    """The sampling a setting decodes with: the shared one, or a control's change to it."""
+    return {**sampling, **CONTROL_SAMPLING.get(name, {})}
+
 # The core settings, in the order a run generates them (cheapest first, so a short run finishes some).
 CORE = ["AR", "SJD", "GSD G=8", "VVS-U i=2 fill", "CASCADE", "VVS-U i=2 + GSD", "VVS-U i=2 + CASCADE",
         "VVS-D s=0.65 fill", "LANTERN++ l=2", "LANTERN d=0.2", "EAGLE-2", "ZipAR s=4", "SCD L=16", "SJD-PAC W=3 D=3"]
@@ -230,6 +243,109 @@ def parity_verdicts(rows: list) -> str | None:
         if r["parity"] and r["method"] != "ar" and (best is None or r["tpf"]["value"] > best["tpf"]["value"]):
             best = r
     return best["name"] if best else None
+
+
+# --- three levels of fidelity (issue 52), placed by the sampling gap D and the parity rule -------------
+NEAR_LOSSLESS_D = 0.025  # nats/token: a tenth of AR sampled at temperature 1.1 (D = +0.25 on the Zoo)
+LEVELS = ("exact", "near-lossless", "parity")  # strictest first; a setting at a level is at every looser one
+LEVEL_TEXT = {"exact": "exact (exact by construction, and D's 95 % interval holds 0)",
+              "near-lossless": f"near-lossless (|D| <= {NEAR_LOSSLESS_D} nats/token and at parity)",
+              "parity": "perceptual parity (not detectably worse than AR by the report's parity rule)"}
+
+
+def exact_by_construction(method: str, opts: dict) -> bool:
+    """Whether a setting's method samples the target's distribution exactly by its algorithm: AR, EAGLE's exact
+    acceptance, SJD (any window, any initialisation), SCD's coupled SJD, SJD-PAC's exact variant. Not: the
+    relaxed rules (LANTERN, LANTERN++, GSD, CASCADE), VVS (a skipped round commits unverified drafts),
+    ZipAR and PJD (a row's tokens are drawn before the row above is complete: PJD-E1 is exact per forward, given
+    the partial context its forward saw, not against raster AR)."""
+    from vvs_engine.methods import resolve_options
+
+    if method in ("ar", "eagle", "sjd", "scd"):
+        return True
+    if method == "sjd-pac":
+        return resolve_options(method, opts).get("pac_variant") == "exact"
+    return False
+
+
+def fidelity_level(row: dict):
+    """The strictest level a setting reaches on its evidence (None: not even at parity). Without D a setting
+    can be placed at parity only."""
+    from vvs_engine.evaluation.divergence import reads_exact
+
+    gap = row.get("gap")
+    if row["method"] == "ar" and (gap is None or reads_exact(gap)):
+        return "exact"
+    if gap is not None and exact_by_construction(row["method"], row.get("options", {})) and reads_exact(gap):
+        return "exact"
+    if gap is not None and abs(gap["value"]) <= NEAR_LOSSLESS_D and row.get("parity"):
+        return "near-lossless"
+    return "parity" if row.get("parity") else None
+
+
+def level_fronts(rows: list) -> dict:
+    """{level: the settings at that level or a stricter one, fastest (highest TPF) first; AR excluded}."""
+    out = {}
+    for i, level in enumerate(LEVELS):
+        ok = [r for r in rows if "error" not in r and r["method"] != "ar" and r.get("level") in LEVELS[: i + 1]]
+        out[level] = sorted(ok, key=lambda r: -r["tpf"]["value"])
+    return out
+
+
+def place_levels(rows: list) -> dict:
+    """Marks every row's ``level``; returns {level: name of its fastest setting or None}."""
+    for r in rows:
+        if "error" not in r:
+            r["level"] = fidelity_level(r)
+    return {level: (front[0]["name"] if front else None) for level, front in level_fronts(rows).items()}
+
+
+def _gap(r) -> str:
+    from vvs_engine.evaluation.divergence import format_gap
+
+    return format_gap(r["gap"]) if r.get("gap") else "–"
+
+
+def _z(r) -> str:
+    return f"{r['gap']['z']:+.1f}" if r.get("gap") else "–"
+
+
+def levels_markdown(rows: list, controls=(), top: int = 5) -> list:
+    """The three frontiers: per level its fastest settings with TPF, D and the parity metrics; then the
+    controls that show what D and the parity rule detect."""
+    fronts = level_fronts(rows)
+    lines = ["## Three levels of fidelity", "",
+             "D = mean over an image's tokens of (− log p(token) − entropy of p) under the target's own sampling "
+             "distribution p (teacher-forced, CFG and temperature as sampled), in nats per token, averaged over "
+             "images with a 95 % interval (± 1.96 standard errors); z = D / standard error. An exact sampler reads "
+             "0 whatever its prefix; a mode-seeking one reads negative, an over-dispersed one positive. Levels, "
+             "each including the stricter ones: " + "; ".join(LEVEL_TEXT[k] for k in LEVELS) + ".", "",
+             "| level | rank | setting | TPF | D (nats/token) | z | Δ acc vs AR | Δ FD vs AR | parity |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for level in LEVELS:
+        front = fronts[level][:top]
+        if not front:
+            lines.append(f"| {level} | – | none | – | – | – | – | – | – |")
+        for k, r in enumerate(front, 1):
+            lines.append(f"| {level if k == 1 else ''} | {k} | {r['name']} | {_ci(r['tpf'], 2)} | {_gap(r)} | {_z(r)} | "
+                         f"{_diff(r.get('class_accuracy'), 3)} | {_diff(r.get('fd_classifier'), 2)} | "
+                         f"{'yes' if r.get('parity') else 'no'} |")
+    no_gap = [r["name"] for r in rows if "error" not in r and not r.get("gap")]
+    if no_gap:
+        lines += ["", f"D not computed yet for {len(no_gap)} settings (placed at parity at most): {', '.join(no_gap)}."]
+    if controls:
+        lines += ["", "### Controls: AR sampling a known-wrong distribution", "",
+                  "AR's tokens at a changed sampling, D measured against the target's own (the shared sampling). "
+                  "Their class accuracy and classifier FD are paired with AR on the same bootstrap draws (no FID: "
+                  "the controls' Inception features were not computed). A parity verdict of yes here is the "
+                  "perceptual rule's blind spot that D closes.", "",
+                  "| control | D (nats/token) | z | class acc | Δ acc vs AR | FD (classifier) | Δ FD vs AR | parity |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in controls:
+            lines.append(f"| {r['name']} | {_gap(r)} | {_z(r)} | {_ci(r['class_accuracy'], 3)} | "
+                         f"{_diff(r['class_accuracy'], 3)} | {_ci(r['fd_classifier'], 2)} | "
+                         f"{_diff(r['fd_classifier'], 2)} | {'yes' if r.get('parity') else 'no'} |")
+    return lines + [""]
 
 
 # --- per-family fronts and the VVS question --------------------------------------------------------
@@ -664,6 +780,57 @@ def setting_metrics(feats, forwards, tokens_per_image, ref, idx, inception_reps=
     return out, draws
 
 
+# --- the sampling gap D (vvs_engine.evaluation.divergence): committed per tokens folder ---------------
+GAP_FILE = "sampling_gap.json"  # in a tokens folder: {setting slug: D's summary and what it is a function of}
+
+
+def gap_of(eng, name, tokens, labels, sampling, ckpt_key, cache_dir, batch_size=16, log=print, compute=True):
+    """D of a setting's tokens under the target at the shared ``sampling`` (a control's own sampling is not
+    used: D measures it against the target's distribution) -> its summary (``summarise_gap``). Kept in
+    ``<cache_dir>/sampling_gap.json`` keyed by the tokens' digest, the target and the sampling (minutes of CPU
+    for a whole table: one teacher-forced forward per image)."""
+    from vvs_engine.evaluation.divergence import sampling_gap_per_image, summarise_gap
+
+    tokens = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64))
+    key = {"tokens": hashlib.sha1(tokens.tobytes()).hexdigest(), "labels": hashlib.sha1(
+        json.dumps([int(x) for x in labels]).encode()).hexdigest(), "target": ckpt_key,
+        "sampling": {k: sampling[k] for k in sorted(sampling)}}
+    path = os.path.join(cache_dir, GAP_FILE) if cache_dir else None
+    table = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+    slug = _slug(name)
+    if slug in table and table[slug].get("key") == key:
+        got = table[slug]
+        return {k: (tuple(v) if k == "ci" else v) for k, v in got["summary"].items()}
+    if not compute:
+        return None
+    t0 = time.time()
+    per_image = sampling_gap_per_image(eng, tokens, labels, batch_size=batch_size, **sampling)
+    summary = summarise_gap(per_image)
+    if log:
+        log(f"[quality_speed] {name}: D = {summary['value']:+.4f} ± {summary['half_width']:.4f} "
+            f"({time.time() - t0:.0f} s)")
+    if path:
+        if os.path.exists(path):  # re-read: another process may have added settings meanwhile
+            with open(path) as f:
+                table = json.load(f)
+        table[slug] = {"name": name, "key": key, "summary": {k: (list(v) if k == "ci" else v)
+                                                              for k, v in summary.items()},
+                       "sd": float(np.std(per_image, ddof=1)) if len(per_image) > 1 else None}
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(dict(sorted(table.items())), f, indent=1)
+        os.replace(tmp, path)
+    return summary
+
+
+def gap_sampling(sampling: dict) -> dict:
+    """The sampling D is measured under: the target's (temperature, top-k, top-p, CFG) of the shared setting."""
+    return {k: sampling[k] for k in ("temperature", "top_k", "top_p", "cfg_scale")}
+
+
 class WorkCache:
     """Per-image features and bootstrap draws of a setting, keyed by its tokens and everything the
     metrics depend on (git-ignored: rebuilt from the committed tokens when missing)."""
@@ -725,7 +892,7 @@ def _diff(m, nd):
     return f"{m['diff']:+.{nd}f} [{m['diff_ci'][0]:+.{nd}f}, {m['diff_ci'][1]:+.{nd}f}]"
 
 
-def to_markdown(meta: dict, rows: list, fastest, missing=()) -> str:
+def to_markdown(meta: dict, rows: list, fastest, missing=(), controls=()) -> str:
     lines = ["# Quality versus speed on the Zoo model", "",
              f"Command: `{meta['command']}`", "",
              f"{meta['n_images']} images per setting ({meta['labels']}), image i seeded with {meta['seed']} + i "
@@ -742,11 +909,15 @@ def to_markdown(meta: dict, rows: list, fastest, missing=()) -> str:
              f"**Fastest setting at parity: {fastest or 'none'}**", ""]
     if missing:
         lines += [f"Not yet in the table ({len(missing)}): {', '.join(missing)}.", ""]
+    if meta.get("gap_run"):
+        lines += [f"D (the sampling gap) and the levels: `{meta['gap_run']}` (the other columns are the last full "
+                  f"run's, read from this report's JSON after checking each setting's cache digest).", ""]
+    lines += levels_markdown(rows, controls)
     lines += fronts_markdown(rows) + vvs_markdown(rows) + defaults_markdown(rows)
     lines += ["## Every setting", "",
               "| setting | TPF | ops/token | images/s | class acc | Δ acc vs AR | FD (classifier) | Δ FD | FID | Δ FID "
-              "| precision | recall | parity |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| precision | recall | parity | D (nats/token) | z | level |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['name']} | error: {r['error']} |||||||||||| ")
@@ -757,7 +928,7 @@ def to_markdown(meta: dict, rows: list, fastest, missing=()) -> str:
                      f"{_diff(r['class_accuracy'], 3)} | {_ci(r['fd_classifier'], 2)} | {_diff(r['fd_classifier'], 2)} | "
                      f"{_ci(r.get('fid_inception'), 1)} | {_diff(r.get('fid_inception'), 1)} | "
                      f"{_ci(r.get('precision'), 2)} | {_ci(r.get('recall'), 2)} | "
-                     f"{'yes' if r['parity'] else 'no'} |")
+                     f"{'yes' if r['parity'] else 'no'} | {_gap(r)} | {_z(r)} | {r.get('level') or '–'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -837,8 +1008,10 @@ README_END = "<!-- quality-speed:end -->"
 def readme_block(meta: dict, rows: list, fastest, missing=()) -> str:
     """The README's quote of the table: TPF, class accuracy and classifier FD with their differences to AR
     (95 % intervals) and the parity verdict, for every complete setting."""
-    lines = [f"{README_BEGIN} (generated by `python benchmarks/quality_speed.py --images-per-class "
-             f"{meta['n_images'] // 16} --report-only --readme README.md --readme docs/benchmarks.md`; do not edit) -->",
+    command = (meta["gap_run"].rsplit(" (", 1)[0] if meta.get("gap_run") else
+               f"python benchmarks/quality_speed.py --images-per-class {meta['n_images'] // 16} --report-only "
+               f"--readme README.md --readme docs/benchmarks.md")
+    lines = [f"{README_BEGIN} (generated by `{command}`; do not edit) -->",
              f"{meta['n_images']} images per setting ({meta['labels']}), paired with AR by seed; 95 % bootstrap "
              f"intervals; parity = no Δ interval wholly on the worse side; within 2 points = at parity, or class "
              f"accuracy at most 2 points below AR's with FD and FID not detectably worse. Fastest at parity: "
@@ -849,8 +1022,44 @@ def readme_block(meta: dict, rows: list, fastest, missing=()) -> str:
     verdict = vvs_verdict(vvs_answer(rows))
     if verdict:
         lines += ["", "**VVS against its base rule** (best at parity, same rule without skips): " + verdict]
+    claims = exact_claims_sentence(rows)
+    if claims:
+        lines += ["", claims]
+    lines += ["", levels_sentence(rows) + " `vvs-engine generate --preset exact|near-lossless|fastest` (and "
+              "`Engine.generate(preset=...)`) decodes with a level's fastest setting for the target's grid: these "
+              "rows on zoo-gpt (16x16), the 32x32 report's on zoo-gpt-32 (`vvs_engine/presets.py`, checked against "
+              "both reports by `tests/test_presets.py`)."]
     lines.append(README_END)
     return "\n".join(lines)
+
+
+def exact_claims_sentence(rows: list) -> str:
+    """Every setting exact by construction with its D: the evidence behind each "lossless" claim."""
+    from vvs_engine.evaluation.divergence import reads_exact
+
+    exact = [r for r in rows if "error" not in r and exact_by_construction(r["method"], r.get("options", {}))]
+    measured = [r for r in exact if r.get("gap")]
+    if not measured:
+        return ""
+    off = [r["name"] for r in measured if not reads_exact(r["gap"])]
+    text = (f"**Exact by construction, checked by D** ({len(measured)} of {len(exact)} settings measured; 95 % "
+            f"intervals): " + ", ".join(f"{r['name']} {_gap(r)}" for r in measured) + ". ")
+    if off:
+        text += (f"Outside its interval of 0: {', '.join(off)} (one in twenty exact settings is expected to miss; "
+                 f"a miss is not counted as exact).")
+    else:
+        text += "Every one reads 0 within its interval."
+    return text
+
+
+def levels_sentence(rows: list) -> str:
+    """One sentence: each level's fastest setting with its TPF and D."""
+    parts = []
+    for level, front in level_fronts(rows).items():
+        parts.append(f"{level}: {front[0]['name']} (TPF {front[0]['tpf']['value']:.2f}, D {_gap(front[0])})" if front
+                     else f"{level}: none")
+    return (f"**Fastest per level of fidelity** (D = sampling gap in nats/token; exact = exact by construction and D "
+            f"reads 0; near-lossless = |D| <= {NEAR_LOSSLESS_D} and at parity): " + "; ".join(parts) + ".")
 
 
 def write_readme(path: str, block: str) -> None:
@@ -1001,6 +1210,7 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
                                   if k in gen},
                "digest": digest_of(key)}
         row.update(metrics)
+        row["gap"] = gap_of(eng, name, gen["tokens"], labels, gap_sampling(sampling), ckpt_key, cache_dir, batch_size)
         if method == "vvs" or name in skip_bases:
             skips = work.get("rounds", [token_digest, method, opts, sampling, seed, SKIP_SAMPLE],
                              lambda: skip_fraction(eng, name, method, opts, labels, seed, sampling))
@@ -1046,7 +1256,8 @@ def main(argv=None) -> int:
                          f"near 0.5 to +-4.3 points)")
     ap.add_argument("--settings", default="core",
                     help="what to generate: core (the default), frontier (core, then every front setting, cheapest "
-                         "first), all, or a comma list of setting names (AR is "
+                         "first), all, controls (AR at T 1.05, T 1.1 and top-k 64: the instrument's controls), or a "
+                         "comma list of setting names (AR is "
                          "always included). The report lists every setting with a complete cache either way. "
                          "Known: " + ", ".join(SETTING_BY_NAME))
     ap.add_argument("--report-only", action="store_true", help="generate nothing; rebuild the report from the cache")
@@ -1072,6 +1283,15 @@ def main(argv=None) -> int:
     ap.add_argument("--inception-bootstrap", type=int, default=100, help="draws for FID/precision/recall "
                                                                          "(each needs a 2048-d matrix root; default 100)")
     ap.add_argument("--no-inception", action="store_true", help="skip FID and precision/recall")
+    ap.add_argument("--gap-report", action="store_true",
+                    help="rebuild the report from its last full run's JSON (each row checked against its cache) "
+                         "with the sampling gap D, the three levels of fidelity and the controls added")
+    ap.add_argument("--cached-gaps", action="store_true",
+                    help="with --gap-report: use the D values already in sampling_gap.json and compute no new ones "
+                         "(a setting without D is placed at parity at most)")
+    ap.add_argument("--gap-only", action="store_true",
+                    help="compute the sampling gap D of every cached setting into <out>_tokens/sampling_gap.json "
+                         "and stop (no generation, no report)")
     ap.add_argument("--no-ops", action="store_true", help="skip the ops-per-token count")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ckpt-dir", default=None, help="load zoo-{gpt,vq,drafter} from this folder")
@@ -1098,12 +1318,14 @@ def main(argv=None) -> int:
             generate = [n for n in CORE + FRONTIER if n in known_names]
         elif a.settings == "all":
             generate = known_names
+        elif a.settings == "controls":
+            generate = list(CONTROL_BY_NAME)
         else:
             generate = [s.strip() for s in a.settings.split(",") if s.strip()]
-            bad = [n for n in generate if n not in SETTING_BY_NAME]
+            bad = [n for n in generate if n not in SETTING_BY_NAME and n not in CONTROL_BY_NAME]
             if bad:
                 raise VVSError(f"unknown setting(s) {', '.join(bad)}; known: {', '.join(SETTING_BY_NAME)}")
-            unavailable = [n for n in generate if n not in known_names]
+            unavailable = [n for n in generate if n not in known_names and n not in CONTROL_BY_NAME]
             if unavailable:
                 raise VVSError(f"setting(s) {', '.join(unavailable)} need a method this engine does not have")
         generate = ["AR"] + [n for n in generate if n != "AR"]
@@ -1121,17 +1343,23 @@ def main(argv=None) -> int:
         cache_dir = a.out + "_tokens"
         if a.verify:
             return verify_all(eng, known, labels, a, sampling, ckpt, cache_dir)
+        if a.gap_only:
+            return gaps_of_cache(eng, known + CONTROLS, labels, a, sampling, ckpt, cache_dir)
+        if a.gap_report:
+            meta, rows, fastest, missing, controls = gap_report(eng, labels, a, sampling, ckpt, cache_dir)
+            return write_report(a, meta, rows, fastest, missing, controls)
         # Generate in order, honouring the time budget between settings; then report everything cached.
         settings = [s for s in known if s[0] == "AR"] + [s for s in known if s[0] != "AR"]
-        order = [SETTING_BY_NAME[n] for n in generate]
+        order = [SETTING_BY_NAME.get(n) or CONTROL_BY_NAME[n] for n in generate]
         for name, method, opts in order:
             if a.time_budget and time.time() - t_start > a.time_budget:
                 print(f"[quality_speed] time budget of {a.time_budget:.0f} s spent: {name} and later settings "
                       f"are left for the next run", flush=True)
                 break
-            key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size, a.device)
+            key = setting_key(ckpt, method, opts, sampling_for(name, sampling), labels, a.seed, a.batch_size,
+                              a.device)
             print(f"[quality_speed] {name}", flush=True)
-            generate_setting(eng, name, method, opts, labels, a.seed, sampling, a.batch_size,
+            generate_setting(eng, name, method, opts, labels, a.seed, sampling_for(name, sampling), a.batch_size,
                              os.path.join(cache_dir, _slug(name) + ".npz"), key, True, not a.no_ops)
         if a.no_report:
             print(f"[quality_speed] generated into {cache_dir}; report not rebuilt (--no-report)", flush=True)
@@ -1155,9 +1383,18 @@ def main(argv=None) -> int:
             "inception_bootstrap": a.inception_bootstrap, "complete": [r["name"] for r in rows], "missing": missing,
             "this_run": "python benchmarks/quality_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "this_run_wall_s": time.time() - t_start}
+    return write_report(a, meta, rows, fastest, missing)
+
+
+def write_report(a, meta, rows, fastest, missing, controls=()) -> int:
+    """The report's JSON, markdown, plot and README blocks."""
+    from vvs_engine.errors import VVSError
+
+    levels = place_levels(rows)
     with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows, "fastest_at_parity": fastest}, f, indent=1)
-    md = to_markdown(meta, rows, fastest, missing)
+        json.dump({"meta": meta, "rows": rows, "fastest_at_parity": fastest, "fastest_per_level": levels,
+                   "controls": list(controls)}, f, indent=1)
+    md = to_markdown(meta, rows, fastest, missing, controls)
     with open(a.out + ".md", "w") as f:
         f.write(md)
     print(md)
@@ -1169,6 +1406,98 @@ def main(argv=None) -> int:
         except (VVSError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+    return 0
+
+
+def control_rows(eng, labels, seed, sampling, batch_size, ckpt, cache_dir, reps, work_dir, device="cpu",
+                 compute_gaps=True) -> list:
+    """The controls with a complete cache -> rows with D, class accuracy and classifier FD paired with AR (the
+    same bootstrap draws as the report's; no Inception features)."""
+    from vvs_engine.evaluation.quality import reference_features
+
+    idx = bootstrap_indices(len(labels), reps, seed)
+    ref = {"cls": ReferenceSet(reference_features("classifier"))}
+    work = WorkCache(work_dir)
+    rows, ar = [], None
+    for name, method, opts in [SETTING_BY_NAME["AR"]] + CONTROLS:
+        key = setting_key(ckpt, method, opts, sampling_for(name, sampling), labels, seed, batch_size, device)
+        gen = load_cache(os.path.join(cache_dir, _slug(name) + ".npz"), digest_of(key))
+        if gen is None:
+            if name == "AR":
+                return []
+            continue
+        tokens, forwards = gen["tokens"].astype(np.int64), gen["forwards"].astype(np.float64)
+        digest = hashlib.sha1(np.ascontiguousarray(tokens).tobytes()).hexdigest()
+        feats = work.get("features", [digest, list(labels), False],
+                         lambda: image_features(eng, tokens, labels, inception=False))
+        draws = work.get("draws", [digest, forwards.tolist(), reps, None, seed, False],
+                         lambda: metric_draws(feats, forwards, eng.tokens_per_image, ref, idx))
+        if name == "AR":
+            ar = draws
+            continue
+        row = {"name": name, "method": method, "options": opts, "sampling": sampling_for(name, sampling),
+               "n_images": len(labels), "digest": digest_of(key),
+               **{k: summarise(v, b, ar[k]) for k, (v, b) in draws.items()}}
+        row["parity"] = at_parity(row)
+        gap = gap_of(eng, name, tokens, labels, gap_sampling(sampling), ckpt, cache_dir, batch_size,
+                     compute=compute_gaps)
+        if gap is not None:
+            row["gap"] = gap
+        rows.append(row)
+    return rows
+
+
+def gap_report(eng, labels, a, sampling, ckpt, cache_dir) -> tuple:
+    """--gap-report: the last full run's rows (``<out>.json``, each checked against its cache's digest) with D,
+    the levels and the controls added -> (meta, rows, fastest, missing, controls)."""
+    from vvs_engine.errors import VVSError
+
+    with open(a.out + ".json") as f:
+        old = json.load(f)
+    rows = old["rows"]
+    for r in rows:
+        if "error" in r:
+            continue
+        name, method, opts = SETTING_BY_NAME[r["name"]]
+        key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size, a.device)
+        if digest_of(key) != r.get("digest"):
+            raise VVSError(f"{a.out}.json's row {name} is not from its current cache key: run the full report")
+        gen = load_cache(os.path.join(cache_dir, _slug(name) + ".npz"), digest_of(key))
+        if gen is None:
+            raise VVSError(f"{name}'s tokens are not in {cache_dir}")
+        r["gap"] = gap_of(eng, name, gen["tokens"], labels, gap_sampling(sampling), ckpt, cache_dir, a.batch_size,
+                          compute=not a.cached_gaps)
+        if r["gap"] is None:
+            del r["gap"]
+    fastest = parity_verdicts([r for r in rows if "error" not in r])
+    place_levels(rows)
+    controls = control_rows(eng, labels, a.seed, sampling, a.batch_size, ckpt, cache_dir, a.bootstrap,
+                            a.out + "_work", a.device, not a.cached_gaps)
+    meta = dict(old["meta"])
+    meta["gap_run"] = (f"python benchmarks/quality_speed.py --images-per-class {a.images_per_class} --gap-report"
+                       + (" --cached-gaps" if a.cached_gaps else "")
+                       + "".join(f" --readme {os.path.relpath(os.path.abspath(p), ROOT)}" for p in a.readme or ())
+                       + f" ({datetime.date.today().isoformat()})")
+    return meta, rows, fastest, old["meta"].get("missing", []), controls
+
+
+def gaps_of_cache(eng, settings, labels, a, sampling, ckpt, cache_dir) -> int:
+    """--gap-only: D of every setting with a complete cache into ``sampling_gap.json``, nothing else."""
+    done = 0
+    if os.path.exists(a.out + ".json"):  # the report's candidates first (at parity, fastest first): a partial run helps
+        with open(a.out + ".json") as f:
+            rank = {r["name"]: (not r.get("parity", False), -r["tpf"]["value"]) for r in json.load(f)["rows"]
+                    if "tpf" in r}
+        settings = sorted(settings, key=lambda s: (s[0] != "AR", s[0] not in CONTROL_BY_NAME,
+                                                   rank.get(s[0], (False, 0.0))))
+    for name, method, opts in settings:
+        key = setting_key(ckpt, method, opts, sampling_for(name, sampling), labels, a.seed, a.batch_size, a.device)
+        gen = load_cache(os.path.join(cache_dir, _slug(name) + ".npz"), digest_of(key))
+        if gen is None:
+            continue
+        gap_of(eng, name, gen["tokens"], labels, gap_sampling(sampling), ckpt, cache_dir, a.batch_size)
+        done += 1
+    print(f"[quality_speed] D of {done} settings in {os.path.join(cache_dir, GAP_FILE)}", flush=True)
     return 0
 
 

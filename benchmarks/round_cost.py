@@ -642,6 +642,77 @@ def write_doc(md: str, argv) -> None:
         f.write(new)
 
 
+# --- row-parallel decoding (ZipAR, PJD) at real grids: a model from the 32x32 Zoo's measured rows ---------
+ROW_PARALLEL_REPORT = os.path.join(ROOT, "benchmarks", "results", "pjd_zoo-gpt-32.json")
+ROW_PARALLEL_SHAPES = {"LlamaGen-XL": (24, 24), "7B (Lumina-mGPT)": (48, 48)}  # image rows x codes per row
+
+
+def row_parallel_model(tables: dict, hw: Hardware, report_path: str = ROW_PARALLEL_REPORT) -> list:
+    """ZipAR / PJD settings of the 32x32 Zoo report at LlamaGen-XL's 24x24 and Lumina-mGPT's 48x48 (+ line ends)
+    -> rows of a MODEL: forwards per image by pjd_zoo's step model with the v (codes per row per forward) measured
+    at 32x32, scaled by the measured / modelled forwards there (the step model's bias with Jacobi rows); queries
+    per forward = rows in flight (H W / (v forwards), at most the setting's row cap) x lanes per row; the round
+    costed like a Jacobi iteration of that many queries with SJD's launch count at the shape."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from pjd_zoo import step_model
+
+    if not os.path.exists(report_path):
+        return []
+    with open(report_path) as f:
+        report = json.load(f)
+    out = []
+    for r in report["rows"]:
+        if "codes_per_row_forward" not in r:
+            continue
+        o, v, lag = r["options"], r["codes_per_row_forward"], r["start_lag"]
+        jacobi = r["method"] == "pjd" or o.get("zipar_verify") == "sjd"
+        lanes = o.get("zipar_jacobi_window", 1) if jacobi else 1
+        cap = o.get("zipar_max_rows") or 0
+        bias = r["forwards"] / step_model(lag, 32, 32, v)  # measured / modelled at 32x32
+        for shape_name, (H, W) in ROW_PARALLEL_SHAPES.items():
+            t = tables[shape_name]
+            shape = next(sh for sh in shapes() if sh.name == shape_name)
+            forwards = step_model(lag, H, W, v) * bias
+            in_flight = H * W / (v * forwards)
+            if cap:
+                in_flight = min(in_flight, cap)
+            queries = in_flight * lanes
+            launches = t["rows"]["SJD"]["kinds"]["jacobi_iteration"]["launches"]
+            round_ = round_ms(shape, RoundWork(queries), launches, hw)
+            image_ms = forwards * round_["ms"]
+            ar_ms = t["ar_step_ms"]
+            out.append(dict(setting=r["name"], shape=shape_name, grid=f"{H}x{W}" + (" + EOL" if shape.tokens > H * W
+                                                                                     else ""),
+                            tokens=shape.tokens, forwards=forwards, tpf=shape.tokens / forwards, rows_in_flight=in_flight,
+                            queries_per_forward=queries, round_ms=round_["ms"], image_ms=image_ms,
+                            ar_image_ms=shape.tokens * ar_ms, speedup=shape.tokens * ar_ms / image_ms,
+                            level=r.get("level"), gap=(r.get("gap") or {}).get("value")))
+    return out
+
+
+def row_parallel_markdown(rows: list, detail: str) -> list:
+    if not rows:
+        return []
+    lines = ["", "## Row-parallel decoding at real grids (ZipAR, PJD): a MODEL", "",
+             "Not measured. Each setting of `benchmarks/results/pjd_zoo-gpt-32.md` (32x32 Zoo, 256 images) carried to "
+             "LlamaGen-XL 384 px (24x24) and Lumina-mGPT 768 px (48x48 + a forced end-of-line token per row, which "
+             "needs no forward): forwards per image = pjd_zoo's step model (s (H - 1) + W) / v with the v measured at "
+             "32x32, times the measured / modelled forwards there; rows in flight = H W / (v forwards) (at most the "
+             "setting's row cap); queries per forward = rows in flight x lanes per row; each forward costed as a "
+             f"Jacobi round of that many queries with SJD's launch count at the shape ({detail}); AR = one step per "
+             "token. The acceptance per row (v) of a real model can differ from the Zoo's; quality at these grids is "
+             "not known (level and D are the 32x32 Zoo's).", "",
+             "| setting | shape | grid | forwards / image | TPF | rows in flight | queries / forward | round (ms) | "
+             "image (ms) | AR image (ms) | speed-up vs AR | 32x32 level | 32x32 D |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = f"{r['gap']:+.3f}" if r["gap"] is not None else "–"
+        lines.append(f"| {r['setting']} | {r['shape']} | {r['grid']} | {r['forwards']:.0f} | {r['tpf']:.2f} | "
+                     f"{r['rows_in_flight']:.1f} | {r['queries_per_forward']:.1f} | {r['round_ms']:.2f} | "
+                     f"{r['image_ms']:.0f} | {r['ar_image_ms']:.0f} | {r['speedup']:.2f} | {r['level'] or '–'} | {gap} |")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gap-us", type=float, default=GAP_US, help="launch gap inside a CUDA graph (us)")
@@ -712,10 +783,12 @@ def main(argv=None):
                   compiled_depths=list(COMPILED_DEPTHS) if compiled_counts else None,
                   compiled_model=compiled_tables, counts_command=old.get("counts_command"),
                   compiled_counts_command=old.get("compiled_counts_command"))
+    result["row_parallel"] = row_parallel_model(result["model"], hw)
     os.makedirs(args.out, exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
     md = render(result, hw, argv)
+    md = md.rstrip("\n") + "\n" + "\n".join(row_parallel_markdown(result["row_parallel"], result["detail_launches"])) + "\n"
     with open(os.path.join(args.out, "round_cost.md"), "w") as f:
         f.write(md)
     if args.out == OUT:

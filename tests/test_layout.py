@@ -12,7 +12,7 @@ PKG_DIR = os.path.dirname(vvs_engine.__file__)
 # Lower rank = lower layer. A module may import its own layer and lower ranks only.
 RANK = {
     "errors": 0, "startup": 0,  # startup: the command's first seconds (imports nothing but the standard library)
-    "sampling": 1, "rng": 1, "checkpoint": 1, "zoo": 1, "stats": 1, "threads": 1, "paths": 1,
+    "sampling": 1, "rng": 1, "presets": 1, "checkpoint": 1, "zoo": 1, "stats": 1, "threads": 1, "paths": 1,
     "kernels": 2, "triton_kernels": 2,
     "models": 3,
     "runtime": 4,

@@ -60,8 +60,8 @@ def test_parity_and_fastest_at_parity():
     assert "**Fastest setting at parity: faster at parity**" in md
     every = lines[lines.index("## Every setting"):]
     table = [ln for ln in every if ln.startswith("| ") and not ln.startswith("| setting")]
-    assert len(table) == len(rows) and all(ln.count("|") == 14 for ln in table)
-    assert "0.500 [0.460, 0.540]" in table[0] and table[1].endswith("| no |")
+    assert len(table) == len(rows) and all(ln.count("|") == 17 for ln in table)  # 13 columns + D, z, level
+    assert "0.500 [0.460, 0.540]" in table[0] and table[1].endswith("| no | – | – | – |")  # no D: no level
     assert "-0.100, -0.020" in table[1]
 
 

@@ -106,3 +106,28 @@ def test_benchmarks_find_every_cached_setting_they_name():
     names = [n + ".npz" for n in continuous_batching.CACHE_ROWS] + list(round_cost.QS_CACHE.values())
     assert [n for n in names if not os.path.exists(os.path.join(cache, n))] == []
     assert [r["setting"] for r in continuous_batching.from_cache([16])] == list(continuous_batching.CACHE_ROWS.values())
+
+
+def test_row_parallel_model_carries_the_measured_rows(tmp_path):
+    """ZipAR / PJD at 24x24 and 48x48: plain ZipAR's forwards are the exact (H - 1) s + W - 1 (v = 1, bias from its
+    measured 32x32 count); a capped PJD never has more rows in flight than its cap; Jacobi lanes multiply queries."""
+    report = {"rows": [
+        {"name": "ZipAR s=4", "method": "zipar", "options": {"zipar_window": 4, "zipar_verify": "none"},
+         "codes_per_row_forward": 1.0, "start_lag": 4, "forwards": 155.0, "level": "parity", "gap": {"value": 0.04}},
+        {"name": "PJD-E1", "method": "pjd", "options": {"zipar_window": 8, "zipar_jacobi_window": 8, "zipar_max_rows": 4},
+         "codes_per_row_forward": 1.6, "start_lag": 8, "forwards": 213.8},
+        {"name": "AR", "method": "ar", "options": {}, "forwards": 1023.0}]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    tables = {name: {"ar_step_ms": 1.0, "rows": {"SJD": {"kinds": {"jacobi_iteration": {"launches": 100}}}}}
+              for name in rc.ROW_PARALLEL_SHAPES}
+    rows = rc.row_parallel_model(tables, rc.Hardware(), str(path))
+    assert len(rows) == 4  # two settings x two shapes; AR has no rows
+    zipar = {r["shape"]: r for r in rows if r["setting"] == "ZipAR s=4"}
+    bias = 155.0 / (4 * 31 + 32)
+    assert zipar["LlamaGen-XL"]["forwards"] == pytest.approx((4 * 23 + 24) * bias)
+    assert zipar["7B (Lumina-mGPT)"]["tokens"] == 48 * 49 and zipar["7B (Lumina-mGPT)"]["grid"] == "48x48 + EOL"
+    assert zipar["LlamaGen-XL"]["queries_per_forward"] == pytest.approx(zipar["LlamaGen-XL"]["rows_in_flight"])
+    for r in (r for r in rows if r["setting"] == "PJD-E1"):
+        assert r["rows_in_flight"] <= 4 and r["queries_per_forward"] == pytest.approx(8 * r["rows_in_flight"])
+        assert r["speedup"] == pytest.approx(r["ar_image_ms"] / r["image_ms"])

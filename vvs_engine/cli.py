@@ -110,6 +110,9 @@ def build_parser() -> Parser:
     from .methods import method_names
 
     s.add_argument("--method", default="ar", help=f"decoding method (default ar): {', '.join(method_names())}")
+    from .presets import PRESET_NAMES, presets_help
+
+    s.add_argument("--preset", default=None, choices=PRESET_NAMES, help=presets_help())
     s.add_argument("--cfg-scale", type=float, default=4.0, help="classifier-free guidance scale (default 4.0; 1 = off)")
     s.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0; 0 = greedy)")
     s.add_argument("--top-k", type=int, default=0, help="top-k filter (default 0 = off)")
@@ -176,6 +179,10 @@ def build_parser() -> Parser:
                    help="metrics file (default: metrics.json in the --images folder, beside the images it scores)")
     e.add_argument("--no-inception", action="store_true",
                    help="skip FID and precision/recall (the Inception network: slow on a CPU)")
+    e.add_argument("--target", default=None, metavar="MODEL",
+                   help="also the sampling gap D of the folder's tokens.npz under this target (a Zoo target: "
+                        "zoo-gpt, zoo-gpt-32, or a GPT checkpoint) at the run's sampling (stats.json): mean over "
+                        "tokens of NLL - entropy, 0 for an exact sampler (docs/quality_speed.md)")
     add_threads_flag(e)
     e.set_defaults(func=cmd_eval)
 
@@ -283,6 +290,22 @@ def resolve_model_flag(args) -> None:
                                                               args.model_dir, cli=True)
 
 
+def apply_preset(args, peek_shape) -> None:
+    """``--preset NAME`` -> ``args.method`` and its option flags, for the target's grid (``vvs_engine.presets``)."""
+    from .presets import resolve_preset
+
+    given = [fl.name for fl in method_flags() if getattr(args, fl.name, None) is not None]
+    if args.method != "ar" or given:
+        named = ["--method"] * (args.method != "ar") + ["--" + n.replace("_", "-") for n in given]
+        raise VVSError(f"--preset sets the method and its options: give --preset or {', '.join(named)}, not both")
+    shape = peek_shape(args.gpt_ckpt, args.vq_ckpt) if args.model_dir is None and args.image_size is None else None
+    if shape is None:
+        raise VVSError("--preset needs a Zoo target (its grid picks the preset); choose --method for this model")
+    args.method, opts = resolve_preset(args.preset, shape.tokens_per_image)
+    for name, value in opts.items():
+        setattr(args, name, value)
+
+
 def cmd_generate(args) -> int:
     from .engine import (Engine, check_batch_fits, check_load_args, check_method_fits, check_seed, peek_shape,
                          resolve_device, resolve_dtype)
@@ -299,6 +322,8 @@ def cmd_generate(args) -> int:
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
                     t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
                     image_size=args.image_size, cli=True, vq_model=args.vq_model)
+    if args.preset is not None:
+        apply_preset(args, peek_shape)
     labels = parse_class_labels(args.class_labels) if args.class_labels is not None else None
     prompts = read_prompts(args.prompts) if args.prompts is not None else None
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
@@ -547,7 +572,8 @@ def cmd_eval(args) -> int:
     out_json = args.out or os.path.join(args.images, "metrics.json")
     check_writable_file(out_json, "--out" if args.out else "eval's metrics file")  # before minutes of compute
     apply_threads(args.threads)
-    metrics = call("vvs_engine.evaluation.report", "evaluate_dir", args.images, None, not args.no_inception)
+    gap_args = (None, args.target) if args.target else ()  # (inception_path, target): the sampling gap when asked
+    metrics = call("vvs_engine.evaluation.report", "evaluate_dir", args.images, None, not args.no_inception, *gap_args)
     if not isinstance(metrics, dict):
         return _exit_code(metrics)
     print(json.dumps(json_ready(metrics), indent=2))  # shown even if writing the file fails

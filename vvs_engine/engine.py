@@ -403,7 +403,8 @@ class Engine:
                  batch_size: int = 16, image_indices: Optional[Sequence[int]] = None,
                  cuda_graphs: Optional[bool] = None, clean_captions: bool = True, compile: Optional[bool] = None,
                  static_batches: bool = False, on_images=None, on_partial=None, partial_images: int = 0,
-                 partial_every: Optional[int] = None, **method_opts) -> GenerationOutput:
+                 partial_every: Optional[int] = None, preset: Optional[str] = None,
+                 **method_opts) -> GenerationOutput:
         """Generate one image per label (or prompt), ``batch_size`` images in flight. Returns tokens,
         PIL images (when a tokenizer is loaded) and stats. Image i draws its random numbers from
         (seed, ``image_indices[i]``) (default i), so its tokens do not depend on the batch size, on
@@ -431,8 +432,17 @@ class Engine:
         token grid) with ``on_partial(p)``, ``p`` a :class:`PartialImage` (image ``p.image_index``'s partial
         ``p.partial_index``: its tokens, which of them are final, and ``p.image``, the VQ decode with the
         pixels of positions not yet final grey), called from an output thread in order; all are delivered
-        before ``generate`` returns. Partials add no round."""
+        before ``generate`` returns. Partials add no round.
+
+        ``preset``: ``exact``, ``near-lossless`` or ``fastest`` instead of ``method`` and its options: the
+        fastest committed setting of that level of fidelity for this target's grid (``vvs_engine.presets``)."""
         from .methods import get_method
+
+        if preset is not None:
+            from .presets import resolve_preset
+
+            check(method == "ar" and not method_opts, "give preset or method and its options, not both")
+            method, method_opts = resolve_preset(preset, self.tokens_per_image)
         from .methods.common import retire_finished
         from .runtime import loop
 

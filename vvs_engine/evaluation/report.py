@@ -73,19 +73,68 @@ def read_generate_dir(path: str, notes: Optional[list] = None) -> tuple:
     return imgs, labels, tokens
 
 
+def run_sampling(path: str) -> dict:
+    """The sampling a generate folder's run used (``stats.json``'s ``sampling``), else the defaults (CFG 4, T 1)."""
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 4.0}
+    stats_path = os.path.join(path, "stats.json")
+    if os.path.exists(stats_path):
+        try:
+            with open(stats_path) as f:
+                recorded = json.load(f).get("sampling")
+        except (OSError, ValueError):
+            recorded = None
+        if isinstance(recorded, dict):
+            for k in sampling:
+                if isinstance(recorded.get(k), (int, float)) and not isinstance(recorded.get(k), bool):
+                    sampling[k] = type(sampling[k])(recorded[k])
+    return sampling
+
+
+def folder_gap(path: str, target: str, tokens, labels) -> dict:
+    """D (``divergence``) of a generate folder's tokens under ``target`` (a Zoo target's name or a GPT checkpoint),
+    at the sampling the run recorded -> {"value", "ci", "half_width", "z", "n", "target", "sampling"}."""
+    from ..engine import Engine
+    from ..zoo import TARGETS
+    from .divergence import sampling_gap_per_image, summarise_gap
+
+    if tokens is None:
+        raise VVSError(f"{path} has no tokens.npz: the sampling gap needs the tokens")
+    if labels is None or (np.asarray(labels) < 0).any():
+        raise VVSError("the sampling gap needs class labels (tokens.npz's labels): text-conditional folders are not "
+                       "supported")
+    if target in TARGETS:
+        engine = Engine.load(model=target)
+    elif os.path.isfile(target):
+        engine = Engine.load(gpt_ckpt=target)
+    else:
+        raise VVSError(f"--target {target}: neither a Zoo target ({', '.join(TARGETS)}) nor a checkpoint file")
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] != engine.tokens_per_image:
+        raise VVSError(f"tokens are {tokens.shape[1] if tokens.ndim == 2 else '?'} per image but --target {target} "
+                       f"has {engine.tokens_per_image}: give the target that generated them")
+    sampling = run_sampling(path)
+    gap = summarise_gap(sampling_gap_per_image(engine, tokens, [int(x) for x in labels], **sampling))
+    gap["ci"] = list(gap["ci"])
+    return {**gap, "target": target, "sampling": sampling}
+
+
 def evaluate_dir(path: str, out_json: Optional[str] = None, inception: bool = True,
-                 inception_path: Optional[str] = None) -> dict:
-    """``vvs-engine eval --images DIR --out metrics.json``: metrics of a generate output folder."""
+                 inception_path: Optional[str] = None, target: Optional[str] = None) -> dict:
+    """``vvs-engine eval --images DIR --out metrics.json``: metrics of a generate output folder; with ``target``
+    also the sampling gap D of its tokens under that target (``divergence``)."""
     import sys
 
     notes = []
-    imgs, labels, _ = read_generate_dir(path, notes)
+    imgs, labels, tokens = read_generate_dir(path, notes)
+    gap = folder_gap(path, target, tokens, labels) if target else None  # fails early, before the image metrics
     for note in notes:
         print(f"eval: {note}", file=sys.stderr)
     m = evaluate_images(imgs, labels, inception=inception, inception_path=inception_path,
                         progress=lambda msg: print(msg, file=sys.stderr))
     if notes:
         m["notes"] = notes + m.get("notes", [])
+    if gap is not None:
+        m["sampling_gap"] = gap
     m["images_dir"] = os.path.abspath(path)
     if out_json:
         with open(out_json, "w") as f:
