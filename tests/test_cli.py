@@ -204,7 +204,7 @@ def bad_files(ckpts):
 
 @pytest.mark.parametrize("which, match", [
     ("empty", "empty"),
-    ("text", "not a readable checkpoint"),
+    ("text", "not a checkpoint"),
     ("truncated", "truncated"),
     ("truncated_st", "safetensors"),
     ("no_tensors", "no state_dict"),

@@ -530,7 +530,10 @@ class Engine:
                                                         for x in all_passes.tolist()]}
         from dataclasses import asdict, is_dataclass
 
-        stats["options"] = asdict(opts) if is_dataclass(opts) else {}  # the method's options, defaults filled in
+        # the method's options, defaults filled in, as the core's decoders were built with them (a method may
+        # fill defaults in at build time; a kept core was built by an earlier call's options object)
+        used = core.options if core.options is not None else opts
+        stats["options"] = asdict(used) if is_dataclass(used) else {}
         stats["sampling"] = params.to_dict() if scope.uniform is not None else \
             {"per_image": [x.to_dict() for x in settings]}
         stats["seed"] = seed if not isinstance(seed, (list, tuple)) else list(seeds)
@@ -567,6 +570,7 @@ class Engine:
             if make_decoder is None:
                 make_decoder = self.decoder_for(method, dataclasses.asdict(opts), scope)[0]
             self._cores[key] = DecodeCore(make_decoder, config.compile, config.cuda_graphs)
+            self._cores[key].options = opts
         return self._cores[key]
 
     def _partial_source(self, n: int, on_partial, count: int, every: Optional[int]):

@@ -70,6 +70,7 @@ class DecodeCore:
         self.make_decoder, self.compile, self.use_graphs = make_decoder, bool(compile), bool(use_graphs)
         self.slots: Dict[int, Slot] = {}
         self.decoders_built = 0
+        self.options = None  # the method options its decoders are built with (the engine sets it)
 
     def slot(self, rows: int, batch: Callable[[], object], warm: bool = False):
         """-> (the slot of ``rows`` rows, fresh): built now from ``batch()`` (prefilled with its images)
@@ -123,10 +124,13 @@ class DecodeCore:
             mask = torch.arange(tokens_per_image)[None, :] < count[:, None]
         return tokens, mask
 
-    def compiled(self) -> dict:
-        """Per round kind: compiled in every slot that ran it (``stats["compiled"]``)."""
+    def compiled(self, rows=None) -> dict:
+        """Per round kind: compiled in every slot that ran it (``stats["compiled"]``); ``rows``: only the
+        slots of these row counts (those a call ran on)."""
         out: dict = {}
-        for slot in self.slots.values():
+        for size, slot in self.slots.items():
+            if rows is not None and size not in rows:
+                continue
             for kind, ok in slot.graphs.compiled().items():
                 out[kind] = out.get(kind, True) and bool(ok)
         return out

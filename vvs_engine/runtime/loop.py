@@ -229,6 +229,7 @@ def drive(core: DecodeCore, source, make_batch: Callable, rows: int, T: int, *, 
     stats = _new_stats()
     sched = Scheduler(T, static=static, retire=retire)
     slot, late = None, None
+    used = set()  # row counts of the kept decoders this call ran on
     progress = getattr(source, "progress", None)
     round_done = getattr(source, "round_done", None)
     last_kind = None
@@ -241,9 +242,10 @@ def drive(core: DecodeCore, source, make_batch: Callable, rows: int, T: int, *, 
                 continue
             size = rows if serving else batch_bucket(len(first)) if static or len(first) < rows else rows
             slot, fresh = core.slot(size, lambda: make_batch(first, size), warm=serving)
-            if not fresh:
+            if not fresh:  # a batch's start, as on a new decoder (not counted as an admission: stats
+                # must not depend on what the engine ran before)
                 core.admit(slot, range(len(first)), make_batch(first, len(first)))
-                stats["admissions"] += 1
+            used.add(size)
             hook = getattr(slot.decoder, "start_run", None)
             if hook is not None:
                 hook()
@@ -281,6 +283,7 @@ def drive(core: DecodeCore, source, make_batch: Callable, rows: int, T: int, *, 
                 # the tail: at most log2(rows) times; the live rows (and as few idle ones as the next
                 # power of two needs) move into the kept decoder of that size
                 smaller, _ = core.slot(len(plan.keep), lambda: make_batch(sched.in_flight()[:1], len(plan.keep)))
+                used.add(len(plan.keep))
                 core.move(slot, plan.keep, smaller)
                 slot = smaller
                 sched.kept(plan.keep)
@@ -303,7 +306,7 @@ def drive(core: DecodeCore, source, make_batch: Callable, rows: int, T: int, *, 
         stats["batch_rounds"] += 1
         stats["rounds_by_kind"][kind] = stats["rounds_by_kind"].get(kind, 0) + 1
         stats["row_rounds"] += sched.size
-    stats["compiled"] = core.compiled() if core.compile else {}
+    stats["compiled"] = core.compiled(used) if core.compile else {}
     return stats, slot.decoder if slot is not None else None
 
 
