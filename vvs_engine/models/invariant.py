@@ -46,6 +46,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     m = rows.shape[0]
     out_dtype = x.dtype
     if out_dtype in _UPCAST:
+        if type(weight) not in (torch.Tensor, nn.Parameter) and hasattr(weight, "dequantize"):
+            weight = weight.dequantize()  # a quantized (torchao) weight has no .float(): its values first
         rows, weight = rows.float(), weight.float()
         bias = None if bias is None else bias.float()
     if m < GEMM_ROW_FLOOR:

@@ -242,9 +242,11 @@ def drive(core: DecodeCore, source, make_batch: Callable, rows: int, T: int, *, 
                 continue
             size = rows if serving else batch_bucket(len(first)) if static or len(first) < rows else rows
             slot, fresh = core.slot(size, lambda: make_batch(first, size), warm=serving)
-            if not fresh:  # a batch's start, as on a new decoder (not counted as an admission: stats
-                # must not depend on what the engine ran before)
+            if not fresh:  # a batch's start on a kept decoder: for a run as on a new one (stats must not
+                # depend on what the engine ran before); a server admits into its one running decoder
                 core.admit(slot, range(len(first)), make_batch(first, len(first)))
+                if serving:
+                    stats["admissions"] += 1
             used.add(size)
             hook = getattr(slot.decoder, "start_run", None)
             if hook is not None:
