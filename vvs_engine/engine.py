@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -560,15 +559,13 @@ class Engine:
         for the API, the CLI, ``generate-dataset``, the server and its Ray replicas alike."""
         return RunConfig.resolve(self.device, compile, cuda_graphs)
 
-    def core(self, method: str, opts, scope: SamplingScope, config: "RunConfig", make_decoder=None):
+    def core(self, method: str, opts, scope: SamplingScope, config: "RunConfig", make_decoder):
         """The persistent decode core of (method, options, sampling scope, run config): built once, kept
-        (``runtime.core``); ``make_decoder(batch)`` builds its decoders (default: the method's)."""
+        (``runtime.core``); ``make_decoder(batch)`` builds its decoders."""
         from .runtime.core import DecodeCore
 
         key = (method, repr(opts), repr(scope), config)
         if key not in self._cores:
-            if make_decoder is None:
-                make_decoder = self.decoder_for(method, dataclasses.asdict(opts), scope)[0]
             self._cores[key] = DecodeCore(make_decoder, config.compile, config.cuda_graphs)
             self._cores[key].options = opts
         return self._cores[key]

@@ -20,7 +20,7 @@ from ..runtime.masks import causal_local
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .registry import register
-from .common import DecodeBatch, row_sampling
+from .common import DecodeBatch, row_sampling, declare_decoder_rows
 
 
 @dataclass
@@ -93,11 +93,7 @@ class ARDecoder:
         return "ar_step"
 
     def declare_rows(self, table) -> None:
-        self.session.declare_rows(table)
-        self.params.declare_rows(table)
-        table.add("rng_key", self.rng.key)
-        for f in fields(self.state):
-            table.add(f.name, getattr(self.state, f.name))
+        declare_decoder_rows(table, self.session, self.params, self.rng, self.state)
 
     def summarize(self, counters: dict, loop_stats: dict) -> dict:
         return {"target_forward_passes": int(counters["passes"].sum())}

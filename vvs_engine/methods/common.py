@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -36,6 +36,16 @@ def row_sampling(scope, batch: DecodeBatch, device) -> RowSampling:
     """A decoder's sampling settings for ``batch``: ``scope`` is a ``SamplingScope`` (or one
     ``SamplingParams`` for every row); the batch's rows bring their own settings where it is mixed."""
     return RowSampling(scope, batch.sampling, batch.size, device)
+
+
+def declare_decoder_rows(table, session, params, rng, state) -> None:
+    """The row buffers of a decoder on one target session: the session's (KV cache, conditions), the rows'
+    sampling settings and random-number keys, and every field of its state dataclass."""
+    session.declare_rows(table)
+    params.declare_rows(table)
+    table.add("rng_key", rng.key)
+    for f in fields(state):
+        table.add(f.name, getattr(state, f.name))
 
 
 RETIRE_ENV = "VVS_RETIRE_FINISHED"

@@ -56,7 +56,7 @@ from ..rng import Streams, sample_inverse_cdf_one_pass
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
 from .registry import register
-from .common import DecodeBatch, row_sampling
+from .common import DecodeBatch, row_sampling, declare_decoder_rows
 from .options import MethodOptions, option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
@@ -460,11 +460,7 @@ class JacobiDecoder:
         return "jacobi"
 
     def declare_rows(self, table) -> None:
-        self.session.declare_rows(table)
-        self.params.declare_rows(table)
-        table.add("rng_key", self.rng.key)
-        for f in fields(self.state):
-            table.add(f.name, getattr(self.state, f.name))
+        declare_decoder_rows(table, self.session, self.params, self.rng, self.state)
 
     def summarize(self, counters: dict, loop_stats: dict) -> dict:
         return summary(counters["accepted_hist"].sum(0).tolist(), int(counters["accepted_carried"].sum()),

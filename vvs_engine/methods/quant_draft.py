@@ -43,7 +43,7 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.masks import causal_local
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
-from .common import DecodeBatch, row_sampling
+from .common import DecodeBatch, row_sampling, declare_decoder_rows
 from .options import MethodOptions, option
 from .registry import register
 
@@ -225,16 +225,12 @@ class QuantDraftDecoder:
         return "quant_draft"
 
     def declare_rows(self, table) -> None:
-        self.target.declare_rows(table)
         d = self.draft
         table.add("draft_k", d.kv.k, dim=1, model_rows=True)
         table.add("draft_v", d.kv.v, dim=1, model_rows=True)
         table.add("draft_key_valid", d.key_valid, model_rows=True)
         table.add("draft_cond_rows", d.cond_rows, model_rows=True)
-        self.params.declare_rows(table)
-        table.add("rng_key", self.rng.key)
-        for f in fields(self.state):
-            table.add(f.name, getattr(self.state, f.name))
+        declare_decoder_rows(table, self.target, self.params, self.rng, self.state)
 
     def summarize(self, counters: dict, loop_stats: dict) -> dict:
         hist = counters["accepted_hist"].sum(0).tolist()

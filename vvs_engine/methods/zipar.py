@@ -33,7 +33,7 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .registry import register
-from .common import DecodeBatch, row_sampling
+from .common import DecodeBatch, row_sampling, declare_decoder_rows
 from .options import MethodOptions, option
 
 VERIFY_MODES = ("none", "sjd")
@@ -442,11 +442,7 @@ class ZipARDecoder:
         return "zipar"
 
     def declare_rows(self, table) -> None:
-        self.session.declare_rows(table)
-        self.params.declare_rows(table)
-        table.add("rng_key", self.rng.key)
-        for f in fields(self.state):
-            table.add(f.name, getattr(self.state, f.name))
+        declare_decoder_rows(table, self.session, self.params, self.rng, self.state)
 
     def rows_written(self, rows: torch.Tensor) -> None:
         """Rows took other images (admission, compaction): the condition visibility follows their key masks."""

@@ -259,7 +259,7 @@ def drive(core: DecodeCore, source, make_batch: Callable, rows: int, T: int, *, 
         if status is not None:
             counts = sched.counts(status, late.read_index)
             _report(sched.new_tokens(counts), on_tokens, progress)
-            plan = sched.plan(counts, source.pending(), serving)
+            plan = sched.plan(counts)
             if plan.partials:
                 _partials(core, slot, plan.partials, sched, source, T)
             if plan.done:
@@ -271,7 +271,7 @@ def drive(core: DecodeCore, source, make_batch: Callable, rows: int, T: int, *, 
             dropped = source.dropped(in_flight) if in_flight else []
             if dropped:  # abandoned images (a client gone, a deadline): their rows are free from now on
                 sched.drop(dropped)
-            plan = sched.after_frees(plan, counts, source.pending(), serving)
+            plan = sched.after_frees(plan, source.pending())
             if plan.stop:
                 if serving:
                     continue  # the top of the loop waits for the next image

@@ -117,9 +117,9 @@ class Scheduler:
                     self.reported[r] = now
         return out
 
-    def plan(self, counts: List[int], pending: int, serving: bool) -> Plan:
-        """The decisions of one read (``pending``: images waiting for a row). The caller applies ``done``
-        (collect + :meth:`free`), then asks its source for dropped images (:meth:`drop`) and calls
+    def plan(self, counts: List[int]) -> Plan:
+        """The first decisions of one read: finished rows and partial images due. The caller applies
+        ``done`` (collect + :meth:`free`), then asks its source for dropped images (:meth:`drop`) and calls
         :meth:`after_frees` for the rest."""
         plan = Plan()
         plan.done = [r for r, image in enumerate(self.row_image) if image is not None and counts[r] >= self.T]
@@ -132,7 +132,9 @@ class Scheduler:
                     self.partials_sent[r] += 1
         return plan
 
-    def after_frees(self, plan: Plan, counts: List[int], pending: int, serving: bool) -> Plan:
+    def after_frees(self, plan: Plan, pending: int) -> Plan:
+        """The rest of one read (``pending``: images waiting for a row): stop, admit, or shrink the tail
+        (only with ``retire``: a server keeps its rows)."""
         live = self.live()
         if not live and not pending:
             plan.stop = True
@@ -140,7 +142,7 @@ class Scheduler:
         free = self.free_rows()
         if pending and free and (not self.static or live == 0):
             plan.admit = len(free)
-        elif self.retire and not serving and not pending and 0 < live <= self.size // 2:
+        elif self.retire and not pending and 0 < live <= self.size // 2:
             keep = [r for r, image in enumerate(self.row_image) if image is not None]
             plan.keep = keep + free[: batch_bucket(live) - live]
         return plan
