@@ -84,7 +84,7 @@ SETTINGS = [
     ("CASCADE b=0.95 d=0.8", "cascade", {"cascade_breadth_threshold": 0.95, "cascade_depth_threshold": 0.8}),
     ("CASCADE nucleus 0.3", "cascade", {"cascade_nucleus": 0.3}),
     ("CASCADE b=0.99 d=0.9", "cascade", {"cascade_breadth_threshold": 0.99, "cascade_depth_threshold": 0.9}),
-    # ZipAR (lossy): the window of benchmarks/results/zipar_zoo.md's choice and the smallest (the default now)
+    # ZipAR (lossy): the window of benchmarks/studies/zipar_zoo/zipar_zoo.md's choice and the smallest (the default now)
     ("ZipAR s=4", "zipar", {"zipar_window": 4}),
     ("ZipAR s=2", "zipar", {"zipar_window": 2}),
     # compositions no published system has
