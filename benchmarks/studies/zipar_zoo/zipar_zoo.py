@@ -3,7 +3,7 @@
 
 Every setting decodes the same labels (``--per-class`` images per class) with the same random
 streams (image i draws from (seed, i)), so the differences to AR are paired image by image; the
-statistics are ``benchmarks/quality_speed.py``'s (percentile bootstrap over images, one draw shared by
+statistics are ``benchmarks/harness.py``'s (percentile bootstrap over images, one draw shared by
 every setting; Δ = setting − AR on the same draws). Generated tokens are cached per setting beside
 the table (``<out>_tokens/``), so an interrupted run resumes.
 
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import quality_speed as qs  # noqa: E402  (the lead's bootstrap and metric helpers)
+import harness as qs  # noqa: E402  (the shared harness: bootstrap, metrics, token cache)
 
 SETTINGS = [("AR", "ar", {})] + [
     (f"ZipAR s={s}", "zipar", {"zipar_window": s}) for s in (2, 4, 6, 8)
@@ -58,10 +58,10 @@ def run(eng, settings, labels, seed, batch_size, cache_dir, reps, log=print):
     rows, ar = [], None
     for name, method, opts in settings:
         key = json.dumps([digest, method, opts, SAMPLING, labels, seed, batch_size, "counter-rng"], sort_keys=True)
-        cache = os.path.join(cache_dir, qs._slug(name) + ".npz")
+        cache = os.path.join(cache_dir, qs.slug(name) + ".npz")
         wall = _cached_wall(cache, key)
         t0 = time.perf_counter()
-        gen = qs.generate_setting(eng, method, opts, labels, seed, SAMPLING, batch_size, cache, key, show=False)
+        gen = qs.generate_setting(eng, name, method, opts, labels, seed, SAMPLING, batch_size, cache, key, show=False)
         if wall is None:  # generated now, not loaded: keep its time beside the tokens
             wall = time.perf_counter() - t0
             with open(cache + ".wall.json", "w") as f:
@@ -96,9 +96,9 @@ def to_markdown(meta, rows) -> str:
              "| wall vs AR |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['name']} | {qs._ci(r['forwards'], 1)} | {r['forwards_vs_ar']:.3f} | {qs._ci(r['tpf'], 2)} | "
-                     f"{qs._ci(r['class_accuracy'], 3)} | {qs._diff(r['class_accuracy'], 3)} | "
-                     f"{qs._ci(r['fd_classifier'], 2)} | {qs._diff(r['fd_classifier'], 2)} | "
+        lines.append(f"| {r['name']} | {qs.fmt_ci(r['forwards'], 1)} | {r['forwards_vs_ar']:.3f} | {qs.fmt_ci(r['tpf'], 2)} | "
+                     f"{qs.fmt_ci(r['class_accuracy'], 3)} | {qs.fmt_diff(r['class_accuracy'], 3)} | "
+                     f"{qs.fmt_ci(r['fd_classifier'], 2)} | {qs.fmt_diff(r['fd_classifier'], 2)} | "
                      f"{'yes' if r['parity'] else 'no'} | {r['wall_s'] / ar_wall:.2f} |")
     return "\n".join(lines) + "\n"
 
