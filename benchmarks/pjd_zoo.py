@@ -37,8 +37,8 @@ sys.path.insert(0, HERE)
 
 import quality_speed as qs  # noqa: E402  (its settings: one definition, one cache key)
 from harness import (  # noqa: E402  (the shared harness: cache, statistics, levels, report helpers)
-    QUALITY_CACHE, ROOT, cache_path, ReferenceSet, WorkCache, bootstrap_indices, checkpoint_digest, fmt_ci, fmt_diff, fmt_gap,
-    fmt_z, gap_of, gap_sampling, generate_setting, has_block, labels_for, level_fronts, levels_markdown,
+    QUALITY_CACHE, ROOT, ReferenceSet, WorkCache, bootstrap_indices, cache_path, checkpoint_digest, fmt_ci, fmt_diff,
+    fmt_gap, fmt_z, gap_of, gap_sampling, generate_setting, has_block, labels_for, level_fronts, levels_markdown,
     load_setting, parity_verdicts, pick, place_levels, replace_block, setting_draws, setting_key, summarise,
     write_tables, zoo_context)
 
@@ -219,9 +219,11 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
         rpf = f"{r['rows_per_forward']:.2f} (max {r['most_rows_per_forward']})" if "rows_per_forward" in r else "–"
         cpr = f"{r['codes_per_row_forward']:.2f}" if "codes_per_row_forward" in r else "–"
         waits = f"{r['cap_waits']:.2f}" if "cap_waits" in r and r["method"] == "pjd" else "–"
-        lines.append(f"| {r['name']} | {r['forwards']:.1f} | {fmt_ci(r['tpf'], 2)} | {fmt_ci(r['class_accuracy'], 3)} | "
+        lines.append(f"| {r['name']} | {r['forwards']:.1f} | {fmt_ci(r['tpf'], 2)} | "
+                     f"{fmt_ci(r['class_accuracy'], 3)} | "
                      f"{fmt_diff(r['class_accuracy'], 3)} | {fmt_ci(r['fd_classifier'], 2)} | "
-                     f"{fmt_diff(r['fd_classifier'], 2)} | {'yes' if r['parity'] else 'no'} | {fmt_gap(r)} | {fmt_z(r)} | "
+                     f"{fmt_diff(r['fd_classifier'], 2)} | {'yes' if r['parity'] else 'no'} | {fmt_gap(r)} | "
+                     f"{fmt_z(r)} | "
                      f"{r.get('level') or '–'} | {rpf} | {cpr} | {waits} |")
     if missing:
         lines += ["", f"Not generated yet (no complete cache): {', '.join(missing)}."]
@@ -372,7 +374,11 @@ def main(argv=None) -> int:
     write_tables(a.out, md, {"meta": meta, "rows": rows, "missing": missing, "pairs": pairs,
                              "fastest_per_level": levels})
     if a.doc:
-        write_doc(a.doc, md, doc_tag(a.model))
+        try:
+            write_doc(a.doc, md, doc_tag(a.model))
+        except VVSError as e:  # the block went missing during the run: the tables are written, say so
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     print(md)
     return 0
 

@@ -51,7 +51,7 @@ sys.path.insert(0, HERE)
 from harness import (  # noqa: E402  (the shared harness: cache, statistics, levels, report helpers)
     GAP_FILE, NEAR_LOSSLESS_D, PARITY_METRICS, ROOT, ReferenceSet, WorkCache, at_parity, bootstrap_indices,
     cache_path, cached, digest_of, exact_by_construction, fmt_ci, fmt_diff, fmt_gap, fmt_z, gap_of, gap_sampling,
-    generate_setting, labels_for, level_fronts, levels_markdown, load_cache, machine_id, parity_verdicts, pick,
+    generate_setting, labels_for, level_fronts, levels_markdown, machine_id, parity_verdicts, pick,
     place_levels, replace_block, setting_draws, setting_key, summarise, verify_cache, write_tables, zoo_context)
 
 # (name, method, options): the issue's settings, AR first.
@@ -405,7 +405,8 @@ def to_markdown(meta: dict, rows: list, fastest, missing=(), controls=()) -> str
         ops = f"{r['ops_per_token']:.0f}" if r.get("ops_per_token") not in (None, -1.0) else "–"
         ips = f"{r['images_per_second']:.3f}" if r.get("images_per_second") else "–"
         lines.append(f"| {r['name']} | {fmt_ci(r['tpf'], 2)} | {ops} | {ips} | {fmt_ci(r['class_accuracy'], 3)} | "
-                     f"{fmt_diff(r['class_accuracy'], 3)} | {fmt_ci(r['fd_classifier'], 2)} | {fmt_diff(r['fd_classifier'], 2)} | "
+                     f"{fmt_diff(r['class_accuracy'], 3)} | {fmt_ci(r['fd_classifier'], 2)} | "
+                     f"{fmt_diff(r['fd_classifier'], 2)} | "
                      f"{fmt_ci(r.get('fid_inception'), 1)} | {fmt_diff(r.get('fid_inception'), 1)} | "
                      f"{fmt_ci(r.get('precision'), 2)} | {fmt_ci(r.get('recall'), 2)} | "
                      f"{'yes' if r['parity'] else 'no'} | {fmt_gap(r)} | {fmt_z(r)} | {r.get('level') or '–'} |")
@@ -476,7 +477,8 @@ def vvs_markdown(rows: list) -> list:
             per_verify = (f"{rounds['accepted_per_verify']:.2f} ({base_rounds['accepted_per_verify']:.2f})"
                           if "accepted_per_verify" in rounds and "accepted_per_verify" in base_rounds else "–")
             lines.append(f"| {r['name']} | {base_name} | {skip} | {per_skip} | {per_verify} | "
-                         f"{fmt_ci(r['tpf'], 2)} | {fmt_ci(base['tpf'], 2)} | {fmt_diff(vs.get('class_accuracy'), 3)} | "
+                         f"{fmt_ci(r['tpf'], 2)} | {fmt_ci(base['tpf'], 2)} | "
+                         f"{fmt_diff(vs.get('class_accuracy'), 3)} | "
                          f"{fmt_diff(vs.get('fd_classifier'), 2)} | {'yes' if r['parity'] else 'no'} |")
     return lines + [""]
 
@@ -640,7 +642,7 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
         key = setting_key(ckpt_key, method, opts, sampling, labels, seed, batch_size, str(eng.device))
         cache = cache_path(cache_dir, name) if cache_dir else None
         if name not in want:
-            gen = load_cache(cache, digest_of(key)) if cache else None
+            gen = cached(cache_dir, name, key) if cache_dir else None
             if gen is None:
                 missing.append(name)
                 continue
