@@ -352,3 +352,29 @@ def test_every_committed_cache_loads_under_the_key_the_tools_compute(folder):
     changed = harness.setting_key(run["checkpoints"], method, opts, run["sampling"], run["labels"], run["seed"],
                                   run["batch_size"] // 2)
     assert harness.load_setting(changed, [(os.path.dirname(path), name)]) == (None, None)
+
+
+def test_harness_report_helpers(tmp_path, capsys):
+    """A GPU tool's table names the command from the repository root and its date, with its JSON beside it;
+    a generated doc block is replaced between its markers only, and a missing block is a one-line error."""
+    import json
+
+    from vvs_engine.errors import VVSError
+
+    script = os.path.join(harness.ROOT, "benchmarks", "round_replay.py")
+    res = {"rows": [1], **harness.provenance(script, ["--shape", "tiny"])}
+    assert res["command"] == "python benchmarks/round_replay.py --shape tiny" and res["device"] == "cpu"
+    md = harness.write_report(str(tmp_path / "t.md"), res, "Title", ["a", "b"], [[1, "x"], [2, "y"]], ["note"])
+    assert md.splitlines() == ["## Title", "", f"`{res['command']}`  |  {res['date']}", "", "| a | b |", "|---|---|",
+                               "| 1 | x |", "| 2 | y |", "", "note"]
+    assert (tmp_path / "t.md").read_text() == md and json.loads((tmp_path / "t.json").read_text()) == res
+    doc = tmp_path / "doc.md"
+    doc.write_text("head\n<!-- b -->\nold\n<!-- e -->\nmiddle\n<!-- b -->\nsecond\n<!-- e -->\ntail\n")
+    assert harness.has_block(str(doc), "<!-- b -->", "<!-- e -->")
+    harness.replace_block(str(doc), "<!-- b -->", "<!-- e -->", "<!-- b -->\nnew\n<!-- e -->")
+    assert doc.read_text() == "head\n<!-- b -->\nnew\n<!-- e -->\nmiddle\n<!-- b -->\nsecond\n<!-- e -->\ntail\n"
+    assert not harness.has_block(str(tmp_path / "none.md"), "<!-- b -->", "<!-- e -->")
+    doc.write_text("<!-- e -->\n<!-- b -->\n")  # the end marker must follow the begin marker
+    with pytest.raises(VVSError, match=r"has no <!-- b --> \.\.\. <!-- e --> block$"):
+        harness.replace_block(str(doc), "<!-- b -->", "<!-- e -->", "x")
+    assert doc.read_text() == "<!-- e -->\n<!-- b -->\n"
