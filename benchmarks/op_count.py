@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from vvs_engine.kernels.backends import ENV  # noqa: E402
-from vvs_engine.runtime.opcount import OpCounter  # noqa: E402
+from vvs_engine.measure.opcount import OpCounter  # noqa: E402
 
 # (row, method, options): the methods of the issue's table with their default options.
 ROWS = [
@@ -95,7 +95,7 @@ def count_compiled(engine, kw, eager_tokens, cpu_compile=False):
     """Compiled launches of each round kind of this generation as a GPU replays them (Inductor's Triton
     code, generated on the CPU), weighted by how often each kind ran; with ``cpu_compile`` also the
     CPU-compiled run's tokens against eager and its C++ kernel functions."""
-    from vvs_engine.runtime import launches
+    from vvs_engine.measure import launches
 
     with launches.recording("gpu") as codes:
         out = engine.generate(compile=True, **kw)  # code generated, rounds run eagerly

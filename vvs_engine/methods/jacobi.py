@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -56,7 +56,7 @@ from ..rng import Streams, sample_inverse_cdf_one_pass
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
 from .registry import register
-from .common import DecodeBatch, row_sampling, declare_decoder_rows
+from .common import DecodeBatch, row_sampling, declare_decoder_rows, RowState
 from .options import MethodOptions, option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
@@ -207,7 +207,7 @@ class JacobiContext:
 
 
 @dataclass
-class JacobiState:
+class JacobiState(RowState):
     """Device state of a batched Jacobi decode; static shapes, updated in place by each iteration."""
 
     window: torch.Tensor  # [B, L] the last committed token, then L - 1 drafts
@@ -220,9 +220,6 @@ class JacobiState:
     accepted_carried: torch.Tensor  # [B] accepted drafts that were carried Jacobi samples
     window_start: torch.Tensor  # [B] the last forward's first slot among the row's own (c + committed - 1
     #                             then): where the next iteration first copies that window's K/V
-
-    def tensors(self):
-        return [getattr(self, f.name) for f in fields(self)]
 
 
 @dataclass(frozen=True)
@@ -288,9 +285,6 @@ class JacobiDecoder:
         self.layout = JacobiLayout.of(opts, self.c, self.T, self.L)
         self.index = JacobiIndex.of(self.layout, self.L, s, self.rng)
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x]) if self.params.use_cfg else x
-
     def processed(self, h: torch.Tensor) -> torch.Tensor:
         return process_logits(guided_logits(self.session.logits(h), self.params), self.params)
 
@@ -330,7 +324,7 @@ class JacobiDecoder:
         rows_b = self.batch_rows()
         self.place_last_window_kv(st)
         active = st.n_committed < T  # [B] finished images keep running but commit nothing
-        prefix = self.rows(self.c + st.n_committed - 1)  # [rows] the window starts at the last committed token
+        prefix = self.session.rows_of(self.c + st.n_committed - 1)  # [rows] the window starts at the last committed token
         positions = (prefix[:, None] + lanes).clamp(max=self.layout.last_position)  # [rows, L]
         visible = s.slot_ids < prefix[:, None]  # [rows, S]
         if s.has_key_mask:
@@ -473,7 +467,7 @@ class JacobiDecoder:
         before its forward overwrites the scratch slots, rather than at the end of the last one:
         compiled, the copy's gather and write then run beside the round's first kernels instead of as
         two launches of their own after the forward. Attention sees the same cache either way."""
-        dst = self.rows(st.window_start)[:, None] + self.index.lanes
+        dst = self.session.rows_of(st.window_start)[:, None] + self.index.lanes
         self.session.kv.move(self.index.scratch_slots.expand_as(dst), dst)  # index_put_: in place when compiled
 
     def round_buffers(self) -> list:

@@ -32,7 +32,7 @@ reference mode, which torchao cannot quantize) gets an fp32 copy: the drafts are
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +43,7 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.masks import causal_local
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
-from .common import DecodeBatch, row_sampling, declare_decoder_rows
+from .common import DecodeBatch, row_sampling, declare_decoder_rows, RowState
 from .options import MethodOptions, option
 from .registry import register
 
@@ -96,15 +96,12 @@ def quantized_copy(engine, mode: str):
 
 
 @dataclass
-class QuantDraftState:
+class QuantDraftState(RowState):
     tokens: torch.Tensor  # [B, T + 2k + 1] committed tokens; a round writes k + 1 from the count
     count: torch.Tensor  # [B] tokens committed
     last: torch.Tensor  # [B] the last committed token (not yet run through either model)
     passes: torch.Tensor  # [B] target forwards (rounds) while unfinished
     accepted_hist: torch.Tensor  # [B, k + 1] rounds that accepted exactly n drafts
-
-    def tensors(self):
-        return [getattr(self, f.name) for f in fields(self)]
 
 
 class QuantDraftDecoder:
@@ -142,9 +139,6 @@ class QuantDraftDecoder:
                                      last=first.clone(), passes=z(B), accepted_hist=z(B, k + 1))
         self.state.tokens[:, 0] = first
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x]) if self.params.use_cfg else x
-
     def processed(self, session, h: torch.Tensor) -> torch.Tensor:
         return process_logits(guided_logits(session.logits(h).to(self.dtype), self.params), self.params)
 
@@ -154,9 +148,9 @@ class QuantDraftDecoder:
         d = self.draft
         before = st.tokens.gather(1, (st.count - 2).clamp(min=0)[:, None])[:, 0]
         slot0 = torch.where(st.count >= 2, P - 1, self.scratch_slot)
-        slots = self.rows(torch.stack([slot0, P], 1))  # [rows, 2]
-        positions = self.rows(torch.stack([P - 1, P], 1)).clamp(max=self.c + self.T - 1)
-        prefix = self.rows(torch.stack([P - 1, P], 1))
+        slots = d.rows_of(torch.stack([slot0, P], 1))  # [rows, 2]
+        positions = d.rows_of(torch.stack([P - 1, P], 1)).clamp(max=self.c + self.T - 1)
+        prefix = d.rows_of(torch.stack([P - 1, P], 1))
         visible = (d.slot_ids < prefix[..., None]) | (d.slot_ids == slots[..., None])  # [rows, 2, S]
         if d.has_key_mask:
             visible = visible & (d.key_valid[:, None] | (d.slot_ids == slots[..., None]))

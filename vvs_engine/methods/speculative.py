@@ -21,7 +21,7 @@ index and the round number, so an image's tokens do not depend on its batch-mate
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -222,10 +222,8 @@ class DecodeState:
 
     def buffers(self):
         """Every tensor a round writes (saved and restored around CUDA-graph warm-up)."""
-        tree = [getattr(self.tree, f) for f in TREE_BUFFERS]
-        own = [self.out, self.n_out, self.target_len, self.draft_len, self.feats, self.chain_tokens, self.chain_len,
-               self.round, self.status] + [getattr(self, name) for name in SEQUENCE_STATS]
-        return own + [t for t in tree if t is not None]
+        own = [getattr(self, f.name) for f in fields(self) if f.name != "tree"]
+        return own + [getattr(self.tree, f) for f in TREE_BUFFERS if getattr(self.tree, f) is not None]
 
 
 # Per-sequence statistics (collected per image by the loop).

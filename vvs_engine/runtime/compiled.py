@@ -27,7 +27,7 @@ method.
   indexing expression inside its consumer's kernel instead of one copy kernel per input: the tree
   builder concatenates per-level candidates) and ``combo_kernels`` (independent small kernels of one
   round are launched as one: Inductor does this on GPUs only). On the Zoo's 2-layer EAGLE-2 verify
-  round they take the Triton launch count from 166 to 114 (``runtime/launches.py``, GPU style). A
+  round they take the Triton launch count from 166 to 114 (``measure/launches.py``, GPU style). A
   round may add options of its own (``maybe_compiled(..., options=...)``; the Jacobi rounds drop the
   combo kernels' peak-memory gate, ``methods/jacobi.py``).
 * Off the GPU: ``compile=None`` means on for CUDA, off for the CPU (Inductor's C++ kernels are not
