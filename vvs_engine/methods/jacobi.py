@@ -20,24 +20,13 @@ keeps a draft that passed its test and replaces one that failed by a residual sa
 argmax(log p + G) with Gumbel noise keyed by the absolute token index (:meth:`JacobiDecoder.redraw`).
 SJD-PAC (``methods/sjd_pac.py``) runs a product tree on the same session, KV layout and loop.
 
-KV layout: the window's K/V are written to L scratch slots shared by all rows (the model writes one
-slot list for the whole batch), then copied to each row's own slots ``[P_b, P_b + L)`` at the start of
-the next iteration (before its forward overwrites the scratch slots). The accepted prefix is then in
-place and the next window starts after it; slots past it are hidden by the next prefix length and
-overwritten later (rollback = not advancing P). Attention uses one dense ``[rows, L, S]`` mask per
-iteration (prefix of each row + the causal window block).
-
-:func:`jacobi_iteration` is the whole iteration (forward, acceptance, commit, refill, KV bookkeeping,
-counters) with static shapes and no host read, so it is captured as one CUDA graph; the loop between
-iterations only reads the images' committed counts, one iteration late on CUDA. Finished images keep
-running (static shapes) but stop committing and counting. Compiled, SJD's iteration is the target's
-forward plus four launches: the KV copy, one pass over the vocabulary, the walk with the commit and
-refill, the next draft distributions (``docs/launches.md``).
-
-Randomness comes from the batch's counter RNG with step = the image's own iteration number (its
-forwards so far + 1), so an image's tokens do not depend on the batch it is decoded in. Lossless for
-SJD: each draft is drawn from its q independently of the tokens it is tested after (checked by a
-chi-square test in ``tests/test_jacobi.py``).
+:func:`jacobi_iteration` is the whole iteration with static shapes and no host read (one CUDA graph).
+The window's K/V go to L scratch slots (the model writes one slot list for the whole batch) and reach
+each row's own slots at the start of the next iteration; rollback = not advancing the prefix. Every
+draw is keyed by the image's own iteration number, so its tokens do not depend on its batch. The KV
+layout, the compiled launches and the randomness in full: docs/jacobi.md. Lossless for SJD: each
+draft is drawn from its q independently of the tokens it is tested after (chi-square test in
+``tests/test_jacobi.py``).
 """
 from __future__ import annotations
 
@@ -177,11 +166,8 @@ class SCDOptions(SJDOptions):
     # L = 32: the fastest SCD window at AR parity on the Zoo (TPF 3.65 against 3.19 at 16 and 2.48 at 8,
     # 512 images: benchmarks/results/quality_speed.md "Defaults against the evidence"); SCD is exact, so
     # a longer window costs only the wider forward
-    jacobi_window: int = option(32, "Jacobi methods: window L = query rows per forward (the last committed token + "
-                                    "L - 1 drafts; sjd-pac: every tree node)")
-    coupling: str = option("maximal", "SCD/GSD: how unverified drafts are re-drawn: none (SJD's independent "
-                                      "samples), maximal (keep-or-replace by rejection sampling) or gumbel "
-                                      "(Gumbel-max with noise fixed per absolute position)")
+    jacobi_window: int = 32  # help: SJDOptions'
+    coupling: str = option("maximal", GSDOptions.__dataclass_fields__["coupling"].metadata["help"])
     coupling_declares_old_q: bool = False  # negative control only (see GSDOptions)
 
     def validate(self):

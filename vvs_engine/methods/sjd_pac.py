@@ -47,8 +47,7 @@ class SJDPACOptions(SJDOptions):
     # width at AR parity on the Zoo (TPF 3.80 against 3.74 at W = 3 and 3.40 at W = 4, 512 images:
     # benchmarks/results/quality_speed.md). copy-left as SJD: on the Zoo it beats the released uniform
     # init (random), which is kept as the option with distinct initial candidates.
-    jacobi_window: int = option(32, "Jacobi methods: window L = query rows per forward (the last committed token + "
-                                            "L - 1 drafts; sjd-pac: every tree node)")
+    jacobi_window: int = 32  # help: SJDOptions'
     pac_width: int = option(2, "SJD-PAC: candidates per tree depth W (proactive drafting)")
     pac_depth: int = option(3, "SJD-PAC: tree depth D counting the root (depths 1..D-1 get W candidates; "
                                "the jacobi-window L counts every tree node)")
