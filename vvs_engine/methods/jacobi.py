@@ -46,7 +46,7 @@ from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
 from .registry import register
 from .common import DecodeBatch, row_sampling, declare_decoder_rows, RowState
-from .options import MethodOptions, option
+from .options import MethodOptions, check_choice, check_int, option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
 COUPLINGS = ("none", "maximal", "gumbel")
@@ -64,11 +64,6 @@ GUMBEL_STREAM = 16
 JACOBI_INDUCTOR_OPTIONS = {"combo_kernel_peak_memory_pct_threshold": None}
 
 
-def check_coupling(value) -> None:
-    if value not in COUPLINGS:
-        raise VVSError(f"coupling must be one of {', '.join(COUPLINGS)}, got {value!r}")
-
-
 @dataclass
 class SJDOptions(MethodOptions):
     # New window positions: "copy-left" (the SJD repository's LlamaGen setting, repeat_horizon),
@@ -81,11 +76,8 @@ class SJDOptions(MethodOptions):
                                            "copy-above")
 
     def validate(self):
-        w = self.jacobi_window
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WINDOW:
-            raise VVSError(f"jacobi-window must be an integer in [1, {MAX_WINDOW}], got {w!r}")
-        if self.jacobi_init not in INIT_POLICIES:
-            raise VVSError(f"jacobi-init must be one of {', '.join(INIT_POLICIES)}, got {self.jacobi_init!r}")
+        check_int("jacobi-window", self.jacobi_window, 1, MAX_WINDOW)
+        check_choice("jacobi-init", self.jacobi_init, INIT_POLICIES)
         return self
 
     def check_engine(self, engine):
@@ -133,7 +125,7 @@ class GSDOptions(SJDOptions):
         super().validate()
         check_gsd_values(self.gsd_group, self.gsd_prob_threshold, self.gsd_dist_threshold, self.gsd_static_clusters)
         check_window_edge(self.gsd_window_edge)
-        check_coupling(self.coupling)
+        check_choice("coupling", self.coupling, COUPLINGS)
         return self
 
     def check_engine(self, engine):
@@ -172,7 +164,7 @@ class SCDOptions(SJDOptions):
 
     def validate(self):
         super().validate()
-        check_coupling(self.coupling)
+        check_choice("coupling", self.coupling, COUPLINGS)
         if not isinstance(self.coupling_declares_old_q, bool):
             raise VVSError("coupling_declares_old_q must be true or false")
         return self

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..acceptance.verify import ExactRule
 from ..drafting.quantized import draft_dtype, quantized_copy
 from ..errors import VVSError
@@ -29,7 +30,7 @@ from ..runtime.masks import causal_local
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
 from .common import DecodeBatch, row_sampling, declare_decoder_rows, RowState
-from .options import MethodOptions, option
+from .options import MethodOptions, check_choice, check_int, option
 from .registry import register
 
 DRAFT_MODES = ("int8", "fp8", "int4")  # where check_quantize lets them run (int4: CUDA and bf16; never run here)
@@ -44,11 +45,8 @@ class QuantDraftOptions(MethodOptions):
                                          "target: int8, fp8 or int4 (CUDA, bf16)")
 
     def validate(self):
-        k = self.draft_length
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT:
-            raise VVSError(f"draft-length must be an integer in [1, {MAX_DRAFT}], got {k!r}")
-        if self.draft_quantize not in DRAFT_MODES:
-            raise VVSError(f"draft-quantize must be one of {', '.join(DRAFT_MODES)}, got {self.draft_quantize!r}")
+        check_int("draft-length", self.draft_length, 1, MAX_DRAFT)
+        check_choice("draft-quantize", self.draft_quantize, DRAFT_MODES)
         return self
 
     def check_engine(self, engine):
@@ -168,8 +166,6 @@ class QuantDraftDecoder:
         return ok.view(B, k)
 
     def rng_round(self, st) -> torch.Tensor:
-        from .. import kernels
-
         return kernels.counter_uniform(self.rng.key, st.passes + 1, self.stream, 2 * self.k + 1,
                                        fuse_when_compiled=True)[:, 0]
 

@@ -33,7 +33,7 @@ from ..sampling import value_at
 from .registry import register
 from .common import DecodeBatch, RowState
 from .jacobi import JacobiDecoder, SJDOptions, gumbel, one_hot, random_step
-from .options import option
+from .options import check_int, option
 
 PAC_VARIANTS = ("exact", "released")
 PAC_STREAM = 17  # acceptance / residual / fresh uniforms of an iteration (counter RNG, step = iteration)
@@ -57,10 +57,8 @@ class SJDPACOptions(SJDOptions):
 
     def validate(self):
         super().validate()
-        for name in ("pac_width", "pac_depth"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
-                raise VVSError(f"{name.replace('_', '-')} must be an integer in [1, 64], got {v!r}")
+        check_int("pac-width", self.pac_width, 1, 64)
+        check_int("pac-depth", self.pac_depth, 1, 64)
         if self.pac_variant not in PAC_VARIANTS:
             raise VVSError(f"pac-variant must be exact or released, got {self.pac_variant!r}")
         n = tree_size(self.pac_width, self.pac_depth)

@@ -34,7 +34,7 @@ from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .registry import register
 from .common import DecodeBatch, row_sampling, declare_decoder_rows, RowState
-from .options import MethodOptions, option
+from .options import MethodOptions, check_choice, check_int, option
 
 VERIFY_MODES = ("none", "sjd")
 COMMIT_RULES = ("sjd", "drafts")  # every row by the SJD rule (exact per forward: PJD-E1), or PJD's release
@@ -122,26 +122,18 @@ class ZipAROptions(MethodOptions):
 
     def validate(self):
         s = self.zipar_window
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-            raise VVSError(f"zipar-window must be an integer >= 1, got {s!r}")
-        if self.zipar_verify not in VERIFY_MODES:
-            raise VVSError(f"zipar-verify must be one of {', '.join(VERIFY_MODES)}, got {self.zipar_verify!r}")
-        L = self.zipar_jacobi_window
-        if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= MAX_JACOBI_WINDOW:
-            raise VVSError(f"zipar-jacobi-window must be an integer in [1, {MAX_JACOBI_WINDOW}], got {L!r}")
+        check_int("zipar-window", s, 1)
+        check_choice("zipar-verify", self.zipar_verify, VERIFY_MODES)
+        check_int("zipar-jacobi-window", self.zipar_jacobi_window, 1, MAX_JACOBI_WINDOW)
         lag = self.zipar_commit_lag
         if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= s:
             raise VVSError(f"zipar-commit-lag must be an integer in [0, zipar-window = {s}], got {lag!r}")
-        if self.zipar_commit not in COMMIT_RULES:
-            raise VVSError(f"zipar-commit must be one of {', '.join(COMMIT_RULES)}, got {self.zipar_commit!r}")
-        if self.zipar_init not in INIT_POLICIES:
-            raise VVSError(f"zipar-init must be one of {', '.join(INIT_POLICIES)}, got {self.zipar_init!r}")
+        check_choice("zipar-commit", self.zipar_commit, COMMIT_RULES)
+        check_choice("zipar-init", self.zipar_init, INIT_POLICIES)
         keep = self.zipar_keep
         if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 <= keep < 1:
             raise VVSError(f"zipar-keep must be a number in [0, 1), got {keep!r}")
-        cap = self.zipar_max_rows
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-            raise VVSError(f"zipar-max-rows must be an integer >= 0, got {cap!r}")
+        check_int("zipar-max-rows", self.zipar_max_rows, 0)
         needs_drafts = [name for name, on in (("zipar-commit drafts", self.zipar_commit == "drafts"),
                                               ("zipar-init random", self.zipar_init == "random"),
                                               ("zipar-keep", keep > 0)) if on]

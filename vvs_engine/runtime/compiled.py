@@ -18,6 +18,8 @@ round, ``measure/launches.py``; a round may add its own, ``maybe_compiled(..., o
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 import warnings
 from typing import Callable, Optional, Sequence
@@ -104,8 +106,6 @@ def current_round():
 
 
 def _forced_failure(name: str) -> bool:
-    import os
-
     value = os.environ.get(FORCE_FAIL_ENV, "")
     return value == "all" or name in value.split(",")
 
@@ -161,8 +161,6 @@ class CompiledRound:
 def compile_count() -> int:
     """Graphs Dynamo has compiled so far in this process (0 before anything was compiled): the
     ``compiles`` a call reports are the difference across it (recompiles on a guard failure included)."""
-    import sys
-
     utils = sys.modules.get("torch._dynamo.utils")
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
