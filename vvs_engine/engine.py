@@ -544,7 +544,7 @@ class Engine:
         stats["attention_backend"] = describe(self.device, self.dtype, self.gpt.config.head_dim, prompts is not None)
         images = []
         if decode_images and self.vq is not None and getattr(self.vq, "can_decode", True):
-            from .runtime.profiling import nvtx_range
+            from .measure.profiling import nvtx_range
 
             with nvtx_range("vq_decode"):
                 images = self.decode_images(tokens)

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..acceptance.cascade import DEFAULTS, DRAFTER_SOURCES, check_options, variant_options
+from ..errors import VVSError
 from .registry import register
 from .options import option
 from .speculative import SpecOptions, run
@@ -54,8 +55,6 @@ class CascadeOptions(SpecOptions):
         check_options(**self.rule_kwargs(), flag=lambda n: "cascade-" + n.replace("_", "-"))
         source = self.rule_kwargs()["source"]
         if self.tree == "dynamic" and source in DRAFTER_SOURCES and self.accept in (None, "cascade"):
-            from ..errors import VVSError
-
             raise VVSError("cascade-source drafter needs a static tree (dynamic trees keep no per-node drafter "
                            "distributions); use --cascade-source target-logits or target-hidden")
         return super().validate()
