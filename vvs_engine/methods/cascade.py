@@ -5,7 +5,7 @@
 authors' two published codes; docs/reference_modes.md). A ``cascade_*`` option given with a value
 other than the engine default overrides the preset's value. The engine default keeps the LlamaGen
 thresholds and depth term (τ_b 0.9, τ_d 0.625 on the target's logits at parent and child) and takes,
-from measurements on the Zoo model (benchmarks/cascade_zoo.py), the target's hidden states as the
+from measurements on the Zoo model (benchmarks/studies/spec_zoo/cascade_zoo.py), the target's hidden states as the
 breadth source and the Lumina final nucleus gate evaluated once per parent (see
 ``acceptance.cascade.DEFAULTS``; the method: docs/methods.md §3). Every SpecOptions option applies
 too (``skip_policy`` for VVS skipping,

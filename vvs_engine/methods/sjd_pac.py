@@ -43,8 +43,8 @@ PAC_GUMBEL_STREAM = 18  # Gumbel noise of the alternative candidates (step = ite
 @dataclass
 class SJDPACOptions(SJDOptions):
     # L counts every tree node (the forward's query rows, as released); 32 leaves the chain 28 of them at
-    # W = 2, D = 3 (22 at W = D = 3; 16 would leave 6: benchmarks/results/scd_pac_zoo.md). W = 2: the fastest
-    # width at AR parity on the Zoo (TPF 3.80 against 3.74 at W = 3 and 3.40 at W = 4, 512 images:
+    # W = 2, D = 3 (22 at W = D = 3; 16 would leave 6: benchmarks/studies/scd_pac_zoo/scd_pac_zoo.md).
+    # W = 2: the fastest width at AR parity on the Zoo (TPF 3.80 against 3.74 at W = 3 and 3.40 at W = 4, 512 images:
     # benchmarks/results/quality_speed.md). copy-left as SJD: on the Zoo it beats the released uniform
     # init (random), which is kept as the option with distinct initial candidates.
     jacobi_window: int = 32  # help: SJDOptions'

@@ -40,7 +40,7 @@ VERIFY_MODES = ("none", "sjd")
 COMMIT_RULES = ("sjd", "drafts")  # every row by the SJD rule (exact per forward: PJD-E1), or PJD's release
 INIT_POLICIES = ("copy-above", "random")
 # PJD's options at the values that give ZipAR's tokens of before they existed: benchmark cache keys leave
-# them out at these values (benchmarks/quality_speed.py::setting_key), so ZipAR caches made before stay valid
+# them out at these values (benchmarks/harness.py::setting_key), so ZipAR caches made before stay valid
 PJD_OPTION_DEFAULTS = {"zipar_commit_lag": 0, "zipar_commit": "sjd", "zipar_init": "copy-above", "zipar_keep": 0.0,
                        "zipar_max_rows": 0}
 # s = 2: the fastest window at AR parity on the Zoo (TPF 5.69; s = 4: 3.41; 512 images:
