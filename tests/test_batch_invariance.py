@@ -170,6 +170,26 @@ def test_negative_control_without_the_mode_images_change_with_their_batch(method
     assert torch.equal(eng.generate(batch_size=16, deterministic=True, **kw).tokens, alone.tokens)
 
 
+def test_compiled_rounds_do_not_depend_on_rows(engines, monkeypatch):
+    """Compiled AR rounds (``compile=True``, Inductor's C++ backend on the CPU), fp32, in the mode:
+    4 greedy and sampled images with their own settings at 1 row and at 3 rows (one admitted mid-run),
+    identical tokens. (Compiled against eager may round differently in fused elementwise code:
+    compiled runs are compared with compiled runs.)"""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("VVS_RETIRE_FINISHED", "0")  # no shrinking: one compiled decoder per row count
+    eng = engines[torch.float32]
+    kw = dict(class_labels=LABELS[:4], method="ar", decode_images=False, compile=True,
+              **{name: values[:4] for name, values in MIXED.items()})
+    with inductor_config.patch({"cpp.vec_isa_ok": False}):  # scalar C++: a faster compile, the same question
+        alone = eng.generate(batch_size=1, **kw)
+        together = eng.generate(batch_size=3, **kw)
+    assert alone.stats["compiled"] and all(alone.stats["compiled"].values()), alone.stats["compiled"]
+    assert together.stats["admissions"] >= 1
+    assert torch.equal(together.tokens, alone.tokens), \
+        f"images {(together.tokens != alone.tokens).any(1).nonzero().flatten().tolist()} differ"
+
+
 def test_the_switch_is_per_engine_and_per_call(engines):
     """``generate(deterministic=False)`` turns the mode off for that call only; ``set_deterministic``
     sets every linear layer of the target and the drafter."""
