@@ -102,3 +102,19 @@ def test_negative_control_tree_attentions_split_follows_the_batch(triton_kernels
     assert not torch.equal(a, b)
     c = triton_kernels.invariant_attention(q, k, v, prefix, local)
     torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["invariant_linear", "invariant_attention"])
+def test_custom_ops_fakes_agree_with_the_triton_kernels(triton_kernels, device, monkeypatch, op):
+    """``torch.ops.vvs.<op>`` run by the Triton kernel: schema, and the fake's shape, dtype and strides
+    against the real output (what torch.compile and CUDA-graph capture rely on)."""
+    from vvs_engine.kernels import backends
+
+    monkeypatch.setenv(backends.ENV, "triton")
+    assert backends.choose(op, device) == "triton"
+    if op == "invariant_linear":
+        args = (randn(5, 19, seed=1, device=device), randn(23, 19, seed=2, device=device), randn(23, seed=3, device=device))
+    else:
+        q, k, v, prefix, local, valid = attention_inputs(2, 2, 3, 40, 16, torch.float32, device, seed=4)
+        args = (q, k, v, prefix, local, valid)
+    torch.library.opcheck(getattr(torch.ops.vvs, op).default, args, test_utils=("test_schema", "test_faketensor"))
