@@ -79,4 +79,22 @@ for fdt, pos in (("fp32", 3.4028234663852886e38), ("fp64", 1.7976931348623157e30
                  ctok_ptr="*i64", clp_ptr="*" + fdt, tok_ptr="*i64", par_ptr="*i64", mask_ptr="*u8", depth_ptr="*i64",
                  paths_ptr="*i64", leaf_ptr="*u8", child_ptr="*i64", lp_ptr="*" + fdt, before_ptr="*i32", taken_ptr="*i8")
     build(fn, sigs(fn, types, consts), consts, f"tree_select {fdt}")
+# batch-invariant mode: the one-tiling matmul (bf16, fp32) and the fixed-split attention with its in-order merge
+im = importlib.import_module("triton_kernels.invariant_matmul")
+ia = importlib.import_module("triton_kernels.invariant_attention")
+fn = im._invariant_matmul_kernel
+for fdt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
+    consts = dict(HAS_BIAS=True, DOT_PRECISION=prec, UPCAST=False, BLOCK_M=im.BLOCK_M, BLOCK_N=im.BLOCK_N, BLOCK_K=im.BLOCK_K)
+    types = dict(x_ptr="*" + fdt, w_ptr="*" + fdt, bias_ptr="*" + fdt, y_ptr="*" + fdt)
+    build(fn, sigs(fn, types, consts), consts, f"invariant_matmul {fdt}")
+for BQ in (1, 64):
+    consts = dict(HEAD_DIM=64, HAS_KEY_VALID=True, DOT_PRECISION="tf32", DOT_UPCAST=False, SPLIT_KEYS=ia.SPLIT_KEYS,
+                  BLOCK_Q=BQ, BLOCK_N=64, BLOCK_D=64)
+    types = dict(q_ptr=P, k_ptr=P, v_ptr=P, part_acc_ptr="*fp32", part_ml_ptr="*fp32", prefix_len_ptr="*i64",
+                 local_ptr="*u8", key_valid_ptr="*u8", qk_scale_log2="fp32")
+    fn = ia._invariant_attention_kernel
+    build(fn, sigs(fn, types, consts), consts, f"invariant_attention BQ{BQ}")
+fn = ia._merge_in_order_kernel
+consts = dict(HEAD_DIM=64, BLOCK_D=64)
+build(fn, sigs(fn, dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=P), consts), consts, "invariant merge_in_order")
 sys.exit(1 if FAILED else 0)

@@ -3,11 +3,14 @@
     OMP_NUM_THREADS=1 python benchmarks/batch_identity.py      # writes benchmarks/results/batch_identity_zoo_cpu.{md,json}
     OMP_NUM_THREADS=1 python benchmarks/batch_identity.py --methods ar,vvs --dtypes fp64 --images 4   # a subset
     OMP_NUM_THREADS=1 python benchmarks/batch_identity.py --deterministic   # batch-invariant mode: ..._deterministic.{md,json}
+    OMP_NUM_THREADS=1 python benchmarks/batch_identity.py --deterministic --methods all --dtypes fp32 --images 10 \
+        --batch-sizes 4 --seed 5 --out benchmarks/results/batch_identity_zoo_cpu_deterministic_all_fp32   # issue 53's case
     python benchmarks/batch_identity.py --table benchmarks/results/batch_identity_zoo_cpu.json --readme docs/usage.md
 
-Each setting generates the same images (labels 0..n-1, seed 0, temperature 1, CFG 4; image i keyed by
-its index i) once at every batch size of ``--batch-sizes`` and counts the images whose tokens equal
-their batch-1 decode. An image's random numbers depend only on (seed, its index), so every difference
+Each setting generates the same images (labels 0..n-1, ``--seed`` (0), temperature 1, CFG 4; image i
+keyed by its index i) once at every batch size of ``--batch-sizes`` and counts the images whose tokens equal
+their batch-1 decode (with more images than rows, most are admitted into a running batch as others
+finish: continuous batching). An image's random numbers depend only on (seed, its index), so every difference
 comes from floating-point: a matrix product over a batch of 16 rows may sum in another order than
 over 1 row, and a sampled (or accepted) token near a tie then flips, and every later token follows
 from it. In fp64 such ties are far below the rounding, so the count there says whether the decode is
@@ -33,15 +36,21 @@ from vvs_engine import Engine  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+# A name of --methods: a registered method, or one of these (a method with options); "all": every one.
+VARIANTS = {"vvs-u": ("vvs", {"skip_policy": "uniform"}), "vvs-d": ("vvs", {"skip_policy": "dynamic"})}
+ALL = ["ar", "sjd", "gsd", "scd", "sjd-pac", "zipar", "pjd", "quant-draft", "eagle", "lantern", "lantern++",
+       "cascade", "vvs-u", "vvs-d"]
 
 
 def identity_rates(engine, method: str, n_images: int, batch_sizes, seed: int = 0) -> dict:
     """-> {batch size: images identical to batch 1}, plus the wall time of each decode."""
     labels = [i % engine.config.num_classes for i in range(n_images)]
+    method, options = VARIANTS.get(method, (method, {}))
     tokens, seconds = {}, {}
     for b in [1] + [b for b in batch_sizes if b != 1]:
         t0 = time.perf_counter()
-        out = engine.generate(class_labels=labels, method=method, seed=seed, batch_size=b, decode_images=False)
+        out = engine.generate(class_labels=labels, method=method, seed=seed, batch_size=b, decode_images=False,
+                              **options)
         seconds[b] = time.perf_counter() - t0
         tokens[b] = out.tokens
     same = {b: int((tokens[b] == tokens[1]).all(1).sum()) for b in tokens if b != 1}
@@ -69,8 +78,9 @@ def write_md(result: dict, out: str) -> None:
     with open(out + ".md", "w") as f:
         mode = " in batch-invariant mode (`deterministic=True`)" if result.get("deterministic") else ""
         f.write(f"# Tokens against the batch size (Zoo model, CPU){mode}\n\nWritten by `{result['command']}` "
-                f"({threads} thread, torch {result['torch']}). Images whose tokens equal their batch-1 "
-                f"decode; {a_images} images (labels 0..{a_images - 1} mod 16, seed 0, temperature 1, CFG 4). "
+                f"({result.get('date', 'date not recorded')}, {threads} thread, torch {result['torch']}). Images whose tokens equal their batch-1 "
+                f"decode; {a_images} images (labels 0..{a_images - 1} mod 16, seed {result.get('seed', 0)}, temperature 1, "
+                f"CFG 4; vvs-u / vvs-d: VVS with uniform / dynamic skips). "
                 f"See the docstring of `benchmarks/batch_identity.py` for why they differ.\n\n")
         f.write(table(result) + "\n")
 
@@ -85,7 +95,8 @@ def write_readme(result: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", default="ar,eagle,lantern,vvs,sjd,gsd")
+    ap.add_argument("--methods", default="ar,eagle,lantern,vvs,sjd,gsd", help="comma-separated, or all")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtypes", default="fp32,bf16,fp64")
     ap.add_argument("--images", type=int, default=16)
     ap.add_argument("--batch-sizes", default="16", help="compared with batch 1 (default 16)")
@@ -113,11 +124,12 @@ def main(argv=None) -> int:
     command = " ".join(["python benchmarks/batch_identity.py"] + args)
     result = {"command": command.strip(), "images": a.images, "batch_sizes": sizes, "threads": a.threads,
               "torch": torch.__version__, "platform": platform.platform(), "deterministic": a.deterministic,
-              "rows": []}
+              "seed": a.seed, "date": time.strftime("%Y-%m-%d"), "rows": []}
+    methods = ALL if a.methods == "all" else a.methods.split(",")
     for dtype in a.dtypes.split(","):
         engine = Engine.load(dtype=DTYPES[dtype], threads=a.threads, deterministic=a.deterministic)
-        for method in a.methods.split(","):
-            r = identity_rates(engine, method, a.images, sizes)
+        for method in methods:
+            r = identity_rates(engine, method, a.images, sizes, a.seed)
             result["rows"].append({"method": method, "dtype": dtype,
                                    "identical": {str(b): v for b, v in r["identical"].items()},
                                    "seconds": {str(b): v for b, v in r["seconds"].items()}})
@@ -125,6 +137,7 @@ def main(argv=None) -> int:
                                                      for b, v in r["identical"].items()), flush=True)
             with open(a.out + ".json", "w") as f:  # kept as it grows: a long run may be cut short
                 json.dump(result, f, indent=1)
+            write_md(result, a.out)
     write_md(result, a.out)
     print(f"wrote {a.out}.md and .json")
     return 0

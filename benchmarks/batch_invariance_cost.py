@@ -4,6 +4,10 @@ per method, dtype and batch size, on the Zoo model, in one run (the two modes in
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/batch_invariance_cost.py      # writes benchmarks/results/batch_invariance_cost_zoo_cpu.{md,json}
     OMP_NUM_THREADS=1 python benchmarks/batch_invariance_cost.py --methods ar,sjd --dtypes fp32 --settings 1:1
     OMP_NUM_THREADS=1 python benchmarks/batch_invariance_cost.py --probe        # the GEMM row-count probe: ..._gemm_probe.{md,json}
+    python benchmarks/batch_invariance_cost.py --device cuda --dtypes bf16 --out DIR/batch_invariance_cost_gpu   # gpu_suite.sh
+
+On CUDA the mode runs the Triton kernels (``vvs::invariant_linear``, ``vvs::invariant_attention``) and
+the ratio is of wall times (CUDA-synchronised: the process's CPU time says nothing about the GPU).
 
 Each setting (``batch:images``) decodes the same images (labels 0..n-1, seed 0, temperature 1, CFG 4,
 to pixels) with the mode off and on, alternately ``--repeats`` times, and keeps the least CPU time of
@@ -55,7 +59,7 @@ def probe(threads: int) -> list:
     return out
 
 
-def run_setting(engine, method, n_images, batch_size, repeats):
+def run_setting(engine, method, n_images, batch_size, repeats, sync=lambda: None):
     """-> ({mode: least CPU seconds}, {mode: least wall seconds}), the modes alternating."""
     labels = [i % 16 for i in range(n_images)]
     kw = dict(class_labels=labels, method=method, seed=0, temperature=1.0, decode_images=True)
@@ -63,8 +67,10 @@ def run_setting(engine, method, n_images, batch_size, repeats):
     wall = dict(cpu)
     for _ in range(repeats):
         for det in (False, True):
+            sync()
             t0, c0 = time.perf_counter(), time.process_time()
             engine.generate(batch_size=batch_size, deterministic=det, **kw)
+            sync()
             cpu[det] = min(cpu[det], time.process_time() - c0)
             wall[det] = min(wall[det], time.perf_counter() - t0)
     return cpu, wall
@@ -83,12 +89,14 @@ def write(result: dict, stem: str) -> None:
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(stem + ".md", "w") as f:
-        f.write("# Batch-invariant decoding: cost on the CPU (Zoo model)\n\n")
+        where = "on CUDA (" + result["gpu"] + ")" if result.get("gpu") else "on the CPU"
+        f.write(f"# Batch-invariant decoding: cost {where} (Zoo model)\n\n")
         f.write(f"Written by `{result['command']}` on {result['date']} ({result['machine']}, torch "
                 f"{result['torch']}, {result['threads']} thread, nice 19, machine shared with other jobs: "
                 "least of the interleaved repeats).\n\n")
         f.write("Each row: `images` Zoo images (labels 0.., seed 0, temperature 1, CFG 4, decoded to pixels) at "
-                "`batch` rows. `on / off`: CPU time with `deterministic=True` over without (least of the repeats).\n\n")
+                "`batch` rows. `on / off`: " + ("wall time (CUDA-synchronised)" if result.get("gpu") else "CPU time")
+                + " with `deterministic=True` over without (least of the repeats).\n\n")
         f.write(table(result) + "\n")
 
 
@@ -117,10 +125,12 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default="1:1,8:8", help="batch:images pairs (default 1:1,8:8)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--probe", action="store_true", help="only print MKL's GEMM row-count classes")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (on CUDA the ratio is of wall times)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "batch_invariance_cost_zoo_cpu"))
     args = ap.parse_args(argv)
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    result = {"command": "OMP_NUM_THREADS=1 nice -n 19 python benchmarks/batch_invariance_cost.py "
+    prefix = "" if args.device.startswith("cuda") else "OMP_NUM_THREADS=1 nice -n 19 "
+    result = {"command": prefix + "python benchmarks/batch_invariance_cost.py "
                          + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
               platform.machine(), "torch": torch.__version__, "threads": threads, "rows": []}
@@ -132,12 +142,16 @@ def main(argv=None) -> int:
         return 0
     settings = [tuple(int(v) for v in s.split(":")) for s in args.settings.split(",")]
     for dtype in args.dtypes.split(","):
-        eng = Engine.load(dtype=dtype, threads=threads)
+        eng = Engine.load(dtype=dtype, threads=threads, device=args.device)
+        on_gpu = args.device.startswith("cuda")
+        if on_gpu:
+            result["gpu"] = torch.cuda.get_device_name()
         for method in args.methods.split(","):
             for b, n in settings:
-                cpu, wall = run_setting(eng, method, n, b, args.repeats)
+                cpu, wall = run_setting(eng, method, n, b, args.repeats, torch.cuda.synchronize if on_gpu else lambda: None)
+                timed = wall if on_gpu else cpu
                 row = {"method": method, "dtype": dtype, "batch_size": b, "images": n, "cpu_off": cpu[False],
-                       "cpu_on": cpu[True], "ratio": cpu[True] / cpu[False], "wall_off": wall[False],
+                       "cpu_on": cpu[True], "ratio": timed[True] / timed[False], "wall_off": wall[False],
                        "wall_on": wall[True]}
                 result["rows"].append(row)
                 print(row, flush=True)

@@ -159,6 +159,10 @@ cat "$RES/tests/summary.txt" >> "$LOG" 2>/dev/null
 for b in bench_tree_verify bench_relaxed_acceptance bench_tree_ops bench_kv_compact; do
   step "$b" 20 python "benchmarks/kernels/$b.py" --quick --no-plot --out "$RES/kernels"
 done
+# batch-invariant mode (issue 53): its Triton kernels against cuBLAS / tree_attention, then its cost per method (on / off)
+step bench_invariant 30 python benchmarks/kernels/bench_invariant.py --quick --no-plot --out "$RES/kernels"
+IC_FLAGS="--methods ar,sjd,eagle,vvs --settings 1:1,8:8 --repeats 1"; [ "$DRY" = 1 ] && IC_FLAGS="--methods ar --settings 1:1 --repeats 1"
+step invariance_cost 90 python benchmarks/batch_invariance_cost.py --device "$DEV" --dtypes "$DTYPE" $IC_FLAGS --out "$RES/batch_invariance_cost_gpu"
 # quantized weights (torchao) vs bf16: AR decode time at the GPT-XL shape, each mode compiled (needs torchao)
 QG_FLAGS="--gpt-model GPT-XL --image-size 384 --images 1 --device $DEV --dtype bf16"
 [ "$DRY" = 1 ] && QG_FLAGS="--gpt-model GPT-B --image-size 32 --images 1 --device cpu --dtype fp32 --modes none,int8"
@@ -175,6 +179,7 @@ step e2e_replay_7b 60 python benchmarks/e2e.py --replay "$TRACE" $E2E_FLAGS --re
   cat "$STEPS"; echo
   echo "## tests (one process per file)"; echo '```'; cat "$RES/tests/summary.txt" 2>/dev/null; echo '```'
   for f in "$RES"/ar_graph_step.md "$RES"/round_replay.md "$RES"/gpu_launches.md "$RES"/quantize_gpu.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
+  [ -f "$RES/batch_invariance_cost_gpu.md" ] && { echo; cat "$RES/batch_invariance_cost_gpu.md"; }
   for f in "$RES"/ar_decode_eager.json; do
     [ -f "$f" ] && { echo; echo "## AR step, eager ($(basename "$f"))"; echo '```'
       python -c "import json,sys; r=json.load(open(sys.argv[1])); print('\n'.join(f'{k}: {r[k]}' for k in ('command','gpt_model','dtype','device_name','batch_rows','step_ms_median','step_ms_p10','step_ms_p90','achieved_gbps','fraction_of_peak','e2e_generate','timestamp') if k in r))" "$f"

@@ -9,6 +9,7 @@ tests exercise them without a GPU.
 from __future__ import annotations
 
 import importlib.util
+import types
 
 try:
     AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -16,7 +17,7 @@ except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None to block 
     AVAILABLE = False
 
 __all__ = ["AVAILABLE", "tree_attention", "draft_topk", "lantern_mass", "group_mass", "tree_verify", "tree_level",
-           "tree_select", "counter_uniform", "kv_move_rows"]
+           "tree_select", "counter_uniform", "kv_move_rows", "invariant_linear", "invariant_attention"]
 
 
 _LAUNCHERS = {
@@ -29,6 +30,8 @@ _LAUNCHERS = {
     "tree_select": "tree_select",
     "counter_uniform": "counter_uniform",
     "kv_move_rows": "kv_move_rows",
+    "invariant_linear": "invariant_matmul",
+    "invariant_attention": "invariant_attention",
 }
 
 
@@ -43,3 +46,11 @@ def __getattr__(name):
     # name to the launcher function so ``triton_kernels.tree_attention(...)`` calls the launcher.
     globals()[name] = launcher
     return launcher
+
+
+def _unshadow(name: str) -> None:
+    """A kernel module that imports a sibling's helpers (``from .tree_attention import ...``) binds the
+    sibling module to the package attribute of that name, hiding its launcher: drop the binding, so the
+    next ``triton_kernels.<name>`` goes through ``__getattr__`` and gets the launcher again."""
+    if isinstance(globals().get(name), types.ModuleType):
+        del globals()[name]

@@ -52,6 +52,11 @@ def small_inputs():
         "kv_move_rows": (torch.randn(2, B, H, S, D, generator=gen), torch.randn(2, B, H, S, D, generator=gen),
                          torch.tensor([[4, 5, 8], [10, 12, 13]]), torch.tensor([[4, 5, 6], [10, 11, 12]])),
         "gather_rows": (torch.randn(B, S, D, generator=gen), torch.tensor([3, 0, 7])),
+        "invariant_linear": (torch.randn(7, D, generator=gen), torch.randn(V, D, generator=gen),
+                             torch.randn(V, generator=gen)),
+        "invariant_attention": (torch.randn(B, H, Q, D, generator=gen), torch.randn(B, H, S, D, generator=gen),
+                                torch.randn(B, H, S, D, generator=gen), torch.tensor([9, 13]),
+                                torch.rand(B, Q, Q, generator=gen) < 0.5, torch.rand(B, S, generator=gen) < 0.8),
         "scatter_rows_": (torch.randn(B, S, D, generator=gen), torch.tensor([3, 0, 7]), torch.randn(B, 3, D, generator=gen)),
     }
 

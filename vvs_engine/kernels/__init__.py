@@ -23,7 +23,8 @@ from .reference import local_visibility, sibling_links  # noqa: F401
 __all__ = [
     "tree_attention", "local_visibility", "sibling_links", "draft_topk", "lantern_mass", "group_mass", "tree_meta",
     "accept_walk", "tree_verify", "tree_level", "tree_select", "counter_uniform", "counter_sample", "kv_compact",
-    "kv_move_rows", "gather_rows", "scatter_rows_", "choose", "describe", "BACKENDS", "ENV",
+    "kv_move_rows", "gather_rows", "scatter_rows_", "invariant_linear", "invariant_attention", "choose", "describe",
+    "BACKENDS", "ENV",
 ]
 
 
@@ -43,6 +44,24 @@ def tree_attention(q, k, v, prefix_len, local, key_valid=None):
         return reference.tree_attention(q, k, v, prefix_len, local, key_valid)
     return ops.tree_attention(q, k, v, prefix_len, local, key_valid)
 
+
+
+def invariant_attention(q, k, v, prefix_len, local, key_valid=None):
+    """:func:`tree_attention` whose every query's bits depend on its own row alone, not on the batch
+    (batch-invariant mode, ``models.invariant``): on CUDA the Triton kernel with a fixed key split size
+    and an in-order merge; on the CPU the reference (SDPA already is). See ``reference.invariant_attention``."""
+    if _reference_fast_path(q):
+        return reference.invariant_attention(q, k, v, prefix_len, local, key_valid)
+    return ops.invariant_attention(q, k, v, prefix_len, local, key_valid)
+
+
+def invariant_linear(x, weight, bias=None):
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype, each row's bits the same for any M
+    and row position (batch-invariant mode): on CUDA the Triton matmul with one tile configuration and
+    no split-K, on the CPU the reference (a floor on the BLAS's row count). See ``reference.invariant_linear``."""
+    if _reference_fast_path(x):
+        return reference.invariant_linear(x, weight, bias)
+    return ops.invariant_linear(x, weight, bias)
 
 def draft_topk(logits, cfg_scale: float, temperature: float, top_k: int, top_p: float, k: int, noise=None):
     """-> (tokens [B, k] int64, logp [B, k] float32). See ``reference.draft_topk``."""

@@ -24,7 +24,8 @@ ENV = "VVS_KERNELS"
 # What each compiled backend implements; everything else falls through to the next backend.
 CUDA_OPS = frozenset({"tree_meta", "kv_compact", "gather_rows", "scatter_rows_", "accept_walk"})
 TRITON_OPS = frozenset({"tree_attention", "draft_topk", "lantern_mass", "group_mass", "tree_verify",
-                        "counter_uniform", "tree_level", "tree_select", "kv_move_rows"})
+                        "counter_uniform", "tree_level", "tree_select", "kv_move_rows", "invariant_linear",
+                        "invariant_attention"})
 
 
 def forced_backend() -> str | None:

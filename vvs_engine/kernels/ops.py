@@ -67,6 +67,35 @@ def _(q, k, v, prefix_len, local, key_valid):
     return head_major_empty(q)
 
 
+# --------------------------------------------------------------------------------- batch-invariant mode
+
+
+@torch.library.custom_op("vvs::invariant_attention", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def invariant_attention(q: Tensor, k: Tensor, v: Tensor, prefix_len: Tensor, local: Tensor,
+                        key_valid: Optional[Tensor]) -> Tensor:
+    # tree_attention's contract and output layout, with a fixed key split size (models.invariant)
+    out = _impl("invariant_attention", q.device)(q, k, v, prefix_len, local, key_valid)
+    if out.stride() != head_major_empty(q).stride():
+        out = head_major_empty(q).copy_(out)
+    return out
+
+
+@invariant_attention.register_fake
+def _(q, k, v, prefix_len, local, key_valid):
+    return head_major_empty(q)
+
+
+@torch.library.custom_op("vvs::invariant_linear", mutates_args=())
+def invariant_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    # x [M, K] -> [M, N] contiguous in x's dtype, each row's bits independent of M (models.invariant)
+    return _impl("invariant_linear", x.device)(x, weight, bias).contiguous()
+
+
+@invariant_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 # ----------------------------------------------------------------------------------------------- sampling
 
 

@@ -45,6 +45,38 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
     return F.scaled_dot_product_attention(q, k, v, attn_mask=vis.unsqueeze(1))
 
 
+
+# The smallest row count of a batch-invariant CPU GEMM: MKL (torch 2.13, MKL 2024.2, AVX-512, 1 and 2
+# threads, fp32) rounds a row the same for every M >= 16 whatever its position, while M = 1, 2..10
+# (K = 256) or 2..15 (K >= 512) each give other bits (benchmarks/batch_invariance_cost.py --probe).
+GEMM_ROW_FLOOR = 16
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [M, K] whose every output row has the bits it has in any GEMM
+    of at least :data:`GEMM_ROW_FLOOR` rows (the CPU path of ``vvs::invariant_linear``): fewer rows are
+    padded with zero rows to the floor (and dropped after); bf16 / fp16 run in fp32 (exact casts up,
+    one rounding of the output), because oneDNN's bf16 GEMM has no such floor."""
+    m, k = x.shape
+    out_dtype = x.dtype
+    if out_dtype in _HALF:
+        x, weight = x.float(), weight.float()
+        bias = None if bias is None else bias.float()
+    if m < GEMM_ROW_FLOOR:
+        x = torch.cat([x, x.new_zeros(GEMM_ROW_FLOOR - m, k)])
+    y = F.linear(x, weight, bias)
+    return (y[:m] if m < GEMM_ROW_FLOOR else y).to(out_dtype)
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor,
+                        local: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`tree_attention`: on the CPU, SDPA reduces each (row, head) on its own with kernels and
+    split sizes chosen by the query and key lengths, not by the batch, so the reference is already
+    batch-invariant (the Triton kernel fixes its key split size for the same reason)."""
+    return tree_attention(q, k, v, prefix_len, local, key_valid)
+
+
 def kv_compact(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """In place, for K and V ``[L, B, H, S, D]``: slots ``dst`` take the values slots ``src`` held
     before the call (every layer and row). ``src``/``dst`` are ``[n]`` (the same for every row) or

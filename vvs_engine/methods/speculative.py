@@ -408,7 +408,11 @@ class SpeculativeRounds:
 
     # --- rounds ----------------------------------------------------------------------------------------
     def verify_round(self) -> None:
-        self._take_part(lambda: self._verify(with_chain=False), skip=False)
+        # Batch-invariant mode (VVS): the layout of a round after a skip, with an empty chain, so that a
+        # sequence's tree has the same queries and K/V slots whether its batch-mates' skips made the round
+        # a verify_after_skip or not (their slots change the attention's rounding in fp32 and bf16)
+        chain_layout = self.opts.skip_policy != "never" and getattr(self.engine, "deterministic", False)
+        self._take_part(lambda: self._verify(with_chain=chain_layout), skip=False)
 
     def verify_after_skip(self) -> None:
         """The verify round right after a skip: the skipped chain rides along, causal, for post-verification

@@ -245,6 +245,8 @@ class FeedForward(nn.Module):
 
 
 class Attention(nn.Module):
+    batch_invariant = False  # models.invariant's switch: on CUDA the fixed-split attention kernel
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.head_dim, self.dim = cfg.n_head, cfg.head_dim, cfg.dim
@@ -276,9 +278,11 @@ class Attention(nn.Module):
         elif isinstance(mask, torch.Tensor):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:  # a LocalMask: committed prefix + a small local block (tree, chain, Jacobi window)
-            from ..kernels import flash, tree_attention
+            from ..kernels import flash, invariant_attention, tree_attention
 
-            if (T == 1 or mask.causal) and mask.key_valid is None and flash.usable(q.device, q.dtype, self.head_dim):
+            if self.batch_invariant and q.is_cuda:  # a fixed key split whatever the batch (models.invariant)
+                y = invariant_attention(q, k, v, mask.prefix_len, mask.local, mask.key_valid)
+            elif (T == 1 or mask.causal) and mask.key_valid is None and flash.usable(q.device, q.dtype, self.head_dim):
                 # AR decode / causal prefill: plain attention over [0, P + T), flash-attn's case.
                 y = flash.attend(q, k, v, mask.prefix_len + T, causal=mask.causal)
             else:

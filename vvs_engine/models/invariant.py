@@ -1,4 +1,5 @@
-"""Batch-invariant linear layers: a row's output bits do not depend on the other rows of its GEMM.
+"""Batch-invariant linear layers and attention: a row's output bits do not depend on the other rows of
+its GEMM or its attention call.
 
 Why: an image's random draws are keyed by (seed, image index, step), so its tokens can depend on its
 batch-mates only through floating-point rounding, and on the CPU that rounding comes from the GEMMs.
@@ -7,7 +8,7 @@ threads, fp32), a row's result is the same for every M >= 16 whatever its positi
 M = 2..10 (K = 256) or 2..15 (K >= 512) each give other bits (``benchmarks/batch_invariance_cost.py
 --probe``: benchmarks/results/batch_invariance_cost_zoo_cpu_gemm_probe.md). oneDNN's bf16 GEMM has no
 such floor: for K >= 512 some rows' bits change with M up to a few hundred rows. So in batch-invariant
-mode:
+mode, on the CPU (``kernels.reference.invariant_linear``):
 
 * fp32 / fp64: a GEMM with fewer than :data:`GEMM_ROW_FLOOR` rows is padded with zero rows up to it
   (the padded rows are dropped), so every row goes through the one kernel MKL uses for M >= 16;
@@ -16,12 +17,13 @@ mode:
 
 Attention (the torch reference's SDPA on the CPU), norms, softmax and the sampling reductions
 reduce each row on its own with an order fixed by the row's length, not by the batch; the tests of
-``tests/test_batch_invariance.py`` check the tokens end to end (every method but VVS in fp32, whose
-remaining dependence is open: docs/batching.md). The switch is a flag on each layer
+``tests/test_batch_invariance.py`` check the tokens end to end. On CUDA, cuBLAS and the attention
+kernels also choose their tiling and splits by shape, so the mode takes the Triton kernels
+``vvs::invariant_linear`` (one tile configuration, no split-K) and ``vvs::invariant_attention`` (a
+fixed key split size, an in-order merge) instead (``triton_kernels/invariant_*.py``; tested in the
+Triton interpreter only, docs/batching.md). The switch is a flag on each layer
 (``set_batch_invariant``), so two engines in one process can differ, and compiled rounds see it as a
-module attribute (a guard), not as an argument threaded through the loop. On CUDA the flag changes
-nothing yet (cuBLAS also picks its kernel by shape; a GPU path needs fixed-tiling kernels, not written:
-docs/batching.md).
+module attribute (a guard), not as an argument threaded through the loop.
 """
 from __future__ import annotations
 
@@ -31,31 +33,26 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The smallest row count of a batch-invariant GEMM (above: MKL's one kernel for M >= 16).
-GEMM_ROW_FLOOR = 16
+from .. import kernels
+from ..kernels.reference import GEMM_ROW_FLOOR, invariant_linear as _cpu_invariant_linear  # noqa: F401
+
 _UPCAST = (torch.bfloat16, torch.float16)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` whose every output row has the bits it would have in any GEMM of
-    at least :data:`GEMM_ROW_FLOOR` rows (CPU; on other devices plain ``F.linear``)."""
-    if x.device.type != "cpu":
+    """``F.linear(x, weight, bias)`` whose every output row has the bits it would have in any GEMM:
+    on the CPU as in a GEMM of at least :data:`GEMM_ROW_FLOOR` rows, on CUDA through the Triton matmul
+    with one tiling (``kernels.invariant_linear``); on other devices plain ``F.linear``."""
+    device = x.device.type
+    if device not in ("cpu", "cuda"):
         return F.linear(x, weight, bias)
+    if (x.dtype in _UPCAST or device == "cuda") and type(weight) not in (torch.Tensor, nn.Parameter) \
+            and hasattr(weight, "dequantize"):
+        weight = weight.dequantize()  # a quantized (torchao) weight has no .float() (nor strides): its values first
     k = x.shape[-1]
     rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    out_dtype = x.dtype
-    if out_dtype in _UPCAST:
-        if type(weight) not in (torch.Tensor, nn.Parameter) and hasattr(weight, "dequantize"):
-            weight = weight.dequantize()  # a quantized (torchao) weight has no .float(): its values first
-        rows, weight = rows.float(), weight.float()
-        bias = None if bias is None else bias.float()
-    if m < GEMM_ROW_FLOOR:
-        rows = torch.cat([rows, rows.new_zeros(GEMM_ROW_FLOOR - m, k)])
-    y = F.linear(rows, weight, bias)
-    if m < GEMM_ROW_FLOOR:
-        y = y[:m]
-    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+    y = _cpu_invariant_linear(rows, weight, bias) if device == "cpu" else kernels.invariant_linear(rows, weight, bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class InvariantLinear(nn.Linear):
