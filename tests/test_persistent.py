@@ -77,6 +77,21 @@ def test_kept_decoders_hold_no_trace_of_earlier_calls(small):
     assert len(small._cores) == 1
 
 
+def test_each_batch_invariant_mode_keeps_its_own_decoders(small):
+    """A captured graph replays the kernels of the mode it was captured in (on CUDA the invariant matmul
+    and attention), so a call in the other mode must not reuse a decoder of this one: it captures its
+    own, and switching back captures nothing."""
+    small.clear_cores()
+    kw = dict(class_labels=[1, 2], seed=3, temperature=1.0, cfg_scale=3.0, batch_size=2, decode_images=False)
+    small.generate(method="ar", **kw)
+    assert small.generate(method="ar", **kw).stats["graph_captures"] == 0
+    other = small.generate(method="ar", deterministic=True, **kw)
+    assert other.stats["graph_captures"] > 0  # negative of the line above: a new mode, new graphs
+    assert small.generate(method="ar", **kw).stats["graph_captures"] == 0
+    assert small.generate(method="ar", deterministic=True, **kw).stats["graph_captures"] == 0
+    assert len(small._cores) == 2
+
+
 @pytest.mark.parametrize("method,opts", [("ar", {}), ("zipar", {"zipar_window": 2})])
 def test_partial_images_come_from_the_output_thread_and_add_no_round(small, method, opts):
     got = []

@@ -190,7 +190,7 @@ class Engine:
         p = next(gpt.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._codebook_cache = {}
-        self._cores = {}  # (method, options, sampling scope, compile, graphs) -> runtime.core.DecodeCore
+        self._cores = {}  # (method, options, sampling scope, run config, mode) -> runtime.core.DecodeCore
         self.quantization = "none"  # quantize_weights() sets it
         self.set_deterministic(False)
 
@@ -564,7 +564,9 @@ class Engine:
         (``runtime.core``); ``make_decoder(batch)`` builds its decoders."""
         from .runtime.core import DecodeCore
 
-        key = (method, repr(opts), repr(scope), config)
+        # the batch-invariant mode is part of the key: a captured graph replays the kernels of the mode it
+        # was captured in (on CUDA the invariant matmul and attention), so each mode keeps its own decoders
+        key = (method, repr(opts), repr(scope), config, self.deterministic)
         if key not in self._cores:
             self._cores[key] = DecodeCore(make_decoder, config.compile, config.cuda_graphs)
             self._cores[key].options = opts
