@@ -66,6 +66,11 @@ SETTINGS = [
     qs.SETTING_BY_NAME["SJD-PAC W=2 D=3"],
     qs.SETTING_BY_NAME["SCD L=32"],
     qs.SETTING_BY_NAME["GSD G=14"],
+    # row-parallel drafts verified exactly in raster order (pjd.md E3; docs/zipar.md "Row drafts"): rows as a
+    # draft source for an SCD-coupled raster verifier of L lanes; start lag 4 and commit lag 2 (adaptive) or s = 2
+    ("Row drafts L=32 start 4 lag 2", "row-drafts", {"jacobi_window": 32, "zipar_window": 4, "zipar_commit_lag": 2}),
+    ("Row drafts L=32 s=2", "row-drafts", {"jacobi_window": 32, "zipar_window": 2, "zipar_commit_lag": 0}),
+    ("Row drafts L=16 s=2", "row-drafts", {"jacobi_window": 16, "zipar_window": 2, "zipar_commit_lag": 0}),
 ]
 # the order a run generates them: the settings cheapest first, then the extra PJD ones
 ORDER = ["AR", "ZipAR s=4", "ZipAR s=8", "SJD-PAC", "ZipAR s=4 + SJD L=4", "PJD-E1", "PJD rule", "SJD",
