@@ -13,6 +13,8 @@ keeps none, so settings read from its cache have no row statistics).
 
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --images-per-class 32 --out benchmarks/results/pjd_zoo_512
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --model zoo-gpt-32 --images-per-class 16
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --out benchmarks/results/pjd_zoo_rowdrafts \
+        --settings "Row drafts L=32 start 4 lag 2,SCD L=32,Row drafts L=32 s=2,Row drafts L=16 s=2"
     python benchmarks/pjd_zoo.py --images-per-class 32 --out benchmarks/results/pjd_zoo_512 --report-only \
         --doc docs/jacobi.md                                               # tables from the cache
 
@@ -82,7 +84,8 @@ SHARED_CACHE = {"AR": "AR", "SJD": "SJD", "SJD-PAC": "SJD-PAC W=3 D=3"}
 DOC_BEGIN = "<!-- {tag}:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
 DOC_END = "<!-- {tag}:end -->"
 PAIRS = [("PJD rule", "PJD-E1"), ("PJD-E1 no cap", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"),
-         ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4"), ("ZipAR s=4 + SJD L=4", "ZipAR s=4")]
+         ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4"), ("ZipAR s=4 + SJD L=4", "ZipAR s=4"),
+         ("Row drafts L=32 start 4 lag 2", "SCD L=32"), ("Row drafts L=32 s=2", "SCD L=32")]
 CAP_BINDS = 1.0  # cap waits per image from which the rows-per-forward cap counts as binding
 GRIDS = [(16, False), (24, False), (32, False), (48, True)]  # (side, rows end with an EOL: Lumina-mGPT)
 
