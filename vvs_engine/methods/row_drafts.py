@@ -28,9 +28,10 @@ samples see its lanes before them). Draft lanes never write a slot the verifier 
 positions >= n + Lv only), and the verifier reads committed slots and its own lanes only. Greedy, the
 verifier commits greedy AR's tokens. ``row_after_reject`` picks what a rejection does to the
 row-drafted tokens after it in the verifier's window: ``jacobi`` (SJD's Jacobi samples replace them) or
-``keep``. Random numbers: keyed by image and raster index (the verifier's tests and residuals, as AR
-draws token t at step t), by row round and raster index (draft rows), by the image's rounds (the
-verifier's Jacobi samples), so tokens do not depend on the batch.
+``keep``. Random numbers are keyed by image and raster index (the verifier's residual or bonus token at
+index t: step t of ``SAMPLE``, as AR draws it), by the image's round and raster index (the verifier's
+tests and Jacobi samples) and by the row's round and raster index (draft rows), so tokens do not depend
+on the batch.
 
 Square grids without end-of-line tokens (LlamaGen, Janus-Pro, the Zoo). State per image: the token
 buffer (committed prefix, then drafts) with each draft's q [T, V] (T x V floats per image).
@@ -85,15 +86,19 @@ class RowDraftOptions(MethodOptions):
     row_drafts_untested: bool = False
 
     def validate(self):
-        for name, lo in (("jacobi_window", 2), ("zipar_window", 1), ("zipar_jacobi_window", 1)):
+        def integer(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name, lo in (("jacobi_window", 2), ("zipar_jacobi_window", 1)):  # lanes
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= (MAX_LANES if "jacobi" in name else 1 << 20):
-                top = f"[{lo}, {MAX_LANES}]" if "jacobi" in name else f">= {lo}"
-                raise VVSError(f"{name.replace('_', '-')} must be an integer {'in ' if '[' in top else ''}{top}, got {v!r}")
+            if not integer(v) or not lo <= v <= MAX_LANES:
+                raise VVSError(f"{name.replace('_', '-')} must be an integer in [{lo}, {MAX_LANES}], got {v!r}")
+        if not integer(self.zipar_window) or self.zipar_window < 1:
+            raise VVSError(f"zipar-window must be an integer >= 1, got {self.zipar_window!r}")
         lag = self.zipar_commit_lag
-        if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= self.zipar_window:
+        if not integer(lag) or not 0 <= lag <= self.zipar_window:
             raise VVSError(f"zipar-commit-lag must be an integer in [0, zipar-window = {self.zipar_window}], got {lag!r}")
-        if isinstance(self.row_redraw, bool) or not isinstance(self.row_redraw, int) or self.row_redraw < 0:
+        if not integer(self.row_redraw) or self.row_redraw < 0:
             raise VVSError(f"row-redraw must be an integer >= 0, got {self.row_redraw!r}")
         if self.coupling not in COUPLINGS:
             raise VVSError(f"coupling must be one of {', '.join(COUPLINGS)} for row-drafts, got {self.coupling!r}")
