@@ -17,7 +17,6 @@ eagerly on the same buffers. Writes JSON and a Markdown table that carries its c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import provenance, write_report  # noqa: E402  (sets the checkout's path first)
 
 from vvs_engine.engine import resolve_device, resolve_dtype  # noqa: E402
 from vvs_engine.evaluation.bench import SHAPES, random_engine  # noqa: E402
@@ -89,24 +89,12 @@ def main(argv=None):
            "dtype": a.dtype, "rows": 2, "tokens": T, "ms_per_step_median": statistics.median(per_step),
            "ms_per_step_all": per_step, "target_ms": 0.5, "hbm_floor_ms_h200": 0.32,
            "attention": describe(device, dtype, eng.gpt.config.head_dim, False), "graphs": stats,
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "tokens_shape": list(tokens.shape),
-           "command": " ".join(["python", "benchmarks/ar_graph_step.py"] + (argv if argv is not None else sys.argv[1:])),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=2)
+           "tokens_shape": list(tokens.shape), **provenance(__file__, argv, device)}
     graphed = any(c["graph"] for c in res["graphs"].values())
-    table = [f"## AR step (ARDecoder ar_step through RoundGraphs, {res['device']})", "",
-             f"`{res['command']}`  |  {res['date']}", "",
-             "| model | dtype | rows | tokens | graph | ms/step (median) | all repeats | target |",
-             "|---|---|---:|---:|---|---:|---|---:|",
-             f"| {res['model']} | {a.dtype} | 2 | {T} | {graphed} | {res['ms_per_step_median']:.4f} | "
-             f"{', '.join(f'{t:.4f}' for t in per_step)} | 0.5 |", "",
-             f"attention backends: {res['attention']}"]
-    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
-        f.write("\n".join(table) + "\n")
-    print("\n".join(table))
+    write_report(a.out, res, f"AR step (ARDecoder ar_step through RoundGraphs, {res['device']})",
+                 ["model", "dtype", "rows", "tokens", "graph", "ms/step (median)", "all repeats", "target"],
+                 [[res["model"], a.dtype, 2, T, graphed, f"{res['ms_per_step_median']:.4f}",
+                   ", ".join(f"{t:.4f}" for t in per_step), 0.5]], [f"attention backends: {res['attention']}"])
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import QUALITY_CACHE, ROOT, provenance, write_tables  # noqa: E402  (sets the checkout's path first)
 
 LOOP_METHODS = ("ar", "sjd", "gsd", "scd", "sjd-pac", "zipar", "eagle", "lantern", "lantern++", "cascade", "vvs")
 # methods whose rounds per image are its target forwards (the simulator's input); VVS skips rounds
@@ -135,7 +135,7 @@ def from_cache(rows_list) -> list:
     cost = json.load(open(os.path.join(ROOT, "benchmarks/results/round_cost.json")))["compiled_model"]["LlamaGen-XL"]
     out = []
     for name, cost_row in CACHE_ROWS.items():
-        path = os.path.join(ROOT, "benchmarks/results/quality_speed_tokens", name + ".npz")
+        path = os.path.join(QUALITY_CACHE, name + ".npz")
         if not os.path.exists(path) or cost_row not in cost["rows"]:
             continue
         passes = [int(x) for x in np.load(path)["forwards"]]
@@ -152,11 +152,9 @@ def from_cache(rows_list) -> list:
     return out
 
 
-def write(measured, cached, args, path_md):
-    lines = [f"<!-- written by: python benchmarks/continuous_batching.py {' '.join(sys.argv[1:])} -->",
-             "# Continuous batching vs static batches", "",
-             f"Command: `OMP_NUM_THREADS=1 python benchmarks/continuous_batching.py {' '.join(sys.argv[1:])}` "
-             f"({time.strftime('%Y-%m-%d')}).", ""]
+def write(measured, cached, args, run):
+    lines = [f"<!-- written by: {run['command']} -->", "# Continuous batching vs static batches", "",
+             f"Command: `OMP_NUM_THREADS=1 {run['command']}` ({run['date'][:10]}).", ""]
     if measured:
         lines += [f"## Measured on the Zoo: {args.images} images, {args.rows} rows in flight, CPU, 1 thread", "",
                   "Rounds and row-rounds as run; utilisation = row-rounds committing tokens for a real image / all "
@@ -194,8 +192,8 @@ def write(measured, cached, args, path_md):
                              f"{s['utilisation']:.3f} -> {c['utilisation']:.3f} | {s['modelled_images_per_s']:.1f} -> "
                              f"{c['modelled_images_per_s']:.1f} |")
             lines.append("")
-    with open(path_md, "w") as f:
-        f.write("\n".join(lines))
+    write_tables(os.path.join(args.out, "continuous_batching"), "\n".join(lines),
+                 {"command": run["command"], "measured": measured, "cache": cached})
 
 
 def main(argv=None, engine=None):
@@ -222,11 +220,7 @@ def main(argv=None, engine=None):
             print(json.dumps(row), flush=True)
             measured.append(row)
     cached = from_cache(args.cache_rows) if args.cache_rows else []
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "continuous_batching.json"), "w") as f:
-        json.dump({"command": "python benchmarks/continuous_batching.py " + " ".join(sys.argv[1:]),
-                   "measured": measured, "cache": cached}, f, indent=1)
-    write(measured, cached, args, os.path.join(args.out, "continuous_batching.md"))
+    write(measured, cached, args, provenance(__file__, argv))
     return measured, cached
 
 

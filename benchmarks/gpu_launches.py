@@ -20,12 +20,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, provenance, write_report  # noqa: E402  (sets the checkout's path first)
 
 METHODS = [("AR", "ar", {}), ("EAGLE-2", "eagle", {}), ("LANTERN d=0.2", "lantern", {"lantern_delta": 0.2}),
            ("LANTERN++", "lantern++", {}), ("VVS-U i=2", "vvs", {"skip_policy": "uniform", "skip_interval": 2}),
@@ -112,24 +111,15 @@ def main(argv=None):
                              copies_median=statistics.median(c for _, c in counts),
                              cpu_gpu_style=cpu_counts.get(name, {}).get(kind)))
         print(name, {r["kind"]: r["kernels_median"] for r in rows if r["method"] == name}, flush=True)
-    device = torch.cuda.get_device_name() if cuda else "cpu (smoke run: CPU ops, not GPU launches)"
-    res = dict(benchmark="gpu_launches", device=device, rows=rows,
-               command=" ".join(["python", "benchmarks/gpu_launches.py"] + (argv if argv is not None else sys.argv[1:])),
-               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    lines = [f"## Kernel launches per compiled-round replay ({device}, Zoo, batch 1)", "",
-             f"`{res['command']}`  |  {res['date']}", "",
-             "| method | round kind | replays | GPU kernels (median, min-max) | memcpy/memset | CPU count, GPU style (op_count.json) |",
-             "|---|---|---:|---|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['method']} | {r['kind']} | {r['replays']} | {r['kernels_median']:.0f} "
-                     f"({r['kernels_min']}-{r['kernels_max']}) | {r['copies_median']:.0f} | "
-                     f"{'-' if r['cpu_gpu_style'] is None else r['cpu_gpu_style']} |")
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    res = dict(benchmark="gpu_launches", rows=rows, **provenance(__file__, argv, "cuda" if cuda else "cpu"))
+    if not cuda:
+        res["device"] = "cpu (smoke run: CPU ops, not GPU launches)"
+    write_report(args.out, res, f"Kernel launches per compiled-round replay ({res['device']}, Zoo, batch 1)",
+                 ["method", "round kind", "replays", "GPU kernels (median, min-max)", "memcpy/memset",
+                  "CPU count, GPU style (op_count.json)"],
+                 [[r["method"], r["kind"], r["replays"],
+                   f"{r['kernels_median']:.0f} ({r['kernels_min']}-{r['kernels_max']})", f"{r['copies_median']:.0f}",
+                   "-" if r["cpu_gpu_style"] is None else r["cpu_gpu_style"]] for r in rows])
 
 
 if __name__ == "__main__":

@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import platform
 import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, has_block, replace_block, write_tables  # noqa: E402  (sets the checkout's path first)
 
 from vvs_engine.kernels.backends import ENV  # noqa: E402
 from vvs_engine.runtime.opcount import OpCounter  # noqa: E402
@@ -280,23 +279,15 @@ def budget_table(rows) -> list:
 
 
 def write_doc(rows) -> None:
-    if not os.path.exists(DOC) or "AR" not in rows or "compiled_launches_by_kind" not in rows["AR"]:
+    if "AR" not in rows or "compiled_launches_by_kind" not in rows["AR"] or not has_block(DOC, *DOC_MARKERS):
         return
-    text = open(DOC).read()
-    a, b = text.find(DOC_MARKERS[0]), text.find(DOC_MARKERS[1])
-    if a < 0 or b < a:
-        return
-    with open(DOC, "w") as f:
-        f.write(text[: a + len(DOC_MARKERS[0])] + "\n" + "\n".join(budget_table(rows)) + "\n" + text[b:])
+    replace_block(DOC, *DOC_MARKERS, DOC_MARKERS[0] + "\n" + "\n".join(budget_table(rows)) + "\n" + DOC_MARKERS[1])
 
 
 def write(out_dir, results, verify_rows, batch_sizes, note, meta) -> str:
-    os.makedirs(out_dir, exist_ok=True)
     md = render(results, verify_rows, batch_sizes, note)
-    with open(os.path.join(out_dir, "op_count.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(out_dir, "op_count.json"), "w") as f:
-        json.dump(dict(meta=meta, results={str(b): r for b, r in results.items()}, verify_call=verify_rows), f, indent=1)
+    write_tables(os.path.join(out_dir, "op_count"), md,
+                 dict(meta=meta, results={str(b): r for b, r in results.items()}, verify_call=verify_rows))
     return md
 
 

@@ -24,6 +24,9 @@ interrupted setting resumes from its last finished batch (``<setting>.partial.np
 Per-image features and bootstrap draws are cached beside (``<out>_work/``, git-ignored), so rebuilding
 the report costs seconds once they exist.
 
+The cache, the statistics, the levels of fidelity and the report helpers are the shared harness's
+(``benchmarks/harness.py``, also ``pjd_zoo.py``'s); this file holds the settings, the families and the report.
+
     python benchmarks/quality_speed.py --images-per-class 32 --settings all       # the whole table
     python benchmarks/quality_speed.py --images-per-class 32 --settings core      # core settings first
     python benchmarks/quality_speed.py --images-per-class 32 --report-only         # rebuild from the cache
@@ -34,19 +37,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from harness import (  # noqa: E402  (the shared harness: cache, statistics, levels, report helpers)
+    GAP_FILE, NEAR_LOSSLESS_D, PARITY_METRICS, ROOT, ReferenceSet, WorkCache, at_parity, bootstrap_indices,
+    cache_path, cached, digest_of, exact_by_construction, fmt_ci, fmt_diff, fmt_gap, fmt_z, gap_of, gap_sampling,
+    generate_setting, labels_for, level_fronts, levels_markdown, machine_id, parity_verdicts, pick,
+    place_levels, replace_block, setting_draws, setting_key, summarise, verify_cache, write_tables, zoo_context)
 
 # (name, method, options): the issue's settings, AR first.
 SETTINGS = [
@@ -84,7 +90,7 @@ SETTINGS = [
     ("CASCADE b=0.95 d=0.8", "cascade", {"cascade_breadth_threshold": 0.95, "cascade_depth_threshold": 0.8}),
     ("CASCADE nucleus 0.3", "cascade", {"cascade_nucleus": 0.3}),
     ("CASCADE b=0.99 d=0.9", "cascade", {"cascade_breadth_threshold": 0.99, "cascade_depth_threshold": 0.9}),
-    # ZipAR (lossy): the window of benchmarks/results/zipar_zoo.md's choice and the smallest (the default now)
+    # ZipAR (lossy): the window of benchmarks/studies/zipar_zoo/zipar_zoo.md's choice and the smallest (the default now)
     ("ZipAR s=4", "zipar", {"zipar_window": 4}),
     ("ZipAR s=2", "zipar", {"zipar_window": 2}),
     # compositions no published system has
@@ -184,171 +190,6 @@ def available_settings() -> list:
 
     have = set(method_names())
     return [s for s in SETTINGS if s[1] in have]
-
-
-# --- statistics (pure numpy; the test checks them on synthetic data) --------------------------------
-def bootstrap_indices(n: int, reps: int, seed: int) -> np.ndarray:
-    """[reps, n] image indices drawn with replacement (one fixed draw shared by every setting)."""
-    return np.random.default_rng(seed).integers(0, n, size=(reps, n))
-
-
-def interval(samples) -> tuple:
-    """95 % percentile interval of bootstrap samples."""
-    lo, hi = np.percentile(np.asarray(samples, dtype=np.float64), [2.5, 97.5])
-    return float(lo), float(hi)
-
-
-def estimate(stat, idx: np.ndarray, ar=None) -> tuple:
-    """stat(indices) -> float. Returns ({value on all images, its interval over the bootstrap draws
-    ``idx``, and with ``ar`` = AR's (value, draws) on the same indices the paired difference and its
-    interval}, the draws)."""
-    value = float(stat(np.arange(idx.shape[1])))
-    boot = np.array([stat(i) for i in idx])
-    return summarise(value, boot, ar), boot
-
-
-def summarise(value: float, boot: np.ndarray, ar=None) -> dict:
-    """A metric's value and interval; with AR's (value, draws) also the paired difference."""
-    out = {"value": float(value), "ci": interval(boot)}
-    if ar is not None:
-        out["diff"] = float(value) - ar[0]
-        out["diff_ci"] = interval(np.asarray(boot) - ar[1])
-    return out
-
-
-PARITY_METRICS = {"class_accuracy": +1, "fd_classifier": -1, "fid_inception": -1}  # +1: higher is better
-
-
-def at_parity(row: dict) -> bool:
-    """Not detectably worse than AR: for every quality metric the paired difference's 95 % interval
-    reaches the no-difference point or the better side. (Differences, not the setting's own interval
-    against AR's: an FD interval from resamples that repeat images is shifted upwards, and the shift
-    cancels in a paired difference.)"""
-    for k, sign in PARITY_METRICS.items():
-        m = row.get(k)
-        if m is None or "diff_ci" not in m:
-            continue
-        lo, hi = m["diff_ci"]
-        if (hi if sign > 0 else -lo) < 0:
-            return False
-    return True
-
-
-def parity_verdicts(rows: list) -> str | None:
-    """Marks every row ``parity`` True/False; returns the name of the fastest (highest TPF) non-AR row
-    at parity, or None."""
-    best = None
-    for r in rows:
-        r["parity"] = r["method"] == "ar" or at_parity(r)
-        if r["parity"] and r["method"] != "ar" and (best is None or r["tpf"]["value"] > best["tpf"]["value"]):
-            best = r
-    return best["name"] if best else None
-
-
-# --- three levels of fidelity (issue 52), placed by the sampling gap D and the parity rule -------------
-NEAR_LOSSLESS_D = 0.025  # nats/token: a tenth of AR sampled at temperature 1.1 (D = +0.25 on the Zoo)
-LEVELS = ("exact", "near-lossless", "parity")  # strictest first; a setting at a level is at every looser one
-LEVEL_TEXT = {"exact": "exact (exact by construction, and D's 95 % interval holds 0)",
-              "near-lossless": f"near-lossless (|D| <= {NEAR_LOSSLESS_D} nats/token and at parity)",
-              "parity": "perceptual parity (not detectably worse than AR by the report's parity rule)"}
-
-
-def exact_by_construction(method: str, opts: dict) -> bool:
-    """Whether a setting's method samples the target's distribution exactly by its algorithm: AR, EAGLE's exact
-    acceptance, SJD (any window, any initialisation), SCD's coupled SJD, SJD-PAC's exact variant. Not: the
-    relaxed rules (LANTERN, LANTERN++, GSD, CASCADE), VVS (a skipped round commits unverified drafts),
-    ZipAR and PJD (a row's tokens are drawn before the row above is complete: PJD-E1 is exact per forward, given
-    the partial context its forward saw, not against raster AR). Row drafts are exact: ZipAR's rows only draft,
-    an SJD verifier commits in raster order (but for the tests' negative control, which commits them untested)."""
-    from vvs_engine.methods import resolve_options
-
-    if method in ("ar", "eagle", "sjd", "scd"):
-        return True
-    if method == "row-drafts":
-        return not resolve_options(method, opts).get("row_drafts_untested")
-    if method == "sjd-pac":
-        return resolve_options(method, opts).get("pac_variant") == "exact"
-    return False
-
-
-def fidelity_level(row: dict):
-    """The strictest level a setting reaches on its evidence (None: not even at parity). Without D a setting
-    can be placed at parity only."""
-    from vvs_engine.evaluation.divergence import reads_exact
-
-    gap = row.get("gap")
-    if row["method"] == "ar" and (gap is None or reads_exact(gap)):
-        return "exact"
-    if gap is not None and exact_by_construction(row["method"], row.get("options", {})) and reads_exact(gap):
-        return "exact"
-    if gap is not None and abs(gap["value"]) <= NEAR_LOSSLESS_D and row.get("parity"):
-        return "near-lossless"
-    return "parity" if row.get("parity") else None
-
-
-def level_fronts(rows: list) -> dict:
-    """{level: the settings at that level or a stricter one, fastest (highest TPF) first; AR excluded}."""
-    out = {}
-    for i, level in enumerate(LEVELS):
-        ok = [r for r in rows if "error" not in r and r["method"] != "ar" and r.get("level") in LEVELS[: i + 1]]
-        out[level] = sorted(ok, key=lambda r: -r["tpf"]["value"])
-    return out
-
-
-def place_levels(rows: list) -> dict:
-    """Marks every row's ``level``; returns {level: name of its fastest setting or None}."""
-    for r in rows:
-        if "error" not in r:
-            r["level"] = fidelity_level(r)
-    return {level: (front[0]["name"] if front else None) for level, front in level_fronts(rows).items()}
-
-
-def _gap(r) -> str:
-    from vvs_engine.evaluation.divergence import format_gap
-
-    return format_gap(r["gap"]) if r.get("gap") else "–"
-
-
-def _z(r) -> str:
-    return f"{r['gap']['z']:+.1f}" if r.get("gap") else "–"
-
-
-def levels_markdown(rows: list, controls=(), top: int = 5) -> list:
-    """The three frontiers: per level its fastest settings with TPF, D and the parity metrics; then the
-    controls that show what D and the parity rule detect."""
-    fronts = level_fronts(rows)
-    lines = ["## Three levels of fidelity", "",
-             "D = mean over an image's tokens of (− log p(token) − entropy of p) under the target's own sampling "
-             "distribution p (teacher-forced, CFG and temperature as sampled), in nats per token, averaged over "
-             "images with a 95 % interval (± 1.96 standard errors); z = D / standard error. An exact sampler reads "
-             "0 whatever its prefix; a mode-seeking one reads negative, an over-dispersed one positive. Levels, "
-             "each including the stricter ones: " + "; ".join(LEVEL_TEXT[k] for k in LEVELS) + ".", "",
-             "| level | rank | setting | TPF | D (nats/token) | z | Δ acc vs AR | Δ FD vs AR | parity |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for level in LEVELS:
-        front = fronts[level][:top]
-        if not front:
-            lines.append(f"| {level} | – | none | – | – | – | – | – | – |")
-        for k, r in enumerate(front, 1):
-            lines.append(f"| {level if k == 1 else ''} | {k} | {r['name']} | {_ci(r['tpf'], 2)} | {_gap(r)} | {_z(r)} | "
-                         f"{_diff(r.get('class_accuracy'), 3)} | {_diff(r.get('fd_classifier'), 2)} | "
-                         f"{'yes' if r.get('parity') else 'no'} |")
-    no_gap = [r["name"] for r in rows if "error" not in r and not r.get("gap")]
-    if no_gap:
-        lines += ["", f"D not computed yet for {len(no_gap)} settings (placed at parity at most): {', '.join(no_gap)}."]
-    if controls:
-        lines += ["", "### Controls: AR sampling a known-wrong distribution", "",
-                  "AR's tokens at a changed sampling, D measured against the target's own (the shared sampling). "
-                  "Their class accuracy and classifier FD are paired with AR on the same bootstrap draws (no FID: "
-                  "the controls' Inception features were not computed). A parity verdict of yes here is the "
-                  "perceptual rule's blind spot that D closes.", "",
-                  "| control | D (nats/token) | z | class acc | Δ acc vs AR | FD (classifier) | Δ FD vs AR | parity |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in controls:
-            lines.append(f"| {r['name']} | {_gap(r)} | {_z(r)} | {_ci(r['class_accuracy'], 3)} | "
-                         f"{_diff(r['class_accuracy'], 3)} | {_ci(r['fd_classifier'], 2)} | "
-                         f"{_diff(r['fd_classifier'], 2)} | {'yes' if r.get('parity') else 'no'} |")
-    return lines + [""]
 
 
 # --- per-family fronts and the VVS question --------------------------------------------------------
@@ -502,151 +343,12 @@ def defaults_markdown(rows: list) -> list:
         d, f = v["default"], v["fastest"]
         verdict = text[v["verdict"]] + (f" ({v['reason']})" if v["reason"] else "")
         lines.append(f"| {v['family']} | `{v['method']}` | {d['name'] if d else 'not measured'} | "
-                     f"{_ci(d['tpf'], 2) if d else '–'} | {('yes' if d['parity'] else 'no') if d else '–'} | "
-                     f"{f['name'] if f else 'none'} | {_ci(f['tpf'], 2) if f else '–'} | {verdict} |")
+                     f"{fmt_ci(d['tpf'], 2) if d else '–'} | {('yes' if d['parity'] else 'no') if d else '–'} | "
+                     f"{f['name'] if f else 'none'} | {fmt_ci(f['tpf'], 2) if f else '–'} | {verdict} |")
     return lines + [""]
 
 
-# --- the token cache ---------------------------------------------------------------------------------
-def checkpoint_digest(engine_paths: dict) -> str:
-    h = hashlib.sha1()
-    for k in sorted(engine_paths):
-        p = engine_paths[k]
-        h.update(k.encode())
-        if p and os.path.exists(p):
-            with open(p, "rb") as f:
-                h.update(hashlib.sha1(f.read()).digest())
-    return h.hexdigest()[:16]
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)
-
-
-def setting_key(ckpt_key: str, method: str, opts: dict, sampling: dict, labels, seed: int, batch_size: int,
-                device: str = "cpu", dtype: str = "fp32") -> str:
-    """What a setting's tokens are a function of, as canonical JSON. The method's *effective* options
-    (defaults filled in) go in, so a changed default invalidates the cache too. Batch size, device and
-    dtype are part of it: in fp32 a sampled method's tokens can depend on the batch shape, and other
-    devices round differently."""
-    from vvs_engine.methods import resolve_options
-
-    effective = resolve_options(method, opts)
-    if method == "zipar":  # PJD's options, where they leave ZipAR's tokens as before, stay out of the key
-        from vvs_engine.methods.zipar import PJD_OPTION_DEFAULTS
-
-        effective = {k: v for k, v in effective.items() if k not in PJD_OPTION_DEFAULTS or PJD_OPTION_DEFAULTS[k] != v}
-    extra = {}
-    if method == "vvs" and effective.get("skip_policy") == "dynamic":
-        # VVS-D decides skips per sequence since the one loop (it decided per batch before): new tokens
-        extra["skip_decision"] = "per-sequence"
-    return json.dumps({**extra, "checkpoints": ckpt_key, "method": method, "options": effective, "sampling": sampling,
-                       "labels": list(labels), "seed": seed, "batch_size": batch_size, "rng": "counter-rng",
-                       "device": torch.device(device).type, "dtype": dtype}, sort_keys=True, default=str)
-
-
-def digest_of(key: str) -> str:
-    return hashlib.sha1(key.encode()).hexdigest()[:16]
-
-
-def _save_npz(path: str, **arrays) -> None:
-    """Atomic write: an interrupted save never leaves a truncated cache file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp.npz"
-    np.savez_compressed(tmp, **arrays)
-    os.replace(tmp, path)
-
-
-def load_cache(path: str, digest: str):
-    """The cached setting at ``path`` if it is complete and its digest matches, else None."""
-    if not os.path.exists(path):
-        return None
-    try:
-        with np.load(path) as z:
-            if str(z["digest"]) != digest:
-                return None
-            return {k: (z[k] if z[k].shape else z[k].item()) for k in z.files}
-    except Exception:  # an unreadable file is regenerated, never trusted
-        return None
-
-
-def code_revision() -> str:
-    try:
-        out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
-
-
-def machine_id(device) -> str:
-    """What the tokens depend on beyond the code and the settings: in fp32 the CPU's model and vector unit
-    (its BLAS and vectorised kernels round differently) or the GPU's name. Seen here: the same code and
-    settings reproduce 14 of 16 sampled AR images on an AMD EPYC with AVX-512 that were made on another
-    machine; on the same machine, 16 of 16."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_name(torch.device(device))
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
-
-
-def generate_setting(eng, name, method, opts, labels, seed, sampling, batch_size=16, cache=None, key="",
-                     show=True, ops=True) -> dict:
-    """Tokens of one setting -> {"tokens": [n, T] int64, "forwards": [n], "ops_per_token", ...};
-    loaded from ``cache`` (an .npz path) when it holds the same digest. Batch k is images
-    [k*batch_size, (k+1)*batch_size); after each batch the tokens so far go to ``<cache>.partial.npz``,
-    so an interrupted run resumes at the next batch."""
-    digest = digest_of(key)
-    if cache:
-        done = load_cache(cache, digest)
-        if done is not None:
-            done["tokens"] = done["tokens"].astype(np.int64)
-            done["forwards"] = done["forwards"].astype(np.float64)
-            return done
-    partial = cache[: -len(".npz")] + ".partial.npz" if cache else None
-    toks, fwd, seconds = [], [], 0.0
-    if partial:
-        prev = load_cache(partial, digest)
-        if prev is not None:
-            toks, fwd, seconds = [prev["tokens"].astype(np.int64)], list(prev["forwards"]), float(prev["gen_seconds"])
-    n_done = sum(len(t) for t in toks)
-    n = len(labels)
-    for start in range(n_done, n, batch_size):
-        chunk = list(range(start, min(start + batch_size, n)))
-        t0 = time.time()
-        # image i's random numbers come from (seed, i): batch-invariant, paired across settings
-        out = eng.generate(class_labels=[labels[i] for i in chunk], method=method, seed=seed,
-                           image_indices=chunk, batch_size=batch_size, decode_images=False, **sampling, **opts)
-        seconds += time.time() - t0
-        toks.append(out.tokens.numpy())
-        fwd += list(out.stats["per_image"]["target_forward_passes"])
-        done = chunk[-1] + 1
-        if partial:
-            _save_npz(partial, tokens=np.concatenate(toks).astype(np.int16), forwards=np.asarray(fwd, np.float64),
-                      digest=digest, key=key, gen_seconds=seconds)
-        if show:
-            rate = (done - n_done) / max(seconds - (float(prev["gen_seconds"]) if n_done else 0.0), 1e-9)
-            eta = (n - done) / max(rate, 1e-9)
-            print(f"[quality_speed] {name}: {done}/{n} images, {rate:.3f} images/s, about {eta / 60:.0f} min left",
-                  flush=True)
-    res = {"tokens": np.concatenate(toks).astype(np.int64), "forwards": np.asarray(fwd, dtype=np.float64),
-           "gen_seconds": seconds, "images_per_second": n / max(seconds, 1e-9),
-           "ops_per_token": ops_per_token(eng, method, opts, labels[0], seed, sampling) if ops else -1.0,
-           "threads": torch.get_num_threads(), "batch_size": batch_size, "torch": torch.__version__,
-           "device": str(eng.device), "machine": machine_id(eng.device), "revision": code_revision(),
-           "date": datetime.date.today().isoformat(), "digest": digest, "key": key}
-    if cache:
-        _save_npz(cache, **{k: (v.astype(np.int16) if k == "tokens" else v) for k, v in res.items()})
-        if partial and os.path.exists(partial):
-            os.remove(partial)
-    return res
-
-
+# --- what VVS's rounds yield -------------------------------------------------------------------------
 SKIP_SAMPLE = 2  # images per class whose skip fraction is measured (a re-run of those images)
 
 
@@ -669,232 +371,7 @@ def skip_fraction(eng, name, method, opts, labels, seed, sampling) -> dict:
             "tokens_per_skip": (tokens - accepted * verified) / skips if skips else 0.0}
 
 
-def ops_per_token(eng, method, opts, label, seed, sampling) -> float:
-    from vvs_engine.runtime.opcount import OpCounter
-
-    with OpCounter() as c:
-        eng.generate(class_labels=[label], method=method, seed=seed, decode_images=False, **sampling, **opts)
-    return c.compute / eng.tokens_per_image
-
-
-def verify_cache(eng, gen: dict, name, method, opts, labels, seed, sampling, batch_size, n_batches=1) -> tuple:
-    """Regenerate the first ``n_batches`` batches of a cached setting exactly as the run made them
-    (same labels, image indices and batch shape) -> (images compared, images that differ)."""
-    n = min(len(labels), n_batches * batch_size)
-    differ = 0
-    for start in range(0, n, batch_size):
-        chunk = list(range(start, min(start + batch_size, n)))
-        out = eng.generate(class_labels=[labels[i] for i in chunk], method=method, seed=seed, image_indices=chunk,
-                           batch_size=batch_size, decode_images=False, **sampling, **opts)
-        differ += int((out.tokens.numpy() != gen["tokens"][chunk]).any(1).sum())
-    return n, differ
-
-
-# --- metrics ----------------------------------------------------------------------------------------
-def image_features(eng, tokens, labels, inception: bool) -> dict:
-    """Per-image quantities every metric is computed from (so bootstrap draws need no new images)."""
-    from vvs_engine.evaluation.quality import classifier_features, classifier_input, get_inception, load_classifier
-
-    images = eng.decode_images(torch.as_tensor(tokens))
-    x = classifier_input(images)  # the classifier and the reference crops are 64 x 64 (zoo-gpt-32's 128 px resized)
-    net = load_classifier()
-    with torch.no_grad():
-        pred = net(x).argmax(-1).numpy()
-    out = {"correct": (pred == np.asarray(labels)).astype(np.float64), "cls": classifier_features(x, net)}
-    if inception:
-        out["inc"] = get_inception()(x)
-    return out
-
-
-class ReferenceSet:
-    """Metrics against one fixed reference feature set, fast enough for 1000 bootstrap draws.
-
-    FD: with X the centred [n, D] sample features, tr((S S_r)^(1/2)) is the sum of the square roots
-    of the eigenvalues of the n x n matrix X S_r X^T / (n - 1) (the same non-zero spectrum as
-    S_r^(1/2) S S_r^(1/2)), so a draw costs one n x n eigendecomposition instead of two D x D ones
-    (D = 2048 for Inception): the same value as :func:`vvs_engine.evaluation.quality.frechet_distance`
-    (checked in the tests), about 30x faster. Precision/recall: the distances are computed once per
-    setting and each draw only indexes them (a resample's repeated images have distance 0 to each other,
-    exactly as in ``precision_recall`` on the resampled set)."""
-
-    def __init__(self, ref, k: int = 3):
-        self.ref = np.asarray(ref, dtype=np.float64)
-        self.mu = self.ref.mean(0)
-        self.cov = np.cov(self.ref, rowvar=False)
-        self.trace = float(np.trace(self.cov))
-        self.k = k
-        r = torch.as_tensor(self.ref)
-        self.ref_radii = torch.cdist(r, r).kthvalue(k + 1, dim=1).values  # [n_ref]
-
-    def fd(self, feats) -> float:
-        f = np.asarray(feats, dtype=np.float64)
-        n = f.shape[0]
-        x = f - f.mean(0)
-        gram = x @ self.cov @ x.T / (n - 1)
-        tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((gram + gram.T) / 2), 0, None)).sum()
-        d = float(((f.mean(0) - self.mu) ** 2).sum() + (x * x).sum() / (n - 1) + self.trace - 2 * tr_covmean)
-        return max(d, 0.0)
-
-    def precision_recall_draws(self, feats, draws: np.ndarray) -> tuple:
-        """(precision, recall) of the full set and of every draw (rows of image indices)."""
-        f = torch.as_tensor(np.asarray(feats, dtype=np.float64))
-        r = torch.as_tensor(self.ref)
-        inside_ref = (torch.cdist(f, r) <= self.ref_radii[None]).any(1).double()  # fake image in the real manifold
-        d_ff, d_rf = torch.cdist(f, f), torch.cdist(r, f)
-
-        def one(i):
-            i = torch.as_tensor(i)
-            radii = d_ff[i][:, i].kthvalue(self.k + 1, dim=1).values
-            recall = float((d_rf[:, i] <= radii[None]).any(1).double().mean())
-            return float(inside_ref[i].mean()), recall
-
-        full = one(np.arange(f.shape[0]))
-        per = np.array([one(i) for i in draws])
-        return full, per
-
-
-def metric_draws(feats, forwards, tokens_per_image, ref, idx, inception_reps=None, pr_k=3) -> dict:
-    """Every metric's value and bootstrap draws -> {name: (value, draws)}; intervals and paired
-    differences are made from these by :func:`summarise`. ``ref``: {"cls": features or ReferenceSet,
-    "inc": ...} of the held-out reference crops."""
-    ref = {k: (v if isinstance(v, ReferenceSet) else ReferenceSet(v, pr_k)) for k, v in ref.items()}
-    all_images = np.arange(idx.shape[1])
-    draws = {}
-
-    def add(name, stat, reps):
-        draws[name] = (float(stat(all_images)), np.array([stat(i) for i in reps]))
-
-    add("class_accuracy", lambda i: feats["correct"][i].mean(), idx)
-    add("fd_classifier", lambda i: ref["cls"].fd(feats["cls"][i]), idx)
-    add("tpf", lambda i: len(i) * tokens_per_image / forwards[i].sum(), idx)
-    if "inc" in feats and "inc" in ref:
-        reps = idx[:inception_reps] if inception_reps else idx
-        add("fid_inception", lambda i: ref["inc"].fd(feats["inc"][i]), reps)
-        full, per = ref["inc"].precision_recall_draws(feats["inc"], reps)
-        draws["precision"], draws["recall"] = (full[0], per[:, 0]), (full[1], per[:, 1])
-    return draws
-
-
-def setting_metrics(feats, forwards, tokens_per_image, ref, idx, inception_reps=None, ar=None, pr_k=3) -> tuple:
-    """Every metric with its interval -> (metrics, draws). With ``ar`` (AR's draws from an earlier
-    call on the same ``idx``) each metric also gets the paired difference to AR."""
-    draws = metric_draws(feats, forwards, tokens_per_image, ref, idx, inception_reps, pr_k)
-    out = {name: summarise(v, b, ar.get(name) if ar is not None else None) for name, (v, b) in draws.items()}
-    return out, draws
-
-
-# --- the sampling gap D (vvs_engine.evaluation.divergence): committed per tokens folder ---------------
-GAP_FILE = "sampling_gap.json"  # in a tokens folder: {setting slug: D's summary and what it is a function of}
-
-
-def gap_of(eng, name, tokens, labels, sampling, ckpt_key, cache_dir, batch_size=16, log=print, compute=True):
-    """D of a setting's tokens under the target at the shared ``sampling`` (a control's own sampling is not
-    used: D measures it against the target's distribution) -> its summary (``summarise_gap``). Kept in
-    ``<cache_dir>/sampling_gap.json`` keyed by the tokens' digest, the target and the sampling (minutes of CPU
-    for a whole table: one teacher-forced forward per image)."""
-    from vvs_engine.evaluation.divergence import sampling_gap_per_image, summarise_gap
-
-    tokens = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64))
-    key = {"tokens": hashlib.sha1(tokens.tobytes()).hexdigest(), "labels": hashlib.sha1(
-        json.dumps([int(x) for x in labels]).encode()).hexdigest(), "target": ckpt_key,
-        "sampling": {k: sampling[k] for k in sorted(sampling)}}
-    path = os.path.join(cache_dir, GAP_FILE) if cache_dir else None
-    table = {}
-    if path and os.path.exists(path):
-        with open(path) as f:
-            table = json.load(f)
-    slug = _slug(name)
-    if slug in table and table[slug].get("key") == key:
-        got = table[slug]
-        return {k: (tuple(v) if k == "ci" else v) for k, v in got["summary"].items()}
-    if not compute:
-        return None
-    t0 = time.time()
-    per_image = sampling_gap_per_image(eng, tokens, labels, batch_size=batch_size, **sampling)
-    summary = summarise_gap(per_image)
-    if log:
-        log(f"[quality_speed] {name}: D = {summary['value']:+.4f} ± {summary['half_width']:.4f} "
-            f"({time.time() - t0:.0f} s)")
-    if path:
-        if os.path.exists(path):  # re-read: another process may have added settings meanwhile
-            with open(path) as f:
-                table = json.load(f)
-        table[slug] = {"name": name, "key": key, "summary": {k: (list(v) if k == "ci" else v)
-                                                              for k, v in summary.items()},
-                       "sd": float(np.std(per_image, ddof=1)) if len(per_image) > 1 else None}
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(dict(sorted(table.items())), f, indent=1)
-        os.replace(tmp, path)
-    return summary
-
-
-def gap_sampling(sampling: dict) -> dict:
-    """The sampling D is measured under: the target's (temperature, top-k, top-p, CFG) of the shared setting."""
-    return {k: sampling[k] for k in ("temperature", "top_k", "top_p", "cfg_scale")}
-
-
-class WorkCache:
-    """Per-image features and bootstrap draws of a setting, keyed by its tokens and everything the
-    metrics depend on (git-ignored: rebuilt from the committed tokens when missing)."""
-
-    def __init__(self, folder):
-        self.folder = folder
-
-    def _path(self, kind, parts) -> str:
-        h = hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
-        return os.path.join(self.folder, f"{kind}_{h}.npz")
-
-    def get(self, kind, parts, make):
-        if self.folder is None:
-            return make()
-        path = self._path(kind, parts)
-        if os.path.exists(path):
-            try:
-                with np.load(path, allow_pickle=False) as z:
-                    return _unflatten(z)
-            except Exception:
-                pass
-        value = make()
-        _save_npz(path, **_flatten(value))
-        return value
-
-
-def _flatten(d: dict) -> dict:
-    """{name: array | (value, draws)} -> flat npz arrays."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, tuple):
-            out[f"{k}__value"], out[f"{k}__draws"] = np.asarray(v[0]), np.asarray(v[1])
-        else:
-            out[k] = np.asarray(v)
-    return out
-
-
-def _unflatten(z) -> dict:
-    out = {}
-    for k in z.files:
-        if k.endswith("__value"):
-            name = k[: -len("__value")]
-            out[name] = (float(z[k]), z[name + "__draws"])
-        elif not k.endswith("__draws"):
-            out[k] = z[k]
-    return out
-
-
 # --- report -----------------------------------------------------------------------------------------
-def _ci(m, nd):
-    if m is None:
-        return "–"
-    return f"{m['value']:.{nd}f} [{m['ci'][0]:.{nd}f}, {m['ci'][1]:.{nd}f}]"
-
-
-def _diff(m, nd):
-    if m is None or "diff" not in m:
-        return "–"
-    return f"{m['diff']:+.{nd}f} [{m['diff_ci'][0]:+.{nd}f}, {m['diff_ci'][1]:+.{nd}f}]"
-
-
 def to_markdown(meta: dict, rows: list, fastest, missing=(), controls=()) -> str:
     lines = ["# Quality versus speed on the Zoo model", "",
              f"Command: `{meta['command']}`", "",
@@ -927,18 +404,19 @@ def to_markdown(meta: dict, rows: list, fastest, missing=(), controls=()) -> str
             continue
         ops = f"{r['ops_per_token']:.0f}" if r.get("ops_per_token") not in (None, -1.0) else "–"
         ips = f"{r['images_per_second']:.3f}" if r.get("images_per_second") else "–"
-        lines.append(f"| {r['name']} | {_ci(r['tpf'], 2)} | {ops} | {ips} | {_ci(r['class_accuracy'], 3)} | "
-                     f"{_diff(r['class_accuracy'], 3)} | {_ci(r['fd_classifier'], 2)} | {_diff(r['fd_classifier'], 2)} | "
-                     f"{_ci(r.get('fid_inception'), 1)} | {_diff(r.get('fid_inception'), 1)} | "
-                     f"{_ci(r.get('precision'), 2)} | {_ci(r.get('recall'), 2)} | "
-                     f"{'yes' if r['parity'] else 'no'} | {_gap(r)} | {_z(r)} | {r.get('level') or '–'} |")
+        lines.append(f"| {r['name']} | {fmt_ci(r['tpf'], 2)} | {ops} | {ips} | {fmt_ci(r['class_accuracy'], 3)} | "
+                     f"{fmt_diff(r['class_accuracy'], 3)} | {fmt_ci(r['fd_classifier'], 2)} | "
+                     f"{fmt_diff(r['fd_classifier'], 2)} | "
+                     f"{fmt_ci(r.get('fid_inception'), 1)} | {fmt_diff(r.get('fid_inception'), 1)} | "
+                     f"{fmt_ci(r.get('precision'), 2)} | {fmt_ci(r.get('recall'), 2)} | "
+                     f"{'yes' if r['parity'] else 'no'} | {fmt_gap(r)} | {fmt_z(r)} | {r.get('level') or '–'} |")
     return "\n".join(lines) + "\n"
 
 
 def _best(r):
     if r is None:
         return "none", "–", "–"
-    return r["name"], _ci(r["tpf"], 2), _diff(r["class_accuracy"], 3)
+    return r["name"], fmt_ci(r["tpf"], 2), fmt_diff(r["class_accuracy"], 3)
 
 
 def fronts_markdown(rows: list) -> list:
@@ -999,8 +477,9 @@ def vvs_markdown(rows: list) -> list:
             per_verify = (f"{rounds['accepted_per_verify']:.2f} ({base_rounds['accepted_per_verify']:.2f})"
                           if "accepted_per_verify" in rounds and "accepted_per_verify" in base_rounds else "–")
             lines.append(f"| {r['name']} | {base_name} | {skip} | {per_skip} | {per_verify} | "
-                         f"{_ci(r['tpf'], 2)} | {_ci(base['tpf'], 2)} | {_diff(vs.get('class_accuracy'), 3)} | "
-                         f"{_diff(vs.get('fd_classifier'), 2)} | {'yes' if r['parity'] else 'no'} |")
+                         f"{fmt_ci(r['tpf'], 2)} | {fmt_ci(base['tpf'], 2)} | "
+                         f"{fmt_diff(vs.get('class_accuracy'), 3)} | "
+                         f"{fmt_diff(vs.get('fd_classifier'), 2)} | {'yes' if r['parity'] else 'no'} |")
     return lines + [""]
 
 
@@ -1046,7 +525,7 @@ def exact_claims_sentence(rows: list) -> str:
         return ""
     off = [r["name"] for r in measured if not reads_exact(r["gap"])]
     text = (f"**Exact by construction, checked by D** ({len(measured)} of {len(exact)} settings measured; 95 % "
-            f"intervals): " + ", ".join(f"{r['name']} {_gap(r)}" for r in measured) + ". ")
+            f"intervals): " + ", ".join(f"{r['name']} {fmt_gap(r)}" for r in measured) + ". ")
     if off:
         text += (f"Outside its interval of 0: {', '.join(off)} (one in twenty exact settings is expected to miss; "
                  f"a miss is not counted as exact).")
@@ -1059,23 +538,10 @@ def levels_sentence(rows: list) -> str:
     """One sentence: each level's fastest setting with its TPF and D."""
     parts = []
     for level, front in level_fronts(rows).items():
-        parts.append(f"{level}: {front[0]['name']} (TPF {front[0]['tpf']['value']:.2f}, D {_gap(front[0])})" if front
+        parts.append(f"{level}: {front[0]['name']} (TPF {front[0]['tpf']['value']:.2f}, D {fmt_gap(front[0])})" if front
                      else f"{level}: none")
     return (f"**Fastest per level of fidelity** (D = sampling gap in nats/token; exact = exact by construction and D "
             f"reads 0; near-lossless = |D| <= {NEAR_LOSSLESS_D} and at parity): " + "; ".join(parts) + ".")
-
-
-def write_readme(path: str, block: str) -> None:
-    """Replace the text between the markers in ``path`` (which must have them)."""
-    from vvs_engine.errors import VVSError
-
-    with open(path) as f:
-        text = f.read()
-    i, j = text.find(README_BEGIN), text.find(README_END)
-    if i < 0 or j < 0:
-        raise VVSError(f"{path} has no {README_BEGIN} ... {README_END} markers")
-    with open(path, "w") as f:
-        f.write(text[:i] + block + text[j + len(README_END):])
 
 
 def place_labels(ax, points: list, fontsize: int = 7) -> list:
@@ -1174,13 +640,12 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
     skip_bases = {vvs_base_setting(opts) for _, method, opts in settings if method == "vvs"}
     for name, method, opts in settings:
         key = setting_key(ckpt_key, method, opts, sampling, labels, seed, batch_size, str(eng.device))
-        cache = os.path.join(cache_dir, _slug(name) + ".npz") if cache_dir else None
+        cache = cache_path(cache_dir, name) if cache_dir else None
         if name not in want:
-            gen = load_cache(cache, digest_of(key)) if cache else None
+            gen = cached(cache_dir, name, key) if cache_dir else None
             if gen is None:
                 missing.append(name)
                 continue
-            gen["tokens"], gen["forwards"] = gen["tokens"].astype(np.int64), gen["forwards"].astype(np.float64)
         else:
             if show:
                 print(f"[quality_speed] {name}", flush=True)
@@ -1190,15 +655,7 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
             except VVSError as e:
                 rows.append({"name": name, "method": method, "options": opts, "error": str(e)})
                 continue
-        token_digest = hashlib.sha1(np.ascontiguousarray(gen["tokens"]).tobytes()).hexdigest()
-        def features(gen=gen, name=name):
-            # minutes per setting on a CPU (VQ decode + classifier + Inception): say what is running
-            print(f"[quality_speed] {name}: image features of {len(labels)} images", flush=True)
-            return image_features(eng, gen["tokens"], labels, inception)
-
-        feats = work.get("features", [token_digest, list(labels), inception], features)
-        draws = work.get("draws", [token_digest, gen["forwards"].tolist(), reps, inception_reps, seed, inception],
-                         lambda: metric_draws(feats, gen["forwards"], eng.tokens_per_image, ref, idx, inception_reps))
+        token_digest, _, draws = setting_draws(eng, work, name, gen, labels, ref, idx, seed, inception, inception_reps)
         if method == "ar":
             ar = draws
         all_draws[name] = draws
@@ -1229,27 +686,6 @@ def evaluate(eng, settings, labels, seed, sampling, inception=True, reps=1000, i
         raise VVSError("AR's tokens are not cached: the table needs AR (run it first)")
     fastest = parity_verdicts(ok)
     return rows, fastest, missing
-
-
-def engine_threads(engine_cls, threads: int) -> dict:
-    """``threads=`` for ``Engine.load`` where it takes one (it applies its own default otherwise)."""
-    import inspect
-
-    return {"threads": threads} if "threads" in inspect.signature(engine_cls.load).parameters else {}
-
-
-def zoo_context(ckpt_dir=None) -> tuple:
-    """The Zoo checkpoints' paths, their digest and the sampling every setting uses."""
-    from vvs_engine import zoo
-    from vvs_engine.zoo import model_path
-
-    names = ("zoo-gpt", "zoo-vq", "zoo-drafter", "zoo-classifier")
-    paths = {n: (os.path.join(ckpt_dir, n + ".safetensors") if ckpt_dir and n != "zoo-classifier"
-                 else model_path(n)) for n in names}
-    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 4.0}
-    if hasattr(zoo, "sampling_defaults"):
-        sampling.update({k: v for k, v in zoo.sampling_defaults().items() if k in sampling})
-    return paths, checkpoint_digest(paths), sampling
 
 
 def main(argv=None) -> int:
@@ -1324,10 +760,7 @@ def main(argv=None) -> int:
         elif a.settings == "controls":
             generate = list(CONTROL_BY_NAME)
         else:
-            generate = [s.strip() for s in a.settings.split(",") if s.strip()]
-            bad = [n for n in generate if n not in SETTING_BY_NAME and n not in CONTROL_BY_NAME]
-            if bad:
-                raise VVSError(f"unknown setting(s) {', '.join(bad)}; known: {', '.join(SETTING_BY_NAME)}")
+            generate = pick(a.settings, {**SETTING_BY_NAME, **CONTROL_BY_NAME})
             unavailable = [n for n in generate if n not in known_names and n not in CONTROL_BY_NAME]
             if unavailable:
                 raise VVSError(f"setting(s) {', '.join(unavailable)} need a method this engine does not have")
@@ -1340,9 +773,9 @@ def main(argv=None) -> int:
             raise VVSError(f"cannot write to {out_dir}")
         paths, ckpt, sampling = zoo_context(a.ckpt_dir)
         eng = Engine.load(gpt_ckpt=paths["zoo-gpt"], vq_ckpt=paths["zoo-vq"], drafter=paths["zoo-drafter"],
-                          device=a.device, **engine_threads(Engine, a.threads))
+                          device=a.device, threads=a.threads)
         ncls = eng.config.num_classes
-        labels = [c for c in range(ncls) for _ in range(a.images_per_class)]
+        labels = labels_for(ncls, a.images_per_class)
         cache_dir = a.out + "_tokens"
         if a.verify:
             return verify_all(eng, known, labels, a, sampling, ckpt, cache_dir)
@@ -1363,7 +796,7 @@ def main(argv=None) -> int:
                               a.device)
             print(f"[quality_speed] {name}", flush=True)
             generate_setting(eng, name, method, opts, labels, a.seed, sampling_for(name, sampling), a.batch_size,
-                             os.path.join(cache_dir, _slug(name) + ".npz"), key, True, not a.no_ops)
+                             cache_path(cache_dir, name), key, True, not a.no_ops)
         if a.no_report:
             print(f"[quality_speed] generated into {cache_dir}; report not rebuilt (--no-report)", flush=True)
             return 0
@@ -1394,18 +827,15 @@ def write_report(a, meta, rows, fastest, missing, controls=()) -> int:
     from vvs_engine.errors import VVSError
 
     levels = place_levels(rows)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows, "fastest_at_parity": fastest, "fastest_per_level": levels,
-                   "controls": list(controls)}, f, indent=1)
     md = to_markdown(meta, rows, fastest, missing, controls)
-    with open(a.out + ".md", "w") as f:
-        f.write(md)
+    write_tables(a.out, md, {"meta": meta, "rows": rows, "fastest_at_parity": fastest, "fastest_per_level": levels,
+                             "controls": list(controls)})
     print(md)
     if a.plot and any(r["method"] == "ar" for r in rows):
         plot(rows, a.plot, fastest)
     for path in a.readme or ():
         try:
-            write_readme(path, readme_block(meta, rows, fastest, missing))
+            replace_block(path, README_BEGIN, README_END, readme_block(meta, rows, fastest, missing))
         except (VVSError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -1424,17 +854,12 @@ def control_rows(eng, labels, seed, sampling, batch_size, ckpt, cache_dir, reps,
     rows, ar = [], None
     for name, method, opts in [SETTING_BY_NAME["AR"]] + CONTROLS:
         key = setting_key(ckpt, method, opts, sampling_for(name, sampling), labels, seed, batch_size, device)
-        gen = load_cache(os.path.join(cache_dir, _slug(name) + ".npz"), digest_of(key))
+        gen = cached(cache_dir, name, key)
         if gen is None:
             if name == "AR":
                 return []
             continue
-        tokens, forwards = gen["tokens"].astype(np.int64), gen["forwards"].astype(np.float64)
-        digest = hashlib.sha1(np.ascontiguousarray(tokens).tobytes()).hexdigest()
-        feats = work.get("features", [digest, list(labels), False],
-                         lambda: image_features(eng, tokens, labels, inception=False))
-        draws = work.get("draws", [digest, forwards.tolist(), reps, None, seed, False],
-                         lambda: metric_draws(feats, forwards, eng.tokens_per_image, ref, idx))
+        _, _, draws = setting_draws(eng, work, name, gen, labels, ref, idx, seed)
         if name == "AR":
             ar = draws
             continue
@@ -1442,7 +867,7 @@ def control_rows(eng, labels, seed, sampling, batch_size, ckpt, cache_dir, reps,
                "n_images": len(labels), "digest": digest_of(key),
                **{k: summarise(v, b, ar[k]) for k, (v, b) in draws.items()}}
         row["parity"] = at_parity(row)
-        gap = gap_of(eng, name, tokens, labels, gap_sampling(sampling), ckpt, cache_dir, batch_size,
+        gap = gap_of(eng, name, gen["tokens"], labels, gap_sampling(sampling), ckpt, cache_dir, batch_size,
                      compute=compute_gaps)
         if gap is not None:
             row["gap"] = gap
@@ -1465,7 +890,7 @@ def gap_report(eng, labels, a, sampling, ckpt, cache_dir) -> tuple:
         key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size, a.device)
         if digest_of(key) != r.get("digest"):
             raise VVSError(f"{a.out}.json's row {name} is not from its current cache key: run the full report")
-        gen = load_cache(os.path.join(cache_dir, _slug(name) + ".npz"), digest_of(key))
+        gen = cached(cache_dir, name, key)
         if gen is None:
             raise VVSError(f"{name}'s tokens are not in {cache_dir}")
         r["gap"] = gap_of(eng, name, gen["tokens"], labels, gap_sampling(sampling), ckpt, cache_dir, a.batch_size,
@@ -1495,7 +920,7 @@ def gaps_of_cache(eng, settings, labels, a, sampling, ckpt, cache_dir) -> int:
                                                    rank.get(s[0], (False, 0.0))))
     for name, method, opts in settings:
         key = setting_key(ckpt, method, opts, sampling_for(name, sampling), labels, a.seed, a.batch_size, a.device)
-        gen = load_cache(os.path.join(cache_dir, _slug(name) + ".npz"), digest_of(key))
+        gen = cached(cache_dir, name, key)
         if gen is None:
             continue
         gap_of(eng, name, gen["tokens"], labels, gap_sampling(sampling), ckpt, cache_dir, a.batch_size)
@@ -1509,7 +934,7 @@ def verify_all(eng, settings, labels, a, sampling, ckpt, cache_dir) -> int:
     bad = 0
     for name, method, opts in settings:
         key = setting_key(ckpt, method, opts, sampling, labels, a.seed, a.batch_size, a.device)
-        gen = load_cache(os.path.join(cache_dir, _slug(name) + ".npz"), digest_of(key))
+        gen = cached(cache_dir, name, key)
         if gen is None:
             continue
         n, differ = verify_cache(eng, gen, name, method, opts, labels, a.seed, sampling, a.batch_size, a.verify)

@@ -14,7 +14,6 @@ table that carries its command and date, and JSON next to it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,7 +21,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import provenance, write_report  # noqa: E402  (sets the checkout's path first)
 
 from vvs_engine.engine import resolve_device, resolve_dtype  # noqa: E402
 from vvs_engine.evaluation.bench import SHAPES, lantern_k, neighbor_stub, random_engine  # noqa: E402
@@ -116,25 +116,14 @@ def main(argv=None):
                          "p90_ms": sorted(ms)[int(0.9 * (len(ms) - 1))], "total_ms": sum(ms),
                          "image_ms": wall * 1e3, "tpf": out.stats.get("tpf", 1.0)})
     res = {"benchmark": "round_replay", "model": f"random {a.shape} ({eng.gpt.num_params() / 1e6:.1f}M params)",
-           "tokens": eng.tokens_per_image, "dtype": a.dtype, "graphs": use_graphs,
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "rows": rows,
-           "command": " ".join(["python", "benchmarks/round_replay.py"] + (argv if argv is not None else sys.argv[1:])),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-        json.dump(res, f, indent=2)
-    lines = [f"## Whole-round replay time per method ({res['device']}, {res['model']}, {a.dtype}, "
-             f"{res['tokens']} tokens, CUDA graphs {use_graphs})", "",
-             f"`{res['command']}`  |  {res['date']}", "",
-             "| setting | round kind | calls | median ms | p90 ms | sum ms | image ms | TPF |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['setting']} | {r['kind']} | {r['calls']} | {r['median_ms']:.4f} | {r['p90_ms']:.4f} | "
-                     f"{r['total_ms']:.1f} | {r['image_ms']:.1f} | {r['tpf']:.2f} |")
-    lines += ["", "image ms: wall time of the timed image (prefill included); sum ms: the timed calls' total."]
-    with open(a.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+           "tokens": eng.tokens_per_image, "dtype": a.dtype, "graphs": use_graphs, "rows": rows,
+           **provenance(__file__, argv, device)}
+    write_report(a.out, res, f"Whole-round replay time per method ({res['device']}, {res['model']}, {a.dtype}, "
+                 f"{res['tokens']} tokens, CUDA graphs {use_graphs})",
+                 ["setting", "round kind", "calls", "median ms", "p90 ms", "sum ms", "image ms", "TPF"],
+                 [[r["setting"], r["kind"], r["calls"], f"{r['median_ms']:.4f}", f"{r['p90_ms']:.4f}",
+                   f"{r['total_ms']:.1f}", f"{r['image_ms']:.1f}", f"{r['tpf']:.2f}"] for r in rows],
+                 ["image ms: wall time of the timed image (prefill included); sum ms: the timed calls' total."])
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from harness import ROOT, write_tables  # noqa: E402  (sets the checkout's path first)
 SETTINGS = {  # method -> the serve flags of its setting
     "ar": ["--method", "ar"],
     "sjd-pac": ["--method", "sjd-pac"],
@@ -287,9 +288,6 @@ def output_split(args, command: str) -> int:
     figures = {mode: _split_figures(t) for mode, t in traces.items()}
     out = args.out if args.out != os.path.join(HERE, "results", "serve_load_zoo_cpu") else \
         os.path.join(HERE, "results", "serve_output_split")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump({"command": command, "figures": figures}, f, indent=1)
     lines = [f"<!-- written by: {command} -->", "# The server's loop thread: image output on it vs on the output worker",
              "", f"Command: `OMP_NUM_THREADS=1 {command}` ({time.strftime('%Y-%m-%d')}).", "",
              f"The shipped Zoo model (64 px, 256 tokens an image), AR, fp32 on this CPU, {args.rows} rows, 1 torch "
@@ -312,8 +310,7 @@ def output_split(args, command: str) -> int:
                   f"{before['finishing_cpu_ms'] / before['quiet_cpu_ms']:.2f}x a quiet round with the output on the "
                   f"loop thread and {after['finishing_cpu_ms'] / after['quiet_cpu_ms']:.2f}x with the output worker "
                   "(what remains is the collection and the next images' admission and prefill).", ""]
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines))
+    write_tables(out, "\n".join(lines), {"command": command, "figures": figures})
     print("\n".join(lines))
     return 0
 
@@ -323,9 +320,6 @@ def _f(x, digits=2):
 
 
 def write(args, command: str, rows: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"command": command, "rows": rows}, f, indent=1)
     lines = [f"<!-- written by: {command} -->", "# `vvs-engine serve` under load: static batches vs continuous batching",
              "", f"Command: `OMP_NUM_THREADS=1 {command}` ({time.strftime('%Y-%m-%d')}).", "",
              f"The shipped Zoo model (64 px, 256 tokens an image), fp32, {args.rows} rows, 1 torch thread per server, "
@@ -361,8 +355,7 @@ def write(args, command: str, rows: dict) -> None:
         lines += ["", "Failed requests: " + "; ".join(failures) + " (timeout: still open at the rate's time bound)."] \
             if failures else []
         lines += [""]
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines))
+    write_tables(args.out, "\n".join(lines), {"command": command, "rows": rows})
     print(f"wrote {args.out}.md and .json")
 
 

@@ -15,6 +15,7 @@ from vvs_engine.evaluation.divergence import format_gap, reads_exact, summarise_
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import harness  # noqa: E402
 import quality_speed as qs  # noqa: E402
 
 CACHE = os.path.join(REPO, "benchmarks", "results", "quality_speed_tokens")
@@ -35,7 +36,7 @@ def test_summary_is_the_mean_with_a_normal_interval_over_images():
 
 
 def _tokens(name):
-    z = np.load(os.path.join(CACHE, qs._slug(name) + ".npz"))
+    z = np.load(os.path.join(CACHE, harness.slug(name) + ".npz"))
     return z["tokens"].astype(np.int64)[SUBSET]
 
 
@@ -73,10 +74,10 @@ def test_levels_need_construction_and_evidence():
             _row("relaxed, tiny D", "zipar", {"zipar_window": 8}, 0.02, tpf=4.0),
             _row("relaxed, tiny D, worse", "zipar", {}, 0.01, parity=False, tpf=6.0),
             _row("relaxed", "zipar", {}, 0.07, tpf=5.0)]
-    fastest = qs.place_levels(rows)
+    fastest = harness.place_levels(rows)
     assert [r["level"] for r in rows] == ["exact", "exact", "parity", "near-lossless", "near-lossless", None, "parity"]
     assert fastest == {"exact": "exact", "near-lossless": "relaxed, tiny D", "parity": "relaxed"}
-    md = "\n".join(qs.levels_markdown(rows))
+    md = "\n".join(harness.levels_markdown(rows))
     assert "| exact | 1 | exact | " in md and "| near-lossless | 1 | relaxed, tiny D |" in md
     # the README's evidence for every exact claim names the exact-by-construction setting that misses
     claims = qs.exact_claims_sentence(rows)

@@ -356,7 +356,8 @@ def test_benchmark_rows(eng):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "jacobi_zoo.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "studies", "spec_zoo",
+                        "jacobi_zoo.py")
     spec = importlib.util.spec_from_file_location("jacobi_zoo", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

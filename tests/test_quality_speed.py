@@ -1,5 +1,6 @@
-"""benchmarks/quality_speed.py: interval and parity arithmetic on synthetic data, and a tiny run
-(two settings, a random engine) that exercises generation, caching, metrics and the report."""
+"""benchmarks/quality_speed.py and the harness it stands on (benchmarks/harness.py): interval and parity
+arithmetic on synthetic data, a tiny run (two settings, a random engine) that exercises generation, caching,
+metrics and the report, and the committed token caches found under the keys the tools compute."""
 from __future__ import annotations
 
 import os
@@ -9,14 +10,15 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import harness  # noqa: E402
 import quality_speed as qs  # noqa: E402
 
 
 def test_estimate_and_paired_difference_by_hand():
-    idx = qs.bootstrap_indices(6, 400, seed=1)
+    idx = harness.bootstrap_indices(6, 400, seed=1)
     assert idx.shape == (400, 6) and idx.min() >= 0 and idx.max() <= 5
     ar_correct = np.array([1, 0, 1, 0, 1, 0], float)
-    same = qs.estimate(lambda i: ar_correct[i].mean(), idx)
+    same = harness.estimate(lambda i: ar_correct[i].mean(), idx)
     m, boot = same
     assert m["value"] == 0.5 and m["ci"][0] <= 0.5 <= m["ci"][1]
     # the interval is the 2.5 / 97.5 percentiles of the per-draw means
@@ -24,13 +26,13 @@ def test_estimate_and_paired_difference_by_hand():
     assert np.allclose(m["ci"], want)
     # a setting that is AR plus one correct image: difference 1/6 on every draw that keeps ...
     better = np.array([1, 1, 1, 0, 1, 0], float)
-    d, _ = qs.estimate(lambda i: better[i].mean(), idx, ar=(m["value"], boot))
+    d, _ = harness.estimate(lambda i: better[i].mean(), idx, ar=(m["value"], boot))
     assert d["diff"] == pytest.approx(1 / 6)
     per_draw = np.array([better[i].mean() - ar_correct[i].mean() for i in idx])  # = share of index 1 in the draw
     assert np.allclose(d["diff_ci"], np.percentile(per_draw, [2.5, 97.5]))
     assert d["diff_ci"][0] >= 0  # paired: the setting is never worse on the same draw
     # identical to AR: zero difference with a zero-width interval
-    z, _ = qs.estimate(lambda i: ar_correct[i].mean(), idx, ar=(m["value"], boot))
+    z, _ = harness.estimate(lambda i: ar_correct[i].mean(), idx, ar=(m["value"], boot))
     assert z["diff"] == 0 and z["diff_ci"] == (0.0, 0.0)
 
 
@@ -50,7 +52,7 @@ def test_parity_and_fastest_at_parity():
             _row("faster at parity", "x", (-0.04, 0.00), (0.0, 2.0), 2.0),  # both reach 0
             _row("fd too high", "x", (-0.03, 0.03), (0.1, 2.0), 2.5),  # FD surely higher
             _row("better", "x", (0.01, 0.05), (-2.0, -0.5), 1.2)]
-    assert qs.parity_verdicts(rows) == "faster at parity"
+    assert harness.parity_verdicts(rows) == "faster at parity"
     assert [r["parity"] for r in rows] == [True, False, True, True, False, True]
     md = qs.to_markdown({"command": "python benchmarks/quality_speed.py --x", "n_images": 6, "labels": "l",
                          "seed": 0, "sampling": {}, "checkpoints": "c", "torch": "t", "threads": 1, "device": "cpu",
@@ -84,7 +86,7 @@ def test_family_fronts_within_two_points_and_the_vvs_verdict(tmp_path):
             _fam_row("VVS-U i=2 exact", "vvs", {"accept": "exact"}, 2.5, 0.0, (-0.04, 0.04), fd_ci=(0.2, 1.0)),
             _fam_row("SJD", "sjd", {}, 2.1, -0.02, (-0.07, 0.03))]
     ar["n_images"] = 32
-    qs.parity_verdicts(rows)
+    harness.parity_verdicts(rows)
     fronts = {f["family"]: f for f in qs.family_fronts(rows)}
     assert list(fronts) == ["LANTERN++", "VVS over LANTERN++", "VVS over exact", "SJD"]
     assert fronts["LANTERN++"]["parity"]["name"] == "LANTERN++"  # l=3's accuracy interval is wholly below 0
@@ -208,8 +210,8 @@ def test_interrupted_setting_resumes_from_its_last_batch(tmp_path):
 
     eng = tiny_engine(vocab=64, block=16, peak=4.0, dtype=__import__("torch").float32)
     labels, sampling = [0, 1, 2, 0, 1, 2], {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 3.0}
-    key = qs.setting_key("tiny", "sjd", {}, sampling, labels, 0, 2)
-    whole = qs.generate_setting(eng, "SJD", "sjd", {}, labels, 0, sampling, 2, str(tmp_path / "a.npz"), key,
+    key = harness.setting_key("tiny", "sjd", {}, sampling, labels, 0, 2)
+    whole = harness.generate_setting(eng, "SJD", "sjd", {}, labels, 0, sampling, 2, str(tmp_path / "a.npz"), key,
                                 show=False, ops=False)
     calls = []
     real = eng.generate
@@ -223,16 +225,16 @@ def test_interrupted_setting_resumes_from_its_last_batch(tmp_path):
     eng.generate = stop_after_one_batch
     cache = str(tmp_path / "b.npz")
     with pytest.raises(KeyboardInterrupt):
-        qs.generate_setting(eng, "SJD", "sjd", {}, labels, 0, sampling, 2, cache, key, show=False, ops=False)
+        harness.generate_setting(eng, "SJD", "sjd", {}, labels, 0, sampling, 2, cache, key, show=False, ops=False)
     assert os.path.exists(str(tmp_path / "b.partial.npz")) and not os.path.exists(cache)
     resumed = []
     eng.generate = lambda *args, **kw: resumed.append(kw["image_indices"]) or real(*args, **kw)
-    again = qs.generate_setting(eng, "SJD", "sjd", {}, labels, 0, sampling, 2, cache, key, show=False, ops=False)
+    again = harness.generate_setting(eng, "SJD", "sjd", {}, labels, 0, sampling, 2, cache, key, show=False, ops=False)
     assert resumed == [[2, 3], [4, 5]]  # batch [0, 1] came from the partial file
     assert (again["tokens"] == whole["tokens"]).all() and (again["forwards"] == whole["forwards"]).all()
     assert not os.path.exists(str(tmp_path / "b.partial.npz"))
     with np.load(cache) as z:
-        assert z["tokens"].dtype == np.int16 and str(z["digest"]) == qs.digest_of(key)
+        assert z["tokens"].dtype == np.int16 and str(z["digest"]) == harness.digest_of(key)
 
 
 COMMITTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
@@ -253,29 +255,29 @@ def test_committed_cache_is_what_generate_produces(name):
 
     from vvs_engine import Engine
 
-    path = os.path.join(COMMITTED, qs._slug(name) + ".npz")
+    path = os.path.join(COMMITTED, harness.slug(name) + ".npz")
     if not os.path.exists(path):
         pytest.skip(f"{path} is not committed yet")
-    _, ckpt, sampling = qs.zoo_context()
+    _, ckpt, sampling = harness.zoo_context()
     labels = [c for c in range(16) for _ in range(qs.CORE_IMAGES_PER_CLASS)]
     _, method, opts = qs.SETTING_BY_NAME[name]
-    key = qs.setting_key(ckpt, method, opts, sampling, labels, 0, 16)
-    gen = qs.load_cache(path, qs.digest_of(key))
+    key = harness.setting_key(ckpt, method, opts, sampling, labels, 0, 16)
+    gen = harness.load_cache(path, harness.digest_of(key))
     assert gen is not None, f"{path}: its digest does not match the current checkpoints/options (rerun the setting)"
     threads = torch.get_num_threads()
     try:
         eng = Engine.load(threads=int(gen["threads"]))  # the threads the cache was made with
-        n, differ = qs.verify_cache(eng, gen, name, method, opts, labels, 0, sampling, 16, n_batches=1)
+        n, differ = harness.verify_cache(eng, gen, name, method, opts, labels, 0, sampling, 16, n_batches=1)
     finally:
         torch.set_num_threads(threads)
     made_on = str(gen["machine"]) if "machine" in gen else None
-    if made_on == qs.machine_id("cpu"):
+    if made_on == harness.machine_id("cpu"):
         assert n == 16 and differ == 0
     elif name == "AR":
-        assert n == 16 and differ <= 4, (made_on, qs.machine_id("cpu"), differ)
+        assert n == 16 and differ <= 4, (made_on, harness.machine_id("cpu"), differ)
     else:
         pytest.skip(f"{name}'s cache was made on {made_on or 'an unrecorded machine'}, this is "
-                    f"{qs.machine_id('cpu')}: fp32 tokens are compared exactly only on the same machine")
+                    f"{harness.machine_id('cpu')}: fp32 tokens are compared exactly only on the same machine")
 
 
 def test_fast_reference_metrics_equal_the_library_ones():
@@ -286,9 +288,9 @@ def test_fast_reference_metrics_equal_the_library_ones():
     rng = np.random.default_rng(0)
     ref = rng.normal(size=(60, 24))
     fake = rng.normal(0.3, 1.2, size=(20, 24))
-    rs = qs.ReferenceSet(ref, k=3)
+    rs = harness.ReferenceSet(ref, k=3)
     assert rs.fd(fake) == pytest.approx(frechet_distance_features(fake, ref), rel=1e-8)
-    draws = qs.bootstrap_indices(20, 5, seed=2)
+    draws = harness.bootstrap_indices(20, 5, seed=2)
     full, per = rs.precision_recall_draws(fake, draws)
     want = precision_recall(ref, fake, 3)
     assert full == (want["precision"], want["recall"])
@@ -317,3 +319,62 @@ def test_defaults_follow_the_committed_evidence():
     fast = next(r for r in control if r["name"] == "SCD L=8")
     fast["tpf"]["value"] = 99.0
     assert {v["family"]: v["verdict"] for v in qs.default_verdicts(control)}["SCD"] == "differs"
+
+
+@pytest.mark.parametrize("folder", ["quality_speed_tokens", "pjd_zoo-gpt-32_tokens"])
+def test_every_committed_cache_loads_under_the_key_the_tools_compute(folder):
+    """Hours of decoding sit in the committed caches: every one is found by the harness under the key its tool
+    computes today from the setting's name (quality_speed's settings and controls, pjd_zoo's), the run's
+    labels, seed, batch and checkpoints, with the pjd table's row statistics beside it. A changed cache key,
+    digest, slug or effective default orphans them and fails here (negative control: another batch size)."""
+    import glob
+    import json
+
+    import pjd_zoo
+
+    settings = {harness.slug(s[0]): s for s in qs.SETTINGS + qs.CONTROLS}
+    if folder.startswith("pjd_zoo"):
+        settings.update({harness.slug(s[0]): s for s in pjd_zoo.SETTINGS})
+    paths = sorted(p for p in glob.glob(os.path.join(os.path.dirname(COMMITTED), folder, "*.npz"))
+                   if not p.endswith(".partial.npz"))
+    assert len(paths) >= 10
+    for path in paths:
+        name, method, opts = settings[os.path.basename(path)[: -len(".npz")]]
+        with np.load(path) as z:
+            run = json.loads(str(z["key"]))  # the run's labels, seed, batch, checkpoints: the report's own
+        key = harness.setting_key(run["checkpoints"], method, opts, qs.sampling_for(name, run["sampling"])
+                                  if folder == "quality_speed_tokens" else run["sampling"], run["labels"], run["seed"],
+                                  run["batch_size"])
+        gen, rows = harness.load_setting(key, [(os.path.dirname(path), name)])
+        assert gen is not None, f"{path}: not found under today's key of {name!r} (its cache would be decoded again)"
+        assert gen["tokens"].dtype == np.int64 and len(gen["forwards"]) == len(run["labels"])
+        assert rows is not None or not folder.startswith("pjd_zoo"), path  # pjd_zoo keeps them for every setting
+    changed = harness.setting_key(run["checkpoints"], method, opts, run["sampling"], run["labels"], run["seed"],
+                                  run["batch_size"] // 2)
+    assert harness.load_setting(changed, [(os.path.dirname(path), name)]) == (None, None)
+
+
+def test_harness_report_helpers(tmp_path, capsys):
+    """A GPU tool's table names the command from the repository root and its date, with its JSON beside it;
+    a generated doc block is replaced between its markers only, and a missing block is a one-line error."""
+    import json
+
+    from vvs_engine.errors import VVSError
+
+    script = os.path.join(harness.ROOT, "benchmarks", "round_replay.py")
+    res = {"rows": [1], **harness.provenance(script, ["--shape", "tiny"])}
+    assert res["command"] == "python benchmarks/round_replay.py --shape tiny" and res["device"] == "cpu"
+    md = harness.write_report(str(tmp_path / "t.md"), res, "Title", ["a", "b"], [[1, "x"], [2, "y"]], ["note"])
+    assert md.splitlines() == ["## Title", "", f"`{res['command']}`  |  {res['date']}", "", "| a | b |", "|---|---|",
+                               "| 1 | x |", "| 2 | y |", "", "note"]
+    assert (tmp_path / "t.md").read_text() == md and json.loads((tmp_path / "t.json").read_text()) == res
+    doc = tmp_path / "doc.md"
+    doc.write_text("head\n<!-- b -->\nold\n<!-- e -->\nmiddle\n<!-- b -->\nsecond\n<!-- e -->\ntail\n")
+    assert harness.has_block(str(doc), "<!-- b -->", "<!-- e -->")
+    harness.replace_block(str(doc), "<!-- b -->", "<!-- e -->", "<!-- b -->\nnew\n<!-- e -->")
+    assert doc.read_text() == "head\n<!-- b -->\nnew\n<!-- e -->\nmiddle\n<!-- b -->\nsecond\n<!-- e -->\ntail\n"
+    assert not harness.has_block(str(tmp_path / "none.md"), "<!-- b -->", "<!-- e -->")
+    doc.write_text("<!-- e -->\n<!-- b -->\n")  # the end marker must follow the begin marker
+    with pytest.raises(VVSError, match=r"has no <!-- b --> \.\.\. <!-- e --> block$"):
+        harness.replace_block(str(doc), "<!-- b -->", "<!-- e -->", "x")
+    assert doc.read_text() == "<!-- e -->\n<!-- b -->\n"
