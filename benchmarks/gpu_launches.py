@@ -1,6 +1,6 @@
 """Kernel launches per CUDA-graph replay of every compiled round kind, counted by the profiler on a
 GPU, beside the counts read on the CPU from Inductor's Triton code (``benchmarks/results/op_count.json``,
-the GPU-style count of ``vvs_engine.runtime.launches``).
+the GPU-style count of ``vvs_engine.measure.launches``).
 
     python benchmarks/gpu_launches.py --out benchmarks/results/gpu_launches.md         # on a GPU
     python benchmarks/gpu_launches.py --device cpu --out /tmp/gl.md --methods ar       # CPU smoke run

@@ -253,7 +253,7 @@ def generate_setting(eng, name, method, opts, labels, seed, sampling, batch_size
 
 
 def ops_per_token(eng, method, opts, label, seed, sampling) -> float:
-    from vvs_engine.runtime.opcount import OpCounter
+    from vvs_engine.measure.opcount import OpCounter
 
     with OpCounter() as c:
         eng.generate(class_labels=[label], method=method, seed=seed, decode_images=False, **sampling, **opts)

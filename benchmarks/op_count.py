@@ -2,14 +2,14 @@
 
 On a GPU every dispatched op is at least one kernel launch, so ops per committed token is the launch
 budget a method spends for what it saves in target forwards (TPF). Counted on the CPU by
-``vvs_engine.runtime.opcount.OpCounter`` (aten + vvs:: ops below autograd; views, no-op casts and bare
+``vvs_engine.measure.opcount.OpCounter`` (aten + vvs:: ops below autograd; views, no-op casts and bare
 allocations excluded), over one whole generation (prefill included) of one image, fp32, default
 sampling, so the counts are deterministic. A round is an AR step, a verify or skip round, or a Jacobi
 iteration; the AR step is the unit. Each method is counted twice: as the CPU runs it (every kernel's
 torch reference inlined), and with ``VVS_KERNELS=reference``, which routes each kernel through its
 ``vvs::`` custom op (one op, as one launch on a GPU) while still computing with the reference. The
 compiled columns run the same generation with ``compile=True`` and count, per round kind, the launches
-of the code Inductor generated for it (``vvs_engine.runtime.launches``: generated kernels + extern GEMMs
+of the code Inductor generated for it (``vvs_engine.measure.launches``: generated kernels + extern GEMMs
 + custom ops + other fallbacks); a method's launches per round average its round kinds by how often
 each ran (prefill, which stays eager, is not in them). The compiled launches are counted as a GPU
 replays them: Inductor lowers each round to Triton kernels as it does for CUDA (``launches.recording
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import ROOT, has_block, replace_block, write_tables  # noqa: E402  (sets the checkout's path first)
 
 from vvs_engine.kernels.backends import ENV  # noqa: E402
-from vvs_engine.runtime.opcount import OpCounter  # noqa: E402
+from vvs_engine.measure.opcount import OpCounter  # noqa: E402
 
 # (row, method, options): the methods of the issue's table with their default options.
 ROWS = [
@@ -94,7 +94,7 @@ def count_compiled(engine, kw, eager_tokens, cpu_compile=False):
     """Compiled launches of each round kind of this generation as a GPU replays them (Inductor's Triton
     code, generated on the CPU), weighted by how often each kind ran; with ``cpu_compile`` also the
     CPU-compiled run's tokens against eager and its C++ kernel functions."""
-    from vvs_engine.runtime import launches
+    from vvs_engine.measure import launches
 
     with launches.recording("gpu") as codes:
         out = engine.generate(compile=True, **kw)  # code generated, rounds run eagerly
@@ -227,7 +227,7 @@ def compiled_table(rows) -> list:
     lines = ["", "## Compiled rounds: launches as a GPU replays them (Inductor's Triton code, read on the CPU)", "",
              f"Unit: the compiled AR step = {unit} launches (Triton kernels + extern GEMMs + custom ops + other "
              "fallbacks; Inductor lowers each round to Triton as for CUDA, combo kernels included: "
-             "`runtime/launches.py`, `recording(\"gpu\")`). Per round kind: launches (kernels + GEMMs + custom ops + "
+             "`measure/launches.py`, `recording(\"gpu\")`). Per round kind: launches (kernels + GEMMs + custom ops + "
              "other) and x the compiled AR step. Per round / per token: the method's rounds weighted by how often "
              "each kind ran (eager prefill excluded); eager = the kernels-as-ops count above. Custom ops count one "
              "launch each (at real shapes some launch more: `round_cost.py` adds them)."

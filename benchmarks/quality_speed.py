@@ -6,7 +6,7 @@ images) with the same random streams: image i draws from (``--seed``, i) in ever
 the batch it is decoded in, so AR and a method are paired image by image. Per setting: class
 accuracy, FD in the classifier's feature space, Inception FID, precision/recall (Inception features,
 k = 3), TPF (tokens per target forward) and compute ops per token (one image, counted with
-:class:`vvs_engine.runtime.opcount.OpCounter`). Every quality figure and TPF gets a 95 %
+:class:`vvs_engine.measure.opcount.OpCounter`). Every quality figure and TPF gets a 95 %
 percentile-bootstrap interval over images, and the difference to AR an interval from the same
 resampled image indices (paired by seed).
 

@@ -245,7 +245,7 @@ def count_round_launches(engine, method: str, opts: dict, kinds, calls: int = 3)
     ``calls`` calls of each kind after its first (a round has static shapes: every call counts the same)."""
     from vvs_engine.kernels.backends import ENV
     from vvs_engine.runtime import runner
-    from vvs_engine.runtime.opcount import OpCounter
+    from vvs_engine.measure.opcount import OpCounter
 
     seen = {}
 
@@ -295,7 +295,8 @@ def count_compiled_launches(engine, method: str, opts: dict, kinds) -> dict:
     + extern GEMMs + custom ops + fallbacks), one image, each kind on its first call; the decode stops
     once every kind has run (the Jacobi loop runs to its end). -> {kind: {"total": n, op: calls}} for
     the ops of MULTI_LAUNCH_OPS."""
-    from vvs_engine.runtime import launches, runner
+    from vvs_engine.measure import launches
+    from vvs_engine.runtime import runner
 
     calls = {}
 

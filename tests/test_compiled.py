@@ -17,7 +17,7 @@ import torch
 from spec_models import tiny_engine
 from vvs_engine.kernels import flash, reference
 from vvs_engine.models import gpt as gpt_module
-from vvs_engine.runtime import launches
+from vvs_engine.measure import launches
 from vvs_engine.runtime.compiled import FORCE_FAIL_ENV
 
 METHODS = {  # method -> options: small trees, a skip schedule that skips on a 4-token image

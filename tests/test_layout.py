@@ -16,7 +16,7 @@ RANK = {
     "kernels": 2, "triton_kernels": 2,
     "models": 3,
     "runtime": 4,
-    "drafting": 5, "acceptance": 5,
+    "drafting": 5, "acceptance": 5, "measure": 5,  # measure: launches, op counts, profiler ranges of the rounds
     "methods": 6,
     "engine": 7,
     "": 8,  # vvs_engine/__init__.py: the public API

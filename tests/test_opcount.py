@@ -9,7 +9,7 @@ import sys
 import torch
 
 from spec_models import tiny_engine
-from vvs_engine.runtime.opcount import OpCounter
+from vvs_engine.measure.opcount import OpCounter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

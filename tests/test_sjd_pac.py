@@ -10,7 +10,8 @@ import torch
 from spec_models import LABELS, tiny_engine
 from distribution_checks import _chi2_crit, chi2_joint, exact_joint, toy_engine, toy_sample, two_sample_chi2
 from vvs_engine.errors import VVSError
-from vvs_engine.methods.sjd_pac import ProductTree, top_few, tree_size
+from vvs_engine.drafting.product_tree import ProductTree, tree_size
+from vvs_engine.methods.sjd_pac import top_few
 
 
 

@@ -14,11 +14,11 @@ from vvs_engine.engine import Engine
 from vvs_engine.errors import VVSError
 from vvs_engine.methods import get_method
 from vvs_engine.methods.common import DecodeBatch
-from vvs_engine.methods.zipar import (PlanLane, RowGeometry, ZipARDecoder, fixed_window_forwards, fixed_window_plan,
-                                      row_geometry, rows_in_flight)
+from vvs_engine.methods.zipar import RowGeometry, ZipARDecoder, fixed_window_forwards, row_geometry, rows_in_flight
 from vvs_engine.models.hf_tiny import PROMPTS, make_chameleon_folder, make_emu3_folder, make_janus_folder
 from vvs_engine.rng import CounterRNG
 from vvs_engine.sampling import SamplingParams
+from zipar_plan import PlanLane, fixed_window_plan
 
 LABELS = [0, 3]
 

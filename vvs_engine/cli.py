@@ -382,7 +382,7 @@ def cmd_generate(args) -> int:
         except VVSError as e:
             raise VVSError(flag_names(str(e))) from None
 
-    from .runtime.profiling import torch_trace
+    from .measure.profiling import torch_trace
 
     with torch_trace(args.profile):
         out = run()

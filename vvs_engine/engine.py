@@ -533,8 +533,8 @@ class Engine:
         # fill defaults in at build time; a kept core was built by an earlier call's options object)
         used = core.options if core.options is not None else opts
         stats["options"] = asdict(used) if is_dataclass(used) else {}
-        stats["sampling"] = params.to_dict() if scope.uniform is not None else \
-            {"per_image": [x.to_dict() for x in settings]}
+        stats["sampling"] = (params.to_dict() if scope.uniform is not None
+                             else {"per_image": [x.to_dict() for x in settings]})
         stats["seed"] = seed if not isinstance(seed, (list, tuple)) else list(seeds)
         stats["device"], stats["dtype"] = str(self.device), str(self.dtype).replace("torch.", "")
         stats["quantize"] = self.quantization
@@ -544,7 +544,7 @@ class Engine:
         stats["attention_backend"] = describe(self.device, self.dtype, self.gpt.config.head_dim, prompts is not None)
         images = []
         if decode_images and self.vq is not None and getattr(self.vq, "can_decode", True):
-            from .runtime.profiling import nvtx_range
+            from .measure.profiling import nvtx_range
 
             with nvtx_range("vq_decode"):
                 images = self.decode_images(tokens)
@@ -586,8 +586,8 @@ class Engine:
         check(self.vq is not None and getattr(self.vq, "can_decode", True), "partial images need a VQ decoder")
         T = self.tokens_per_image
         side = self.partial_grid()[0]
-        points = partial_points(count, T) if count else \
-            [k * T // side for k in range(every, side, every)] if every else []
+        points = (partial_points(count, T) if count
+                  else [k * T // side for k in range(every, side, every)] if every else [])
         from .runtime.output import OutputWorker
 
         output = OutputWorker("vvs-output", context=torch.inference_mode)
@@ -669,8 +669,8 @@ class Engine:
         check(cond.shape[0] // (2 if use_cfg else 1) == tokens.shape[0], "one condition per token row")
         toks = torch.cat([tokens, tokens]) if use_cfg else tokens
         c = self.config.cls_token_num
-        x = torch.cat([self.gpt.embed_condition(cond), self.gpt.embed_tokens(toks[:, :-1])], 1) if toks.shape[1] > 1 \
-            else self.gpt.embed_condition(cond)
+        x = (torch.cat([self.gpt.embed_condition(cond), self.gpt.embed_tokens(toks[:, :-1])], 1)
+             if toks.shape[1] > 1 else self.gpt.embed_condition(cond))
         L = x.shape[1]
         vis = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()[None].expand(x.shape[0], L, L).clone()
         if key_mask is not None:

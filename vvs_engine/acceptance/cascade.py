@@ -63,7 +63,7 @@ GATES = ("kl", "entropy", "nucleus", "none")
 GATE_INPUTS = ("parent", "residual")
 
 # The engine default follows the LlamaGen variant's thresholds and depth term (τ_b 0.9, τ_d 0.625,
-# parent-child logits) with three measured changes (figures in benchmarks/cascade_zoo.py): the breadth
+# parent-child logits) with three measured changes (figures in benchmarks/studies/spec_zoo/cascade_zoo.py): the breadth
 # source is the target's hidden states (on the Zoo model they accepted more at less quality loss than
 # drafter predictions, and the paper speaks of "the target model's hidden state"); the gate is the
 # Lumina final nucleus gate (the LlamaGen KL gate with κ 4 raised the target NLL of the output by

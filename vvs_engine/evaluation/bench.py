@@ -178,7 +178,7 @@ def time_setting(engine, setting: Setting, args, label_of, extra_opts=None) -> d
               compile=getattr(args, "compile", None), **opts)
     engine.generate(**condition(engine, label_of(0)), seed=10_000, **kw)  # warm-up: graph capture, autotuning
     if args.torch_trace:  # one extra, untimed generation under torch.profiler (Chrome trace)
-        from ..runtime.profiling import torch_trace
+        from ..measure.profiling import torch_trace
 
         os.makedirs(args.torch_trace, exist_ok=True)
         name = "".join(c if c.isalnum() or c in "-_=." else "_" for c in setting.label)
@@ -209,7 +209,7 @@ def throughput_setting(engine, setting: Setting, batch_size: int, n_images: int,
     """A one-image warm-up, one eager warm-up batch of ``batch_size`` images under the op counter
     (compute ops per committed token), then ``n_images`` images in batches of ``batch_size`` timed
     -> images/s and TPF."""
-    from ..runtime.opcount import OpCounter
+    from ..measure.opcount import OpCounter
 
     opts = dict(setting.opts)
     if _takes_lantern_k(setting.method) and "lantern_k" not in opts and engine.vq is None:
@@ -269,7 +269,7 @@ def write_batch_report(rows: List[dict], meta: dict, out_dir: str, tag: str, com
         if k in meta:
             lines.append(f"- {k}: {meta[k]}")
     lines += ["", "Images/s and TPF: the timed images (seed 0). Compute ops per committed token: "
-                  "`vvs_engine.runtime.opcount.OpCounter` over the untimed warm-up batch of `batch` images "
+                  "`vvs_engine.measure.opcount.OpCounter` over the untimed warm-up batch of `batch` images "
                   "(seed 10000, eager, every kernel as the device runs it; on a GPU each op is at least one launch).",
               "", "| setting | batch | images | images/s | vs batch 1 | TPF | per-image TPF min / median / max "
                   "| images identical to batch 1 | compute ops per committed token |",

@@ -133,7 +133,7 @@ def counter_uniform(key, step, stream_offsets, n_lanes: int, lanes=None, fuse_wh
 
 def _inductor_emits_triton(t: torch.Tensor) -> bool:
     """Whether Inductor generates Triton code for ``t``'s device: CUDA, or the CPU when its backend is
-    Triton (``runtime.launches.recording("gpu")``, the GPU-style launch count)."""
+    Triton (``measure.launches.recording("gpu")``, the GPU-style launch count)."""
     import torch._inductor.config as inductor_config
 
     return t.device.type == "cuda" or (t.device.type == "cpu" and inductor_config.cpu_backend == "triton")

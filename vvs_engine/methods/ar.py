@@ -10,7 +10,7 @@ token goes to a spare column.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -20,18 +20,15 @@ from ..runtime.masks import causal_local
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .registry import register
-from .common import DecodeBatch, row_sampling, declare_decoder_rows
+from .common import DecodeBatch, row_sampling, declare_decoder_rows, RowState
 
 
 @dataclass
-class ARState:
+class ARState(RowState):
     tokens: torch.Tensor  # [B, T + 1] committed tokens; column T takes finished rows' samples
     count: torch.Tensor  # [B] tokens committed (the next token's index: its random-number step)
     last: torch.Tensor  # [B] the last sampled token (the next forward's input)
     passes: torch.Tensor  # [B] target forwards while the image was unfinished
-
-    def tensors(self):
-        return [getattr(self, f.name) for f in fields(self)]
 
 
 class ARDecoder:

@@ -5,7 +5,7 @@
 authors' two published codes; docs/reference_modes.md). A ``cascade_*`` option given with a value
 other than the engine default overrides the preset's value. The engine default keeps the LlamaGen
 thresholds and depth term (τ_b 0.9, τ_d 0.625 on the target's logits at parent and child) and takes,
-from measurements on the Zoo model (benchmarks/cascade_zoo.py), the target's hidden states as the
+from measurements on the Zoo model (benchmarks/studies/spec_zoo/cascade_zoo.py), the target's hidden states as the
 breadth source and the Lumina final nucleus gate evaluated once per parent (see
 ``acceptance.cascade.DEFAULTS``; the method: docs/methods.md §3). Every SpecOptions option applies
 too (``skip_policy`` for VVS skipping,
@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..acceptance.cascade import DEFAULTS, DRAFTER_SOURCES, check_options, variant_options
+from ..errors import VVSError
 from .registry import register
 from .options import option
 from .speculative import SpecOptions, run
@@ -54,8 +55,6 @@ class CascadeOptions(SpecOptions):
         check_options(**self.rule_kwargs(), flag=lambda n: "cascade-" + n.replace("_", "-"))
         source = self.rule_kwargs()["source"]
         if self.tree == "dynamic" and source in DRAFTER_SOURCES and self.accept in (None, "cascade"):
-            from ..errors import VVSError
-
             raise VVSError("cascade-source drafter needs a static tree (dynamic trees keep no per-node drafter "
                            "distributions); use --cascade-source target-logits or target-hidden")
         return super().validate()

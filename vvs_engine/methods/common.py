@@ -38,6 +38,14 @@ def row_sampling(scope, batch: DecodeBatch, device) -> RowSampling:
     return RowSampling(scope, batch.sampling, batch.size, device)
 
 
+class RowState:
+    """Base of a decoder's state dataclass: every field a ``[rows, ...]`` device buffer the rounds update
+    in place (what a rerun of a round must restore)."""
+
+    def tensors(self) -> list:
+        return [getattr(self, f.name) for f in fields(self)]
+
+
 def declare_decoder_rows(table, session, params, rng, state) -> None:
     """The row buffers of a decoder on one target session: the session's (KV cache, conditions), the rows'
     sampling settings and random-number keys, and every field of its state dataclass."""

@@ -11,15 +11,7 @@ from dataclasses import dataclass
 
 from .options import option
 from .registry import register
-from .speculative import SpecOptions, run
-
-
-def _with_defaults(opts: SpecOptions, accept, tree):
-    if opts.accept is None:
-        opts.accept = accept
-    if opts.tree is None:
-        opts.tree = tree
-    return opts
+from .speculative import SpecOptions, run, with_defaults
 
 
 @dataclass
@@ -29,12 +21,12 @@ class EagleOptions(SpecOptions):
 
 @register("eagle", EagleOptions)
 def run_eagle(engine, batch, params, opts):
-    return run(engine, batch, params, _with_defaults(opts, "exact", "dynamic"))
+    return run(engine, batch, params, with_defaults(opts, "exact", "dynamic"))
 
 
 @register("lantern", EagleOptions)
 def run_lantern(engine, batch, params, opts):
-    return run(engine, batch, params, _with_defaults(opts, "lantern", "dynamic"))
+    return run(engine, batch, params, with_defaults(opts, "lantern", "dynamic"))
 
 
 @dataclass
@@ -47,4 +39,4 @@ class LanternPlusOptions(SpecOptions):
 
 @register("lantern++", LanternPlusOptions)
 def run_lantern_pp(engine, batch, params, opts):
-    return run(engine, batch, params, _with_defaults(opts, "lantern++", "static"))
+    return run(engine, batch, params, with_defaults(opts, "lantern++", "static"))

@@ -20,30 +20,19 @@ keeps a draft that passed its test and replaces one that failed by a residual sa
 argmax(log p + G) with Gumbel noise keyed by the absolute token index (:meth:`JacobiDecoder.redraw`).
 SJD-PAC (``methods/sjd_pac.py``) runs a product tree on the same session, KV layout and loop.
 
-KV layout: the window's K/V are written to L scratch slots shared by all rows (the model writes one
-slot list for the whole batch), then copied to each row's own slots ``[P_b, P_b + L)`` at the start of
-the next iteration (before its forward overwrites the scratch slots). The accepted prefix is then in
-place and the next window starts after it; slots past it are hidden by the next prefix length and
-overwritten later (rollback = not advancing P). Attention uses one dense ``[rows, L, S]`` mask per
-iteration (prefix of each row + the causal window block).
-
-:func:`jacobi_iteration` is the whole iteration (forward, acceptance, commit, refill, KV bookkeeping,
-counters) with static shapes and no host read, so it is captured as one CUDA graph; the loop between
-iterations only reads the images' committed counts, one iteration late on CUDA. Finished images keep
-running (static shapes) but stop committing and counting. Compiled, SJD's iteration is the target's
-forward plus four launches: the KV copy, one pass over the vocabulary, the walk with the commit and
-refill, the next draft distributions (``docs/launches.md``).
-
-Randomness comes from the batch's counter RNG with step = the image's own iteration number (its
-forwards so far + 1), so an image's tokens do not depend on the batch it is decoded in. Lossless for
-SJD: each draft is drawn from its q independently of the tokens it is tested after (checked by a
-chi-square test in ``tests/test_jacobi.py``).
+:func:`jacobi_iteration` is the whole iteration with static shapes and no host read (one CUDA graph).
+The window's K/V go to L scratch slots (the model writes one slot list for the whole batch) and reach
+each row's own slots at the start of the next iteration; rollback = not advancing the prefix. Every
+draw is keyed by the image's own iteration number, so its tokens do not depend on its batch. The KV
+layout, the compiled launches and the randomness in full: docs/jacobi.md. Lossless for SJD: each
+draft is drawn from its q independently of the tokens it is tested after (chi-square test in
+``tests/test_jacobi.py``).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -56,8 +45,8 @@ from ..rng import Streams, sample_inverse_cdf_one_pass
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
 from .registry import register
-from .common import DecodeBatch, row_sampling, declare_decoder_rows
-from .options import MethodOptions, option
+from .common import DecodeBatch, row_sampling, declare_decoder_rows, RowState
+from .options import MethodOptions, check_choice, check_int, option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
 COUPLINGS = ("none", "maximal", "gumbel")
@@ -75,11 +64,6 @@ GUMBEL_STREAM = 16
 JACOBI_INDUCTOR_OPTIONS = {"combo_kernel_peak_memory_pct_threshold": None}
 
 
-def check_coupling(value) -> None:
-    if value not in COUPLINGS:
-        raise VVSError(f"coupling must be one of {', '.join(COUPLINGS)}, got {value!r}")
-
-
 @dataclass
 class SJDOptions(MethodOptions):
     # New window positions: "copy-left" (the SJD repository's LlamaGen setting, repeat_horizon),
@@ -92,11 +76,8 @@ class SJDOptions(MethodOptions):
                                            "copy-above")
 
     def validate(self):
-        w = self.jacobi_window
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WINDOW:
-            raise VVSError(f"jacobi-window must be an integer in [1, {MAX_WINDOW}], got {w!r}")
-        if self.jacobi_init not in INIT_POLICIES:
-            raise VVSError(f"jacobi-init must be one of {', '.join(INIT_POLICIES)}, got {self.jacobi_init!r}")
+        check_int("jacobi-window", self.jacobi_window, 1, MAX_WINDOW)
+        check_choice("jacobi-init", self.jacobi_init, INIT_POLICIES)
         return self
 
     def check_engine(self, engine):
@@ -144,7 +125,7 @@ class GSDOptions(SJDOptions):
         super().validate()
         check_gsd_values(self.gsd_group, self.gsd_prob_threshold, self.gsd_dist_threshold, self.gsd_static_clusters)
         check_window_edge(self.gsd_window_edge)
-        check_coupling(self.coupling)
+        check_choice("coupling", self.coupling, COUPLINGS)
         return self
 
     def check_engine(self, engine):
@@ -177,16 +158,13 @@ class SCDOptions(SJDOptions):
     # L = 32: the fastest SCD window at AR parity on the Zoo (TPF 3.65 against 3.19 at 16 and 2.48 at 8,
     # 512 images: benchmarks/results/quality_speed.md "Defaults against the evidence"); SCD is exact, so
     # a longer window costs only the wider forward
-    jacobi_window: int = option(32, "Jacobi methods: window L = query rows per forward (the last committed token + "
-                                    "L - 1 drafts; sjd-pac: every tree node)")
-    coupling: str = option("maximal", "SCD/GSD: how unverified drafts are re-drawn: none (SJD's independent "
-                                      "samples), maximal (keep-or-replace by rejection sampling) or gumbel "
-                                      "(Gumbel-max with noise fixed per absolute position)")
+    jacobi_window: int = 32  # help: SJDOptions'
+    coupling: str = option("maximal", GSDOptions.__dataclass_fields__["coupling"].metadata["help"])
     coupling_declares_old_q: bool = False  # negative control only (see GSDOptions)
 
     def validate(self):
         super().validate()
-        check_coupling(self.coupling)
+        check_choice("coupling", self.coupling, COUPLINGS)
         if not isinstance(self.coupling_declares_old_q, bool):
             raise VVSError("coupling_declares_old_q must be true or false")
         return self
@@ -207,7 +185,7 @@ class JacobiContext:
 
 
 @dataclass
-class JacobiState:
+class JacobiState(RowState):
     """Device state of a batched Jacobi decode; static shapes, updated in place by each iteration."""
 
     window: torch.Tensor  # [B, L] the last committed token, then L - 1 drafts
@@ -220,9 +198,6 @@ class JacobiState:
     accepted_carried: torch.Tensor  # [B] accepted drafts that were carried Jacobi samples
     window_start: torch.Tensor  # [B] the last forward's first slot among the row's own (c + committed - 1
     #                             then): where the next iteration first copies that window's K/V
-
-    def tensors(self):
-        return [getattr(self, f.name) for f in fields(self)]
 
 
 @dataclass(frozen=True)
@@ -288,9 +263,6 @@ class JacobiDecoder:
         self.layout = JacobiLayout.of(opts, self.c, self.T, self.L)
         self.index = JacobiIndex.of(self.layout, self.L, s, self.rng)
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x]) if self.params.use_cfg else x
-
     def processed(self, h: torch.Tensor) -> torch.Tensor:
         return process_logits(guided_logits(self.session.logits(h), self.params), self.params)
 
@@ -330,7 +302,7 @@ class JacobiDecoder:
         rows_b = self.batch_rows()
         self.place_last_window_kv(st)
         active = st.n_committed < T  # [B] finished images keep running but commit nothing
-        prefix = self.rows(self.c + st.n_committed - 1)  # [rows] the window starts at the last committed token
+        prefix = self.session.rows_of(self.c + st.n_committed - 1)  # [rows] the window starts at the last committed token
         positions = (prefix[:, None] + lanes).clamp(max=self.layout.last_position)  # [rows, L]
         visible = s.slot_ids < prefix[:, None]  # [rows, S]
         if s.has_key_mask:
@@ -473,7 +445,7 @@ class JacobiDecoder:
         before its forward overwrites the scratch slots, rather than at the end of the last one:
         compiled, the copy's gather and write then run beside the round's first kernels instead of as
         two launches of their own after the forward. Attention sees the same cache either way."""
-        dst = self.rows(st.window_start)[:, None] + self.index.lanes
+        dst = self.session.rows_of(st.window_start)[:, None] + self.index.lanes
         self.session.kv.move(self.index.scratch_slots.expand_as(dst), dst)  # index_put_: in place when compiled
 
     def round_buffers(self) -> list:

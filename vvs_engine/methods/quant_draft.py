@@ -1,50 +1,36 @@
 """Self-speculative decoding: a weight-only quantized copy of the target drafts, the target verifies.
 
-No trained drafter: the draft model is the target itself with its linear weights quantized through
-torchao (``models/quantize.py``; int8 by default, fp8 or int4 where they run), built once per engine
-and kept on it. The copy has its own ``TargetSession`` (its own KV cache, the same condition rows). One round, per
-image, with P = the last committed token's position:
+No trained drafter: the draft model is the target with its linear weights quantized through torchao
+(``drafting/quantized.py``), kept on the engine, with its own ``TargetSession``. One round per image:
+the copy drafts a chain d_1..d_k (k forwards, d_j ~ q_{j-1}; greedy: argmax); ONE target forward over
+[last, d_1..d_k] gives p_0..p_k; the exact speculative rule keeps the longest passing prefix d_1..d_n
+and draws one more token from norm(max(p_n - q_n, 0)) (from p_k when all k passed). Every committed
+token is distributed as the target's, whatever the copy: lossless by construction (chi-square test in
+``tests/test_quant_draft.py``); greedy it gives greedy AR's tokens.
 
-    draft: the copy runs the last committed token, then its own drafts, k forwards in all, and draws
-           d_1..d_k, d_j ~ q_{j-1} (its processed distribution; greedy: argmax q)
-    verify: ONE target forward over [last, d_1..d_k] at positions P..P+k -> p_0..p_k
-    accept d_{j+1} iff u_j * q_j(d_{j+1}) < p_j(d_{j+1}) (greedy: d_{j+1} == argmax p_j); n = the
-           longest accepted prefix; commit d_1..d_n and one token from norm(max(p_n - q_n, 0)), or from
-           p_k when every draft passed (the bonus token; greedy: argmax p_n)
-
-This is the speculative sampling rule (Leviathan et al. 2023, Chen et al. 2023): every committed token
-is distributed as the target's, whatever the draft model, so the method is lossless by construction
-(checked by a chi-square test in ``tests/test_quant_draft.py``); greedy it gives greedy AR's tokens.
-
-KV caches: slot s holds sequence position s in both caches (condition, then image tokens); a round
-writes the target's slots P..P+k and the copy's P-1..P+k-1, and moving the committed count is the
-whole rewind (slots past it are hidden by the prefix length and overwritten later). The copy's first
-forward of a round takes two queries, the token before the last one (slot P-1) and the last one:
-after a round that accepted all k drafts, d_k was never run through the copy, and re-running the
-token at P-1 in every round keeps the shapes static (it rewrites the same K/V otherwise; in the first
-round, where P-1 is the condition's last slot, it goes to a scratch slot instead).
-
-Random numbers: one counter-RNG draw per round, keyed by the image and its own round number (its
-target forwards + 1), split into k draft lanes, k acceptance lanes and one for the committed token,
-so an image's tokens do not depend on its batch or on when it was admitted. A target in fp64 (the
-reference mode, which torchao cannot quantize) gets an fp32 copy: the drafts are only proposals.
+Both caches use slot = sequence position, so moving the committed count is the whole rewind; the
+copy's first forward of a round re-runs the token at P - 1 beside the last one (after a round that
+accepted all k drafts, d_k never ran through the copy; always re-running it keeps the shapes static).
+One counter-RNG draw per round, keyed by the image and its own round number. In full:
+docs/quantization.md "A quantized copy of the target as its drafter".
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..acceptance.verify import ExactRule
+from ..drafting.quantized import draft_dtype, quantized_copy
 from ..errors import VVSError
-from ..models.quantize import check_quantize, quantize_module
+from ..models.quantize import check_quantize
 from ..rng import Streams, sample_inverse_cdf
 from ..runtime.masks import causal_local
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
-from .common import DecodeBatch, row_sampling, declare_decoder_rows
-from .options import MethodOptions, option
+from .common import DecodeBatch, row_sampling, declare_decoder_rows, RowState
+from .options import MethodOptions, check_choice, check_int, option
 from .registry import register
 
 DRAFT_MODES = ("int8", "fp8", "int4")  # where check_quantize lets them run (int4: CUDA and bf16; never run here)
@@ -59,11 +45,8 @@ class QuantDraftOptions(MethodOptions):
                                          "target: int8, fp8 or int4 (CUDA, bf16)")
 
     def validate(self):
-        k = self.draft_length
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT:
-            raise VVSError(f"draft-length must be an integer in [1, {MAX_DRAFT}], got {k!r}")
-        if self.draft_quantize not in DRAFT_MODES:
-            raise VVSError(f"draft-quantize must be one of {', '.join(DRAFT_MODES)}, got {self.draft_quantize!r}")
+        check_int("draft-length", self.draft_length, 1, MAX_DRAFT)
+        check_choice("draft-quantize", self.draft_quantize, DRAFT_MODES)
         return self
 
     def check_engine(self, engine):
@@ -78,33 +61,13 @@ class QuantDraftOptions(MethodOptions):
         return self.draft_length + 1, 2 * extra + shape.cls_token_num + shape.tokens_per_image, False
 
 
-def draft_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype == torch.float64 else dtype
-
-
-def quantized_copy(engine, mode: str):
-    """The engine's target, copied and quantized weight-only (``mode``): built once per (mode, device,
-    dtype) and kept on the engine (a second decode, an admitted batch and a kept decoder reuse it)."""
-    key = (mode, str(engine.device), engine.dtype, id(engine.gpt))
-    copies = engine.__dict__.setdefault("_quantized_copies", {})
-    if key not in copies:
-        copies.clear()  # a copy of an older device/dtype is of no further use
-        model = copy.deepcopy(engine.gpt).to(dtype=draft_dtype(engine.dtype))
-        quantize_module(model, mode)
-        copies[key] = model.eval()
-    return copies[key]
-
-
 @dataclass
-class QuantDraftState:
+class QuantDraftState(RowState):
     tokens: torch.Tensor  # [B, T + 2k + 1] committed tokens; a round writes k + 1 from the count
     count: torch.Tensor  # [B] tokens committed
     last: torch.Tensor  # [B] the last committed token (not yet run through either model)
     passes: torch.Tensor  # [B] target forwards (rounds) while unfinished
     accepted_hist: torch.Tensor  # [B, k + 1] rounds that accepted exactly n drafts
-
-    def tensors(self):
-        return [getattr(self, f.name) for f in fields(self)]
 
 
 class QuantDraftDecoder:
@@ -142,9 +105,6 @@ class QuantDraftDecoder:
                                      last=first.clone(), passes=z(B), accepted_hist=z(B, k + 1))
         self.state.tokens[:, 0] = first
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x]) if self.params.use_cfg else x
-
     def processed(self, session, h: torch.Tensor) -> torch.Tensor:
         return process_logits(guided_logits(session.logits(h).to(self.dtype), self.params), self.params)
 
@@ -154,9 +114,9 @@ class QuantDraftDecoder:
         d = self.draft
         before = st.tokens.gather(1, (st.count - 2).clamp(min=0)[:, None])[:, 0]
         slot0 = torch.where(st.count >= 2, P - 1, self.scratch_slot)
-        slots = self.rows(torch.stack([slot0, P], 1))  # [rows, 2]
-        positions = self.rows(torch.stack([P - 1, P], 1)).clamp(max=self.c + self.T - 1)
-        prefix = self.rows(torch.stack([P - 1, P], 1))
+        slots = d.rows_of(torch.stack([slot0, P], 1))  # [rows, 2]
+        positions = d.rows_of(torch.stack([P - 1, P], 1)).clamp(max=self.c + self.T - 1)
+        prefix = d.rows_of(torch.stack([P - 1, P], 1))
         visible = (d.slot_ids < prefix[..., None]) | (d.slot_ids == slots[..., None])  # [rows, 2, S]
         if d.has_key_mask:
             visible = visible & (d.key_valid[:, None] | (d.slot_ids == slots[..., None]))
@@ -206,8 +166,6 @@ class QuantDraftDecoder:
         return ok.view(B, k)
 
     def rng_round(self, st) -> torch.Tensor:
-        from .. import kernels
-
         return kernels.counter_uniform(self.rng.key, st.passes + 1, self.stream, 2 * self.k + 1,
                                        fuse_when_compiled=True)[:, 0]
 

@@ -8,7 +8,7 @@ acceptance rules are, so the registry imports no method module.
 """
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import asdict, fields, is_dataclass
 from importlib import import_module
 
 from ..errors import VVSError
@@ -51,19 +51,21 @@ def parse_options(options_cls, opts: dict, method: str):
     return o.validate() if hasattr(o, "validate") else o
 
 
-def get_method_options(name: str, opts: dict):
-    """Parse and validate a method's options without an engine (the CLI checks flags before loading)."""
+def _registered(name: str):
+    """(make, options class) of a registered method, or a one-line error naming the known ones."""
     _load_all()
     if name not in _REGISTRY:
         raise VVSError(f"unknown method '{name}'; known: {', '.join(sorted(_REGISTRY))}")
-    return parse_options(_REGISTRY[name][1], dict(opts), name)
+    return _REGISTRY[name]
+
+
+def get_method_options(name: str, opts: dict):
+    """Parse and validate a method's options without an engine (the CLI checks flags before loading)."""
+    return parse_options(_registered(name)[1], dict(opts), name)
 
 
 def get_method(name: str, engine, opts: dict):
-    _load_all()
-    if name not in _REGISTRY:
-        raise VVSError(f"unknown method '{name}'; known: {', '.join(sorted(_REGISTRY))}")
-    fn, ocls = _REGISTRY[name]
+    fn, ocls = _registered(name)
     o = parse_options(ocls, dict(opts), name)
     if hasattr(o, "check_engine"):
         o.check_engine(engine)
@@ -72,10 +74,5 @@ def get_method(name: str, engine, opts: dict):
 
 def resolve_options(name: str, opts: dict) -> dict:
     """The method's effective options (defaults filled in) as a plain dict, without an engine."""
-    from dataclasses import asdict, is_dataclass
-
-    _load_all()
-    if name not in _REGISTRY:
-        raise VVSError(f"unknown method '{name}'; known: {', '.join(sorted(_REGISTRY))}")
-    o = parse_options(_REGISTRY[name][1], dict(opts), name)
+    o = get_method_options(name, opts)
     return asdict(o) if is_dataclass(o) else {}

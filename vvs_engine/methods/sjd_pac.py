@@ -2,15 +2,16 @@
 Zhai, Chen, CVPR 2026, arXiv 2603.18599), in an exact variant and in the released (biased) one; the
 full account, with the released sampler's departures, is docs/jacobi.md "SJD-PAC".
 
-Each forward runs a fixed *product tree* of L nodes (:class:`ProductTree`): a main chain of M nodes and,
-at depths 1..D-1, a complete W-ary tree below the root whose node of branch b at depth d shows entry
-C[b, d] of a candidate table with one declared law Q[d] per depth (candidate 0 a sample of Q[d], the
-others draws without replacement from it). One exact iteration: (1) the engine's tree verifier
-(``acceptance.verify.verify_tree``) commits A tokens + a new root; (2) adaptive continuation (SCD's
-maximal coupling) keeps or resamples the stale candidates, a sample of the stale target P_d either
-way; (3) proactive drafting draws the alternatives from P_d without replacement (Gumbel top-k), so the
-new table's law is exactly what the verifier assumes. ``--pac-variant released`` reproduces the
-published sampler (longest passing path, all-siblings residual, alternatives from the residual).
+Each forward runs a fixed *product tree* of L nodes (``drafting.product_tree.ProductTree``): a main
+chain of M nodes and, at depths 1..D-1, a complete W-ary tree below the root whose node of branch b at
+depth d shows entry C[b, d] of a candidate table with one declared law Q[d] per depth (candidate 0 a
+sample of Q[d], the others draws without replacement from it). One exact iteration: (1) the engine's
+tree verifier (``acceptance.verify.verify_tree``) commits A tokens + a new root; (2) adaptive
+continuation (SCD's maximal coupling) keeps or resamples the stale candidates, a sample of the stale
+target P_d either way; (3) proactive drafting draws the alternatives from P_d without replacement
+(Gumbel top-k), so the new table's law is exactly what the verifier assumes. ``--pac-variant released``
+reproduces the published sampler (longest passing path, all-siblings residual, alternatives from the
+residual).
 
 KV: the nodes' K/V go to scratch slots and the accepted path moves to the row's slots. The iteration
 has static shapes and no host read, and every random number comes from the counter RNG keyed by image
@@ -18,20 +19,21 @@ and the image's own iteration, so tokens do not depend on the batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .. import kernels
 from ..acceptance.verify import ExactRule, verify_tree
+from ..drafting.product_tree import ProductTree, tree_size
 from ..errors import VVSError
 from ..rng import sample_inverse_cdf_one_pass
 from ..sampling import value_at
 from .registry import register
-from .common import DecodeBatch, row_sampling
+from .common import DecodeBatch, RowState
 from .jacobi import JacobiDecoder, SJDOptions, gumbel, one_hot, random_step
-from .options import option
+from .options import check_int, option
 
 PAC_VARIANTS = ("exact", "released")
 PAC_STREAM = 17  # acceptance / residual / fresh uniforms of an iteration (counter RNG, step = iteration)
@@ -41,12 +43,11 @@ PAC_GUMBEL_STREAM = 18  # Gumbel noise of the alternative candidates (step = ite
 @dataclass
 class SJDPACOptions(SJDOptions):
     # L counts every tree node (the forward's query rows, as released); 32 leaves the chain 28 of them at
-    # W = 2, D = 3 (22 at W = D = 3; 16 would leave 6: benchmarks/results/scd_pac_zoo.md). W = 2: the fastest
-    # width at AR parity on the Zoo (TPF 3.80 against 3.74 at W = 3 and 3.40 at W = 4, 512 images:
+    # W = 2, D = 3 (22 at W = D = 3; 16 would leave 6: benchmarks/studies/scd_pac_zoo/scd_pac_zoo.md).
+    # W = 2: the fastest width at AR parity on the Zoo (TPF 3.80 against 3.74 at W = 3 and 3.40 at W = 4, 512 images:
     # benchmarks/results/quality_speed.md). copy-left as SJD: on the Zoo it beats the released uniform
     # init (random), which is kept as the option with distinct initial candidates.
-    jacobi_window: int = option(32, "Jacobi methods: window L = query rows per forward (the last committed token + "
-                                            "L - 1 drafts; sjd-pac: every tree node)")
+    jacobi_window: int = 32  # help: SJDOptions'
     pac_width: int = option(2, "SJD-PAC: candidates per tree depth W (proactive drafting)")
     pac_depth: int = option(3, "SJD-PAC: tree depth D counting the root (depths 1..D-1 get W candidates; "
                                "the jacobi-window L counts every tree node)")
@@ -56,10 +57,8 @@ class SJDPACOptions(SJDOptions):
 
     def validate(self):
         super().validate()
-        for name in ("pac_width", "pac_depth"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
-                raise VVSError(f"{name.replace('_', '-')} must be an integer in [1, 64], got {v!r}")
+        check_int("pac-width", self.pac_width, 1, 64)
+        check_int("pac-depth", self.pac_depth, 1, 64)
         if self.pac_variant not in PAC_VARIANTS:
             raise VVSError(f"pac-variant must be exact or released, got {self.pac_variant!r}")
         n = tree_size(self.pac_width, self.pac_depth)
@@ -78,87 +77,8 @@ class SJDPACOptions(SJDOptions):
             raise VVSError(f"pac-width {self.pac_width} exceeds the vocabulary of {engine.config.vocab_size} tokens")
 
 
-def tree_size(W: int, D: int) -> int:
-    """Nodes of the complete W-ary tree of D levels (root included)."""
-    return D if W == 1 else (W ** D - 1) // (W - 1)
-
-
-class ProductTree:
-    """The static layout of L nodes for width W, depth D (all index tables on ``device``):
-
-    * ``M`` main-chain nodes 0..M-1 (node j: branch 0, depth j), then the side nodes in breadth-first
-      order: every node at depth d - 1 < D - 1 of the W-ary part gets children of branches 0..W-1 at
-      depth d (the main chain's own branch-0 child is the next main node);
-    * ``depth``, ``branch`` [N]; ``cell`` [N] = branch * M + depth, the node's entry of the flattened
-      candidate table; ``children`` [N, W] in branch order (-1: none); ``ancestor`` [N, N] ancestor-or-self;
-    * ``zero_path`` [N, M]: from node n, the node at depth j reached by branch-0 children (the main
-      chain's node j once a side subtree ends; ancestors for j < depth(n));
-    * ``rows`` [R, D] (R = W^(D-1)): the nodes at depths 0..D-1 of every root-to-depth-(D-1) path, row
-      r = sum of branch(depth l) * W^(l-1) (row 0 = the main chain): the released sampler's paths."""
-
-    def __init__(self, L: int, W: int, D: int, device):
-        M = L - (tree_size(W, D) - D)
-        assert M >= D, (L, W, D)
-        self.L, self.W, self.D, self.M = L, W, D, M
-        branch, depth, parent = [0] * M, list(range(M)), [j - 1 for j in range(M)]
-        level = [0]  # nodes of the W-ary part at the current depth
-        for d in range(1, D):
-            nxt = []
-            for n in level:
-                for b in range(W):
-                    if b == 0 and n < M:  # a main node's branch-0 child is the next main node
-                        nxt.append(d)
-                        continue
-                    branch.append(b)
-                    depth.append(d)
-                    parent.append(n)
-                    nxt.append(len(branch) - 1)
-            level = nxt
-        N = len(branch)
-        assert N == L, (N, L)
-        children = [[-1] * W for _ in range(N)]
-        for n in range(1, N):
-            children[parent[n]][branch[n]] = n
-        zero_path = [[0] * M for _ in range(N)]
-        for n in range(N):
-            anc, a = {}, n
-            while a >= 0:
-                anc[depth[a]] = a
-                a = parent[a]
-            cur = n
-            for j in range(M):
-                if j <= depth[n]:
-                    zero_path[n][j] = anc[j]
-                    continue
-                cur = children[cur][0] if cur >= 0 and children[cur][0] >= 0 else -1
-                zero_path[n][j] = cur if cur >= 0 else j  # main node j once the side subtree ends
-        ancestor = torch.zeros(N, N, dtype=torch.bool)
-        for n in range(N):
-            a = n
-            while a >= 0:
-                ancestor[n, a] = True
-                a = parent[a]
-        R = W ** (D - 1)
-        rows = []
-        for r in range(R):
-            digits, x, node, path = [], r, 0, [0]
-            for _ in range(D - 1):
-                digits.append(x % W)
-                x //= W
-            for b in digits:
-                node = children[node][b]
-                path.append(node)
-            rows.append(path)
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-        self.branch, self.depth, self.parent = t(branch), t(depth), t(parent)
-        self.cell = self.branch * M + self.depth
-        self.children, self.zero_path, self.rows = t(children), t(zero_path), t(rows)
-        self.ancestor = ancestor.to(device)
-        self.main = torch.arange(M, device=device)
-
-
 @dataclass
-class PACState:
+class PACState(RowState):
     """Device state of a batched SJD-PAC decode (static shapes, updated in place)."""
 
     cand: torch.Tensor  # [B, W, M] candidate table; cand[:, 0, 0] is the root (last committed token)
@@ -171,9 +91,6 @@ class PACState:
     accepted_hist: torch.Tensor  # [B, L]
     accepted_carried: torch.Tensor  # [B]
     accepted_alternatives: torch.Tensor  # [B] accepted tree nodes of branch >= 1
-
-    def tensors(self):
-        return [getattr(self, f.name) for f in fields(self)]
 
 
 @dataclass
@@ -338,7 +255,7 @@ class PACDecoder(JacobiDecoder):
         s, tr, params = self.session, self.tree, self.params
         rows_b = self.batch_rows()
         active = st.n_committed < T
-        prefix = self.rows(self.c + st.n_committed - 1)
+        prefix = s.rows_of(self.c + st.n_committed - 1)
         positions = (prefix[:, None] + tr.depth).clamp(max=self.layout.last_position)  # [rows, N]
         visible = s.slot_ids < prefix[:, None]
         if s.has_key_mask:
@@ -370,7 +287,7 @@ class PACDecoder(JacobiDecoder):
         values = torch.where(lanes == A[:, None], root[:, None], torch.cat([path_tokens, path_tokens[:, :1]], 1))
         st.tokens.index_put_((rows_b[:, None], st.n_committed[:, None] + lanes), values)
         src = self.layout.scratch + path.clamp(min=0)  # [B, M]
-        s.kv.move(self.rows(src), prefix[:, None] + lanes)
+        s.kv.move(s.rows_of(src), prefix[:, None] + lanes)
         on_path = (lanes[1:] <= A[:, None])  # depths 1..A
         carried = (on_path & ~st.fresh[:, 1:]).sum(1)
         alternatives = (on_path & (tr.branch[path[:, 1:].clamp(min=0)] > 0)).sum(1)

@@ -21,7 +21,7 @@ index and the round number, so an image's tokens do not depend on its batch-mate
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -35,7 +35,7 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .common import DecodeBatch, row_sampling
-from .options import MethodOptions, option
+from .options import MethodOptions, check_int, option
 from . import schedule as sched
 
 
@@ -57,8 +57,8 @@ class RuleOptions:
         lam = self.lantern_lambda
         if not isinstance(lam, (int, float)) or math.isnan(lam) or lam < 1:
             raise VVSError(f"lantern-lambda must be >= 1, got {lam}")
-        if self.lantern_k is not None and not _positive_int(self.lantern_k):
-            raise VVSError(f"lantern-k must be an integer >= 1, got {self.lantern_k}")
+        if self.lantern_k is not None:
+            check_int("lantern-k", self.lantern_k, 1)
         self.lantern_reference_residual = check_lantern_reference(self.lantern_reference_residual)
 
 
@@ -76,8 +76,7 @@ class TreeOptions:
         if self.tree not in (None, "dynamic", "static", "chain"):
             raise VVSError(f"tree must be dynamic, static or chain, got '{self.tree}'")
         for name in ("tree_total", "tree_depth", "tree_topk"):
-            if not _positive_int(getattr(self, name)):
-                raise VVSError(f"{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)}")
+            check_int(name.replace("_", "-"), getattr(self, name), 1)
         if self.tree_total < 2:
             raise VVSError("tree-total must be >= 2 (root + one draft)")
         if self.static_tree not in STATIC_TREES:
@@ -103,8 +102,7 @@ class SkipOptions:
     def check_skip(self) -> None:
         if self.skip_policy not in ("never", "uniform", "dynamic"):
             raise VVSError(f"skip-policy must be never, uniform or dynamic, got '{self.skip_policy}'")
-        if not _positive_int(self.skip_interval):
-            raise VVSError(f"skip-interval must be an integer >= 1, got {self.skip_interval}")
+        check_int("skip-interval", self.skip_interval, 1)
         s = self.skip_threshold
         if not isinstance(s, (int, float)) or math.isnan(s) or not -1 <= s <= 1:
             raise VVSError(f"skip-threshold must be in [-1, 1], got {s}")
@@ -129,10 +127,6 @@ class RegisteredRuleOptions:
                                                        "codebook < this")
     gsd_window_edge: Optional[str] = option(None, "GSD: shorten, or sjd (the released code's plain SJD ratio "
                                                   "when the window falls off the lowest ranks)")
-
-
-def _positive_int(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, int) and v >= 1
 
 
 @dataclass
@@ -187,6 +181,15 @@ def run(engine, batch: DecodeBatch, params, opts: SpecOptions) -> "SpeculativeRo
     return SpeculativeRounds(engine, batch, params, opts, make_rule_for(engine, opts))
 
 
+def with_defaults(opts: SpecOptions, accept: str, tree: str) -> SpecOptions:
+    """A method's rule and tree where the user named none (eagle, lantern, lantern++, vvs)."""
+    if opts.accept is None:
+        opts.accept = accept
+    if opts.tree is None:
+        opts.tree = tree
+    return opts
+
+
 def make_rule_for(engine, opts: SpecOptions):
     return make_rule(opts.accept or "exact", engine,
                      lantern_k=opts.lantern_k or default_lantern_k(_codebook(engine)),
@@ -222,10 +225,8 @@ class DecodeState:
 
     def buffers(self):
         """Every tensor a round writes (saved and restored around CUDA-graph warm-up)."""
-        tree = [getattr(self.tree, f) for f in TREE_BUFFERS]
-        own = [self.out, self.n_out, self.target_len, self.draft_len, self.feats, self.chain_tokens, self.chain_len,
-               self.round, self.status] + [getattr(self, name) for name in SEQUENCE_STATS]
-        return own + [t for t in tree if t is not None]
+        own = [getattr(self, f.name) for f in fields(self) if f.name != "tree"]
+        return own + [getattr(self.tree, f) for f in TREE_BUFFERS if getattr(self.tree, f) is not None]
 
 
 # Per-sequence statistics (collected per image by the loop).

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import VVSError
 from .registry import register
-from .speculative import SpecOptions, run
+from .speculative import SpecOptions, run, with_defaults
 
 
 @dataclass
@@ -19,16 +20,10 @@ class VVSOptions(SpecOptions):
 
     def validate(self):
         if self.skip_policy == "never":
-            from ..errors import VVSError
-
             raise VVSError("skip-policy must be uniform or dynamic for vvs (use --method lantern for none)")
         return super().validate()
 
 
 @register("vvs", VVSOptions)
 def run_vvs(engine, batch, params, opts):
-    if opts.accept is None:
-        opts.accept = "lantern"
-    if opts.tree is None:
-        opts.tree = "dynamic"
-    return run(engine, batch, params, opts)
+    return run(engine, batch, params, with_defaults(opts, "lantern", "dynamic"))

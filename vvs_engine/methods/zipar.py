@@ -21,8 +21,8 @@ raster index and Jacobi samples use the row's forward counter.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import List, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -33,14 +33,14 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits
 from .registry import register
-from .common import DecodeBatch, row_sampling, declare_decoder_rows
-from .options import MethodOptions, option
+from .common import DecodeBatch, row_sampling, declare_decoder_rows, RowState
+from .options import MethodOptions, check_choice, check_int, option
 
 VERIFY_MODES = ("none", "sjd")
 COMMIT_RULES = ("sjd", "drafts")  # every row by the SJD rule (exact per forward: PJD-E1), or PJD's release
 INIT_POLICIES = ("copy-above", "random")
 # PJD's options at the values that give ZipAR's tokens of before they existed: benchmark cache keys leave
-# them out at these values (benchmarks/quality_speed.py::setting_key), so ZipAR caches made before stay valid
+# them out at these values (benchmarks/harness.py::setting_key), so ZipAR caches made before stay valid
 PJD_OPTION_DEFAULTS = {"zipar_commit_lag": 0, "zipar_commit": "sjd", "zipar_init": "copy-above", "zipar_keep": 0.0,
                        "zipar_max_rows": 0}
 # s = 2: the fastest window at AR parity on the Zoo (TPF 5.69; s = 4: 3.41; 512 images:
@@ -95,49 +95,6 @@ def rows_in_flight(geometry: RowGeometry, window: int) -> int:
     return min(geometry.rows, (geometry.codes - 1) // window + 2)
 
 
-class PlanLane(NamedTuple):
-    row: int
-    fed_column: int  # column of the token fed; -1: the row's start (the raster predecessor, or a stand-in)
-    decided_column: Optional[int]  # the code its output decides; None: a K/V-only feed (the row's tail)
-
-
-def fixed_window_plan(geometry: RowGeometry, window: int) -> List[List[PlanLane]]:
-    """The fixed-window schedule, step by step: which rows each forward serves and with which
-    columns. It simulates the rules the device applies (per-row code counts, one code per row per
-    forward), independently of the device code; the rows of a step are always the first unfinished
-    row and the ones after it."""
-    H, W, has_eol = geometry.rows, geometry.codes, geometry.eol is not None
-    codes = [1] + [0] * H  # row 0's first code comes from the prefill; a sentinel row after the last
-    written = [0] * (H + 1)
-
-    def finished(r):
-        return codes[r] == W and (written[r] == W or r == H - 1 or (not has_eol and codes[r + 1] == 0))
-
-    plan = []
-    while not all(finished(r) for r in range(H)):
-        lanes = []
-        for r in range(H):
-            above = codes[r - 1] if r else W
-            last_allowed = W - 1 if above == W else above - window
-            if codes[r] <= last_allowed:
-                lanes.append(PlanLane(r, codes[r] - 1, codes[r]))
-            elif (codes[r] == W and written[r] == W - 1 and r < H - 1
-                  and (has_eol or codes[r + 1] > 0)):  # no-EOL: else the next row's start feeds it
-                lanes.append(PlanLane(r, W - 1, None))
-        rows = [lane.row for lane in lanes]
-        first = next(r for r in range(H) if not finished(r))
-        assert rows == list(range(first, first + len(rows))), rows  # contiguous from the first unfinished row
-        for lane in lanes:  # K/V writes, then commits (all rules above read the state before the step)
-            if lane.fed_column >= 0:
-                written[lane.row] = lane.fed_column + 1
-            elif not has_eol and codes[lane.row - 1] == W:
-                written[lane.row - 1] = W  # the row starts from the real end of the row above
-            if lane.decided_column is not None:
-                codes[lane.row] += 1
-        plan.append(lanes)
-    return plan
-
-
 # --- options ---------------------------------------------------------------------------------------
 @dataclass
 class ZipAROptions(MethodOptions):
@@ -165,26 +122,18 @@ class ZipAROptions(MethodOptions):
 
     def validate(self):
         s = self.zipar_window
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-            raise VVSError(f"zipar-window must be an integer >= 1, got {s!r}")
-        if self.zipar_verify not in VERIFY_MODES:
-            raise VVSError(f"zipar-verify must be one of {', '.join(VERIFY_MODES)}, got {self.zipar_verify!r}")
-        L = self.zipar_jacobi_window
-        if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= MAX_JACOBI_WINDOW:
-            raise VVSError(f"zipar-jacobi-window must be an integer in [1, {MAX_JACOBI_WINDOW}], got {L!r}")
+        check_int("zipar-window", s, 1)
+        check_choice("zipar-verify", self.zipar_verify, VERIFY_MODES)
+        check_int("zipar-jacobi-window", self.zipar_jacobi_window, 1, MAX_JACOBI_WINDOW)
         lag = self.zipar_commit_lag
         if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= s:
             raise VVSError(f"zipar-commit-lag must be an integer in [0, zipar-window = {s}], got {lag!r}")
-        if self.zipar_commit not in COMMIT_RULES:
-            raise VVSError(f"zipar-commit must be one of {', '.join(COMMIT_RULES)}, got {self.zipar_commit!r}")
-        if self.zipar_init not in INIT_POLICIES:
-            raise VVSError(f"zipar-init must be one of {', '.join(INIT_POLICIES)}, got {self.zipar_init!r}")
+        check_choice("zipar-commit", self.zipar_commit, COMMIT_RULES)
+        check_choice("zipar-init", self.zipar_init, INIT_POLICIES)
         keep = self.zipar_keep
         if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 <= keep < 1:
             raise VVSError(f"zipar-keep must be a number in [0, 1), got {keep!r}")
-        cap = self.zipar_max_rows
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-            raise VVSError(f"zipar-max-rows must be an integer >= 0, got {cap!r}")
+        check_int("zipar-max-rows", self.zipar_max_rows, 0)
         needs_drafts = [name for name, on in (("zipar-commit drafts", self.zipar_commit == "drafts"),
                                               ("zipar-init random", self.zipar_init == "random"),
                                               ("zipar-keep", keep > 0)) if on]
@@ -219,7 +168,7 @@ class PJDOptions(ZipAROptions):
 
 # --- the device decode -----------------------------------------------------------------------------
 @dataclass
-class ZipARState:
+class ZipARState(RowState):
     """Device state of a batched ZipAR decode (static shapes, updated in place by each forward).
     Per-row arrays have H + R + 2 entries: row r at index r + 1, index 0 a complete virtual row above
     row 0, rows >= H never start, and the last entry takes the writes of lanes that write nothing."""
@@ -240,9 +189,6 @@ class ZipARState:
     busiest: torch.Tensor  # [B] most rows that took part in one forward
     cap_waits: torch.Tensor  # [B] forwards in which the row after the served ones could have committed
     committed: torch.Tensor  # [B] codes committed, T once the image is done: the loop's one read
-
-    def tensors(self):
-        return [getattr(self, f.name) for f in fields(self)]
 
 
 @dataclass(frozen=True)
@@ -384,9 +330,6 @@ class ZipARDecoder:
             raise VVSError(f"zipar: the row layout has {layout.rows * layout.width} tokens but the model {self.T}")
         self.index = ZipARIndex.of(self, s)
 
-    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x]) if self.params.use_cfg else x
-
     def processed(self, h: torch.Tensor) -> torch.Tensor:
         return process_logits(guided_logits(self.session.logits(h), self.params), self.params)
 
@@ -479,7 +422,7 @@ class ZipARDecoder:
         x = self.feed(st, f, R)
         mask = self.attention_mask(st, f, x, R)
         Q = R * L
-        h = s.forward_at(x.inputs.view(B, Q), self.rows_of(x.position.view(B, Q)), self.rows_of(x.slot.view(B, Q)), mask)
+        h = s.forward_at(x.inputs.view(B, Q), s.rows_of(x.position.view(B, Q)), s.rows_of(x.slot.view(B, Q)), mask)
         p = self.processed(h).view(B, R, L, V)
         k, nxt, tested = self.accept(p, f, x, R)
         commits, new_codes = self.commit(st, f, x, k, nxt, R)
@@ -583,7 +526,7 @@ class ZipARDecoder:
         shared = mine & own_slot[..., None]
         window = shared.long().cumsum(2) > 0
         visible = (context | window | mine).view(B, R * L, -1)
-        mask = self.rows_of(visible) | self.index.cond_visible[:, None, :]
+        mask = s.rows_of(visible) | self.index.cond_visible[:, None, :]
         return mask
 
     def accept(self, p: torch.Tensor, f: "Frontier", x: "Feed", R: int):

@@ -1,6 +1,6 @@
 """Tiny random Hugging Face folders of the target families, built with transformers' own config and
 model classes and written with ``save_pretrained`` (plus a tiny word-level tokenizer). Used by the
-tests and by ``benchmarks/families.py``; transformers is needed only here, never to decode."""
+tests and by ``benchmarks/studies/families/families.py``; transformers is needed only here, never to decode."""
 from __future__ import annotations
 
 import os

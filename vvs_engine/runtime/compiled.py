@@ -4,39 +4,22 @@ Why: on a GPU a round is launch-bound (hundreds of small kernels); Inductor fuse
 indexing work between the GEMMs and halves the launches, and the CUDA graph of the round
 (``runner.py``) then replays the compiled kernels with one call.
 
-How (gpt-fast / nano-vllm style): a round function takes no arguments or only static buffers, reads
-and writes only device buffers and never the host. :class:`CompiledRound` wraps it with
-``torch.compile(fn, fullgraph=True, dynamic=False)``: one graph per round kind and shape (batch
-bucket, retire size), no graph breaks allowed. The graph runner calls the compiled function in its
-warm-up runs (that is where Inductor compiles) and captures it afterwards, so a replay is compiled
-kernels inside one CUDA graph. Any method gets this by naming its round functions in a
-``RoundGraphs`` (``runtime.runner``), which the decode loop (``runtime.loop``) builds; nothing here knows a
-method.
-
-* Fallback: if compiling fails (a graph break under ``fullgraph=True`` is an error, an Inductor
-  error, a stride assertion on the first run), the round warns once, restores the buffers it may have
-  touched and runs eagerly from then on. Never a crash; :attr:`CompiledRound.ok` says which happened
-  and lands in ``stats["compiled"]``.
-* Recompiles: ``dynamic=False`` means one compile per round kind x batch bucket x retire size (and
-  per sampling setting: its constants are baked in). Dynamo's default recompile limit (8 per code
-  object) is far below that; :func:`configure` raises it.
-* Cache: Inductor's on-disk FX graph cache stays on (torch's default), so a second process with the
-  same rounds reloads the compiled code instead of compiling (Dynamo still traces: seconds, not
-  minutes). ``TORCHINDUCTOR_CACHE_DIR`` moves it.
-* Inductor options (:data:`INDUCTOR_OPTIONS`): ``force_pointwise_cat`` (a ``torch.cat`` becomes an
-  indexing expression inside its consumer's kernel instead of one copy kernel per input: the tree
-  builder concatenates per-level candidates) and ``combo_kernels`` (independent small kernels of one
-  round are launched as one: Inductor does this on GPUs only). On the Zoo's 2-layer EAGLE-2 verify
-  round they take the Triton launch count from 166 to 114 (``runtime/launches.py``, GPU style). A
-  round may add options of its own (``maybe_compiled(..., options=...)``; the Jacobi rounds drop the
-  combo kernels' peak-memory gate, ``methods/jacobi.py``).
-* Off the GPU: ``compile=None`` means on for CUDA, off for the CPU (Inductor's C++ kernels are not
-  faster than eager there); ``--compile`` on the CPU works: the same tokens on the tests' fp64 models;
-  in fp32 a late sampled token can flip where Inductor rounds a reduction differently (docs/compile.md).
+How (gpt-fast / nano-vllm style): a round function takes no arguments, reads and writes only device
+buffers and never the host. :class:`CompiledRound` wraps it with ``torch.compile(fn, fullgraph=True,
+dynamic=False)``: one graph per round kind and shape, no graph breaks. ``RoundGraphs`` (``runtime.runner``)
+calls it in its warm-up runs (where Inductor compiles) and captures it afterwards; nothing here knows a
+method. A failed compile warns once, restores the buffers it may have touched and runs eagerly (never
+a crash; :attr:`CompiledRound.ok` lands in ``stats["compiled"]``). docs/compile.md has the rest: why
+:func:`configure` raises Dynamo's recompile limit, the on-disk cache (``TORCHINDUCTOR_CACHE_DIR``), the
+Inductor options (:data:`INDUCTOR_OPTIONS`: 166 -> 114 Triton launches on the Zoo's EAGLE-2 verify
+round, ``measure/launches.py``; a round may add its own, ``maybe_compiled(..., options=...)``), and
+``compile=None`` (on for CUDA, off for the CPU, where Inductor's C++ kernels are no faster than eager).
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 import warnings
 from typing import Callable, Optional, Sequence
@@ -123,8 +106,6 @@ def current_round():
 
 
 def _forced_failure(name: str) -> bool:
-    import os
-
     value = os.environ.get(FORCE_FAIL_ENV, "")
     return value == "all" or name in value.split(",")
 
@@ -180,8 +161,6 @@ class CompiledRound:
 def compile_count() -> int:
     """Graphs Dynamo has compiled so far in this process (0 before anything was compiled): the
     ``compiles`` a call reports are the difference across it (recompiles on a guard failure included)."""
-    import sys
-
     utils = sys.modules.get("torch._dynamo.utils")
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 

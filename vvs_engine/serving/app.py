@@ -29,8 +29,8 @@ from starlette.requests import ClientDisconnect
 
 from .metrics import ServerMetrics
 from .page import PAGE_HEADERS, PAGE_HTML
-from .schemas import MAX_BODY_BYTES, ApiError, ImageRequest, Limits, Resolved, class_prompt, resolve, \
-    validation_message
+from .schemas import (MAX_BODY_BYTES, ApiError, ImageRequest, Limits, Resolved, class_prompt, resolve,
+                      validation_message)
 from .worker import EngineWorker, NotAccepting, QueueFull
 from .worker import Request as EngineRequest
 

@@ -320,8 +320,8 @@ class RequestQueue:
         self.metrics.round_seconds.observe(seconds, kind=kind)
         if self._last_round_end is not None and not self._idled and live_rows:
             iteration = now - self._last_round_end
-            self.iteration_s = iteration if self.iteration_s is None else \
-                self.iteration_s + ROUND_EMA * (iteration - self.iteration_s)
+            self.iteration_s = (iteration if self.iteration_s is None
+                                else self.iteration_s + ROUND_EMA * (iteration - self.iteration_s))
         if self.trace is not None:
             self.trace.append((now - seconds, seconds, live_rows, self._finished_since_round, time.thread_time()))
         self._finished_since_round = 0

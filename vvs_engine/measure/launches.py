@@ -23,7 +23,7 @@ code is generated (nothing Triton runs) and the round runs eagerly. The GPU styl
 of a CUDA-graph replay up to Inductor's device-specific choices (autotuned GEMM templates, split
 reductions sized by the SM count); the engine's benchmarks report it. On the Zoo's 2-layer EAGLE-2
 verify round the two styles read 104 (C++ functions) and 166 (Triton kernels) before the compile
-options of :mod:`.compiled` (``force_pointwise_cat``, ``combo_kernels``), 114 Triton kernels after.
+options of :mod:`vvs_engine.runtime.compiled` (``force_pointwise_cat``, ``combo_kernels``), 114 Triton kernels after.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from unittest import mock
 
 import torch
 
-from . import compiled
+from ..runtime import compiled
 
 GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_int_mm", "_scaled_mm"})
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)

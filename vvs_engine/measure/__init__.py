@@ -1,0 +1,1 @@
+"""Measurement of the decode rounds: launches, op counts, profiler ranges (nothing here decodes)."""
