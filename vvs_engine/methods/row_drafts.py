@@ -38,7 +38,7 @@ buffer (committed prefix, then drafts) with each draft's q [T, V] (T x V floats 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -48,8 +48,8 @@ from ..errors import VVSError
 from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
-from .common import DecodeBatch, declare_decoder_rows, row_sampling
-from .options import MethodOptions, option
+from .common import DecodeBatch, RowState, declare_decoder_rows, row_sampling
+from .options import MethodOptions, check_choice, check_int, option
 from .registry import register
 from .zipar import row_geometry, rows_in_flight
 
@@ -86,24 +86,13 @@ class RowDraftOptions(MethodOptions):
     row_drafts_untested: bool = False
 
     def validate(self):
-        def integer(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        for name, lo in (("jacobi_window", 2), ("zipar_jacobi_window", 1)):  # lanes
-            v = getattr(self, name)
-            if not integer(v) or not lo <= v <= MAX_LANES:
-                raise VVSError(f"{name.replace('_', '-')} must be an integer in [{lo}, {MAX_LANES}], got {v!r}")
-        if not integer(self.zipar_window) or self.zipar_window < 1:
-            raise VVSError(f"zipar-window must be an integer >= 1, got {self.zipar_window!r}")
-        lag = self.zipar_commit_lag
-        if not integer(lag) or not 0 <= lag <= self.zipar_window:
-            raise VVSError(f"zipar-commit-lag must be an integer in [0, zipar-window = {self.zipar_window}], got {lag!r}")
-        if not integer(self.row_redraw) or self.row_redraw < 0:
-            raise VVSError(f"row-redraw must be an integer >= 0, got {self.row_redraw!r}")
-        if self.coupling not in COUPLINGS:
-            raise VVSError(f"coupling must be one of {', '.join(COUPLINGS)} for row-drafts, got {self.coupling!r}")
-        if self.row_after_reject not in AFTER_REJECT:
-            raise VVSError(f"row-after-reject must be one of {', '.join(AFTER_REJECT)}, got {self.row_after_reject!r}")
+        check_int("jacobi-window", self.jacobi_window, 2, MAX_LANES)
+        check_int("zipar-jacobi-window", self.zipar_jacobi_window, 1, MAX_LANES)
+        check_int("zipar-window", self.zipar_window, 1)
+        check_int(f"zipar-commit-lag (zipar-window = {self.zipar_window})", self.zipar_commit_lag, 0, self.zipar_window)
+        check_int("row-redraw", self.row_redraw, 0)
+        check_choice("coupling", self.coupling, COUPLINGS)
+        check_choice("row-after-reject", self.row_after_reject, AFTER_REJECT)
         return self
 
     def check_engine(self, engine):
@@ -122,7 +111,7 @@ class RowDraftOptions(MethodOptions):
 
 
 @dataclass
-class RowDraftState:
+class RowDraftState(RowState):
     """Device state of a batched decode (static shapes, updated in place). Per-row arrays have H + R + 2
     entries: image row r at entry r + 1, entry 0 a complete virtual row above row 0, the last entry a
     write sink; the token buffer's last position is a write sink too."""
@@ -140,9 +129,6 @@ class RowDraftState:
     accepted_row_drafts: torch.Tensor  # [B] ... of which row-drafted (provisional) tokens
     row_tokens: torch.Tensor  # [B] provisional tokens the draft rows decided
     busiest: torch.Tensor  # [B] most draft rows in one forward
-
-    def tensors(self):
-        return [getattr(self, f.name) for f in fields(self)]
 
 
 @dataclass(frozen=True)
