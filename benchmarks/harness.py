@@ -554,11 +554,14 @@ def exact_by_construction(method: str, opts: dict) -> bool:
     acceptance, SJD (any window, any initialisation), SCD's coupled SJD, SJD-PAC's exact variant. Not: the
     relaxed rules (LANTERN, LANTERN++, GSD, CASCADE), VVS (a skipped round commits unverified drafts),
     ZipAR and PJD (a row's tokens are drawn before the row above is complete: PJD-E1 is exact per forward, given
-    the partial context its forward saw, not against raster AR)."""
+    the partial context its forward saw, not against raster AR). Row drafts are exact: ZipAR's rows only draft,
+    an SJD verifier commits in raster order (but for the tests' negative control, which commits them untested)."""
     from vvs_engine.methods import resolve_options
 
     if method in ("ar", "eagle", "sjd", "scd"):
         return True
+    if method == "row-drafts":
+        return not resolve_options(method, opts).get("row_drafts_untested")
     if method == "sjd-pac":
         return resolve_options(method, opts).get("pac_variant") == "exact"
     return False

@@ -14,6 +14,8 @@ keeps none, so settings read from its cache have no row statistics).
 
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --images-per-class 32 --out benchmarks/results/pjd_zoo_512
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --model zoo-gpt-32 --images-per-class 16
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --out benchmarks/results/pjd_zoo_rowdrafts \
+        --settings "Row drafts L=32 start 4 lag 2,SCD L=32,Row drafts L=32 s=2,Row drafts L=16 s=2"
     python benchmarks/pjd_zoo.py --images-per-class 32 --out benchmarks/results/pjd_zoo_512 --report-only \
         --doc docs/jacobi.md                                               # tables from the cache
 
@@ -67,6 +69,11 @@ SETTINGS = [
     qs.SETTING_BY_NAME["SJD-PAC W=2 D=3"],
     qs.SETTING_BY_NAME["SCD L=32"],
     qs.SETTING_BY_NAME["GSD G=14"],
+    # row-parallel drafts verified exactly in raster order (pjd.md E3; docs/zipar.md "Row drafts"): rows as a
+    # draft source for an SCD-coupled raster verifier of L lanes; start lag 4 and commit lag 2 (adaptive) or s = 2
+    ("Row drafts L=32 start 4 lag 2", "row-drafts", {"jacobi_window": 32, "zipar_window": 4, "zipar_commit_lag": 2}),
+    ("Row drafts L=32 s=2", "row-drafts", {"jacobi_window": 32, "zipar_window": 2, "zipar_commit_lag": 0}),
+    ("Row drafts L=16 s=2", "row-drafts", {"jacobi_window": 16, "zipar_window": 2, "zipar_commit_lag": 0}),
 ]
 # the order a run generates them: the settings cheapest first, then the extra PJD ones
 ORDER = ["AR", "ZipAR s=4", "ZipAR s=8", "SJD-PAC", "ZipAR s=4 + SJD L=4", "PJD-E1", "PJD rule", "SJD",
@@ -78,7 +85,8 @@ SHARED_CACHE = {"AR": "AR", "SJD": "SJD", "SJD-PAC": "SJD-PAC W=3 D=3"}
 DOC_BEGIN = "<!-- {tag}:begin (written by benchmarks/pjd_zoo.py --doc; do not edit) -->"
 DOC_END = "<!-- {tag}:end -->"
 PAIRS = [("PJD rule", "PJD-E1"), ("PJD-E1 no cap", "PJD-E1"), ("PJD rule + keep 0.5", "PJD-E1"),
-         ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4"), ("ZipAR s=4 + SJD L=4", "ZipAR s=4")]
+         ("PJD-E1 start 4", "ZipAR s=4 + SJD L=4"), ("ZipAR s=4 + SJD L=4", "ZipAR s=4"),
+         ("Row drafts L=32 start 4 lag 2", "SCD L=32"), ("Row drafts L=32 s=2", "SCD L=32")]
 CAP_BINDS = 1.0  # cap waits per image from which the rows-per-forward cap counts as binding
 GRIDS = [(16, False), (24, False), (32, False), (48, True)]  # (side, rows end with an EOL: Lumina-mGPT)
 

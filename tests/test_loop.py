@@ -31,7 +31,8 @@ LOOP_METHODS = [("ar", {}), ("sjd", {"jacobi_window": 6}), ("gsd", {"gsd_group":
                 ("zipar", {"zipar_window": 2}), ("zipar", {"zipar_window": 2, "zipar_verify": "sjd"}),
                 ("pjd", {"zipar_window": 3, "zipar_commit_lag": 1, "zipar_jacobi_window": 3, "zipar_commit": "drafts",
                          "zipar_keep": 0.5}),
-                ("quant-draft", {"draft_length": 3})]
+                ("quant-draft", {"draft_length": 3}),
+                ("row-drafts", {"jacobi_window": 3, "zipar_window": 1, "zipar_commit_lag": 0, "zipar_jacobi_window": 2})]
 IDS = [f"vvs-{o['skip_policy']}" if m == "vvs" else f"zipar-{o.get('zipar_verify', 'none')}" if m == "zipar" else m
        for m, o in LOOP_METHODS]
 LABELS = [0, 3, 4, 1, 2, 0, 3]  # 7 images: with 2 or 3 rows, most are admitted into a running batch

@@ -72,3 +72,30 @@ def test_preset_decodes_as_its_method_and_options(tmp_path, capsys):
     assert main(["generate", "--class-labels", "3", "--preset", "fastest", "--seed", "5", "--no-images",
                  "--out", str(tmp_path), "--threads", "1", "--quiet"]) == 0
     assert (np.load(tmp_path / "tokens.npz")["tokens"] == explicit.tokens.numpy()).all()
+
+
+def test_the_table_is_written_from_the_reports(tmp_path):
+    """``python -m vvs_engine.presets --write`` rewrites the table from the reports' JSON: on the committed
+    reports it reproduces this module's block byte for byte (so --check passes); a report whose frontier moved
+    (negative control: the 16x16 parity row's TPF changed) is one difference, and the rewritten block carries it."""
+    import shutil
+
+    from vvs_engine import presets
+
+    want = presets.presets_from_reports()
+    assert presets.differences(want) == []
+    text = open(presets.__file__, encoding="utf-8").read()
+    block = text[text.index(presets.BEGIN): text.index(presets.END) + len(presets.END)]
+    assert presets.table_source(presets.merged(want)) == block
+    for _, report in GRIDS.values():
+        os.makedirs(tmp_path / os.path.dirname(report), exist_ok=True)
+        shutil.copy(os.path.join(REPO, report), tmp_path / report)
+    report = tmp_path / GRIDS[256][1]
+    data = json.loads(report.read_text())
+    row = next(r for r in data["rows"] if r["name"] == data["fastest_per_level"]["parity"])
+    row["tpf"]["value"] += 0.5
+    report.write_text(json.dumps(data))
+    moved = presets.presets_from_reports(str(tmp_path))
+    diff = presets.differences(moved)
+    assert len(diff) == 1 and diff[0].startswith("16x16 (zoo-gpt) fastest")
+    assert f"{PRESETS[256]['fastest'].tpf + 0.5:.2f}" in presets.table_source(presets.merged(moved))

@@ -28,7 +28,7 @@ def method_names():
     return sorted(_REGISTRY)
 
 
-METHOD_MODULES = ("ar", "cascade", "eagle", "jacobi", "quant_draft", "scd", "sjd_pac", "vvs", "zipar")
+METHOD_MODULES = ("ar", "cascade", "eagle", "jacobi", "quant_draft", "row_drafts", "scd", "sjd_pac", "vvs", "zipar")
 
 
 def _load_all():
