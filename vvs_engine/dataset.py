@@ -126,14 +126,20 @@ def load_engine(model: dict, threads: Optional[int] = None):
     """The engine of one worker. ``model`` holds ``Engine.load`` arguments; device ``auto`` picks the
     worker's GPU (Ray sets CUDA_VISIBLE_DEVICES) when there is one. ``threads``: torch's CPU threads
     (None: the engine's default)."""
-    import torch
-
     from .engine import Engine
 
     spec = {k: v for k, v in model.items() if v is not None}
-    if spec.get("device", "auto") == "auto":
-        spec["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    spec["device"] = worker_device(spec.get("device", "auto"))
     return Engine.load(threads=threads, **spec)
+
+
+def worker_device(device: Optional[str]) -> str:
+    """A worker's device: ``auto`` (or None) is its GPU when it sees one, else the CPU."""
+    import torch
+
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 class ShardWorker:
@@ -432,6 +438,11 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     model = {k: v for k, v in dict(model or {}).items() if v is not None}
     model.setdefault("device", "auto")
     model.setdefault("dtype", "fp32")
+    if model.get("quantize") not in (None, "none"):  # refused before any worker loads (int4 off CUDA, fp64, ...)
+        from .engine import resolve_dtype
+        from .models.quantize import check_quantize
+
+        check_quantize(model["quantize"], worker_device(model["device"]), resolve_dtype(model["dtype"]))
     check_conditions(model, class_labels, prompts)
 
     conds = list(class_labels if class_labels is not None else prompts)
@@ -458,6 +469,8 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     for key in ("max_prompt_tokens", "image_size"):
         if key in model:
             identity[key] = model[key]
+    if model.get("quantize") not in (None, "none"):  # quantized weights sample other tokens (absent: none)
+        identity["quantize"] = model["quantize"]
     check_dataset_folder(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     # one run at a time writes a folder: a second would redo the same shards and remove the PNGs the
