@@ -99,3 +99,33 @@ def test_serve_rows_auto(tiny, monkeypatch):
     ray = build_parser().parse_args(["serve", "--rows", "auto", "--ray"])
     with pytest.raises(VVSError, match="--rows auto is for the one-process server: under --ray give a number"):
         check_args(ray, method_options(ray), "cpu")
+
+
+def test_generate_dataset_batch_size_auto(tiny, tmp_path, capsys, monkeypatch):
+    """Picked once per job before any worker loads (free memory less the checkpoint files), kept on resume."""
+    import json
+    import os
+
+    from vvs_engine import dataset
+
+    eng = load(tiny)
+    files = os.path.getsize(tiny["gpt_ckpt"]) + os.path.getsize(tiny["vq_ckpt"])
+    monkeypatch.setattr(engine_module, "available_bytes", lambda device: files + free_for(eng, 4))
+    flags = ["generate-dataset", "--gpt-ckpt", tiny["gpt_ckpt"], "--vq-ckpt", tiny["vq_ckpt"], "--device", "cpu",
+             "--class-labels", "0-9", "--shard-size", "5", "--no-images", "--quiet", "--threads", "1",
+             "--batch-size", "auto", "--out", str(tmp_path / "d")]
+    assert main(flags) == 0
+    with open(tmp_path / "d" / "manifest.json") as f:
+        assert json.load(f)["identity"]["batch_size"] == 4
+    # a resumed job keeps its first figure whatever the memory now (the batch size is part of its identity)
+    os.remove(tmp_path / "d" / "shard-00001.npz")
+    monkeypatch.setattr(engine_module, "available_bytes", lambda device: files + free_for(eng, 2))
+    assert main(flags) == 0
+    assert sorted(os.listdir(tmp_path / "d")) == ["manifest.json", "shard-00000.npz", "shard-00001.npz"]
+    # a new folder at that memory picks 2; one process only
+    assert dataset.auto_batch_size(str(tmp_path / "e"), {"gpt_ckpt": tiny["gpt_ckpt"], "vq_ckpt": tiny["vq_ckpt"]},
+                                   None, "ar", {}, 4.0, 10) == 2
+    capsys.readouterr()
+    assert main(flags[:-2] + ["--out", str(tmp_path / "r"), "--ray"]) == 1
+    assert capsys.readouterr().err.strip() == ("error: --batch-size auto is for one process: under Ray give a number "
+                                               "(it is part of the dataset's identity, the same for every worker)")

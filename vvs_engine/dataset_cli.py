@@ -48,8 +48,11 @@ def add_dataset_parser(sub, generate_parser) -> None:
     o.add_argument("--out", required=True, metavar="DIR", help="output folder (an existing one is resumed)")
     o.add_argument("--shard-size", type=int, default=dataset.DEFAULT_SHARD_SIZE, metavar="N",
                    help=f"images per shard (default {dataset.DEFAULT_SHARD_SIZE}); fixes the files, not the speed")
-    o.add_argument("--batch-size", type=int, default=dataset.DEFAULT_BATCH_SIZE, metavar="N",
-                   help=f"images per engine call (default {dataset.DEFAULT_BATCH_SIZE})")
+    batch_type = next(a.type for g in generate_parser._action_groups for a in g._group_actions
+                      if a.dest == "batch_size")  # generate's: an integer or 'auto'
+    o.add_argument("--batch-size", type=batch_type, default=dataset.DEFAULT_BATCH_SIZE, metavar="N",
+                   help=f"images per engine call (default {dataset.DEFAULT_BATCH_SIZE}); 'auto': the most that fit "
+                        f"the device's free memory, picked once per job (one process, a project checkpoint)")
     o.add_argument("--no-images", action="store_true", help="write tokens only, no PNGs")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
 
