@@ -192,3 +192,23 @@ def test_generate_dataset_quantize(tmp_path, capsys):
     assert main(flags + ["--out", str(tmp_path / "i4"), "--quantize", "int4"]) == 1  # refused before any shard
     assert capsys.readouterr().err.startswith("error: --quantize int4 needs a CUDA GPU")
     assert not (tmp_path / "i4" / "manifest.json").exists()
+
+
+def test_serve_quantize_loads_the_server_quantized(tmp_path):
+    """serve --quantize int8: the server's engine (the one its warm-up image ran on) holds int8 weights."""
+    from dataset_utils import write_tiny_checkpoints
+    from vvs_engine.cli import build_parser, method_options
+    from vvs_engine.serving.server import build_server, check_args
+
+    tiny = write_tiny_checkpoints(str(tmp_path / "m"))
+    for mode in ("int8", "none"):  # "none": the control, a plain server
+        args = build_parser().parse_args(["serve", "--gpt-ckpt", tiny["gpt_ckpt"], "--vq-ckpt", tiny["vq_ckpt"],
+                                          "--image-size", "8", "--device", "cpu", "--threads", "1", "--rows", "2",
+                                          "--quantize", mode])
+        opts = method_options(args)
+        check_args(args, opts, "cpu")
+        worker, _, _ = build_server(args, opts, "cpu")
+        try:
+            assert worker.engine.quantization == mode and is_quantized(worker.engine.gpt) == (mode != "none")
+        finally:
+            worker.close()
