@@ -13,8 +13,15 @@ p's own samples do, < 0 where it is sharper than p). The row "target + drafter i
 its D measures the quantized target's distribution too); acceptance and TPF show what the quantized
 drafter and target change for a drafter method (EAGLE-2) and a Jacobi method (SJD).
 
-    nice -n 19 python benchmarks/quantize_zoo.py --per-class 32      # 512 images (16 classes)
-    python benchmarks/quantize_zoo.py --per-class 2 --time-images 8  # a quick look
+The fp32 rows are quality_speed's committed 512-image caches (benchmarks/results/quality_speed_tokens/AR.npz,
+SJD.npz, EAGLE_2.npz) where their key (checkpoints, options, sampling, labels, seed, batch) matches, else decoded
+here. The int8 rows decode in batches of one image per class, row after row (AR, SJD, EAGLE-2), each batch
+appended to ``<out>_tokens/<row>.npz``: an interrupted run resumes there, and a run stopped early reports each
+row on the balanced subset it finished, paired with the fp32 row on the same images.
+
+    nice -n 19 python benchmarks/quantize_zoo.py --per-class 32 --time-images 16   # 512 images (16 classes)
+    python benchmarks/quantize_zoo.py --per-class 32 --report-only                 # the report of what is decoded
+    python benchmarks/quantize_zoo.py --per-class 2 --time-images 8 --out /tmp/qz  # a quick look
 """
 from __future__ import annotations
 
@@ -89,11 +96,12 @@ def balanced_order(per_class: int, classes: int = 16) -> list:
 
 def generate_rows(rows: dict, labels, order, seed: int, batch: int, tokens_dir: str, log) -> dict:
     """Tokens of each row (name -> (engine, method, key)), batch by batch with the rows interleaved, each
-    batch appended to ``<tokens_dir>/<row>.partial.npz`` (a rerun resumes there; the key's digest must match).
+    batch appended to ``<tokens_dir>/<row>.npz`` (a rerun resumes there; the key's digest must match; committed,
+    so --report-only rebuilds the report).
     -> {name: {"indices", "tokens", "forwards", "cpu_s", "wall_s"}} of what is done."""
     state = {}
     for name, (_, _, key) in rows.items():
-        path = os.path.join(tokens_dir, qs._slug(name) + ".partial.npz")
+        path = os.path.join(tokens_dir, qs._slug(name) + ".npz")
         got = qs.load_cache(path, qs.digest_of(key))
         state[name] = ({"indices": got["indices"].astype(np.int64), "tokens": got["tokens"].astype(np.int64),
                         "forwards": got["forwards"].astype(np.float64), "cpu_s": float(got["cpu_s"]),
@@ -114,7 +122,7 @@ def generate_rows(rows: dict, labels, order, seed: int, batch: int, tokens_dir: 
             st["tokens"] = toks if not len(st["tokens"]) else np.concatenate([st["tokens"], toks])
             st["forwards"] = np.concatenate([st["forwards"],
                                              np.asarray(out.stats["per_image"]["target_forward_passes"], np.float64)])
-            qs._save_npz(os.path.join(tokens_dir, qs._slug(name) + ".partial.npz"), digest=qs.digest_of(key), key=key,
+            qs._save_npz(os.path.join(tokens_dir, qs._slug(name) + ".npz"), digest=qs.digest_of(key), key=key,
                          indices=st["indices"], tokens=st["tokens"].astype(np.int16), forwards=st["forwards"],
                          cpu_s=st["cpu_s"], wall_s=st["wall_s"])
             log(f"[quantize_zoo] {name}: {len(st['indices'])}/{len(order)} images, "
@@ -140,10 +148,11 @@ def fp32_row(full, method, setting, labels, seed, batch, fp32_dir, tokens_dir, c
 
 class Measures:
     """Per-image D (under the full-precision target) and classifier features, cached per token digest in
-    ``<tokens_dir>/measures.npz`` (D is one teacher-forced forward per image; features need the VQ decode)."""
+    ``<tokens_dir>/measures.cache.npz`` (D is one teacher-forced forward per image; features need the VQ decode;
+    not committed)."""
 
     def __init__(self, full, tokens_dir):
-        self.full, self.path = full, os.path.join(tokens_dir, "measures.npz")
+        self.full, self.path = full, os.path.join(tokens_dir, "measures.cache.npz")
         self.table = dict(np.load(self.path)) if os.path.exists(self.path) else {}
 
     def get(self, tokens, labels) -> dict:
@@ -321,7 +330,7 @@ def main(argv=None):
     ap.add_argument("--timing-json", default=None,
                     help="take the timing from this JSON (the timing line an earlier run printed) instead of timing")
     ap.add_argument("--report-only", action="store_true",
-                    help="write the report from the tokens decoded so far (the .partial.npz files) without decoding")
+                    help="write the report from the tokens decoded so far (<out>_tokens/*.npz) without decoding")
     args = ap.parse_args(argv)
     if args.batch != 16:
         ap.error("--batch must be 16 (one image per class per batch; the fp32 caches were decoded at 16)")
