@@ -147,25 +147,44 @@ def fp32_row(full, method, setting, labels, seed, batch, fp32_dir, tokens_dir, c
 
 
 class Measures:
-    """Per-image D (under the full-precision target) and classifier features, cached per token digest in
-    ``<tokens_dir>/measures.cache.npz`` (D is one teacher-forced forward per image; features need the VQ decode;
-    not committed)."""
+    """Per-image D (under the full-precision target) and classifier features, cached per image (its tokens and
+    label) in ``<tokens_dir>/measures.cache.npz``, so a subset or a longer run reuses them (D is one
+    teacher-forced forward per image; the features need the VQ decode; not committed)."""
 
     def __init__(self, full, tokens_dir):
         self.full, self.path = full, os.path.join(tokens_dir, "measures.cache.npz")
-        self.table = dict(np.load(self.path)) if os.path.exists(self.path) else {}
+        self.table = {}  # image key -> (D, correct, classifier features)
+        if os.path.exists(self.path):
+            with np.load(self.path) as z:
+                for k, d, c, f in zip(z["keys"], z["D"], z["correct"], z["cls"]):
+                    self.table[str(k)] = (float(d), float(c), f)
 
-    def get(self, tokens, labels) -> dict:
+    @staticmethod
+    def key(tokens_row, label) -> str:
+        return hashlib.sha1(np.ascontiguousarray(tokens_row, dtype=np.int64).tobytes() + str(int(label)).encode()
+                            ).hexdigest()[:20]
+
+    def get(self, tokens, labels, chunk: int = 64) -> dict:
         from vvs_engine.evaluation.divergence import sampling_gap_per_image
 
-        h = hashlib.sha1(np.ascontiguousarray(tokens).tobytes() + json.dumps([int(x) for x in labels]).encode()
-                         ).hexdigest()[:16]
-        if h + "_D" not in self.table:
-            self.table[h + "_D"] = sampling_gap_per_image(self.full, tokens, list(labels), batch_size=16, **SAMPLING)
-            feats = qs.image_features(self.full, tokens, labels, inception=False)
-            self.table[h + "_correct"], self.table[h + "_cls"] = feats["correct"], feats["cls"]
-            qs._save_npz(self.path, **self.table)
-        return {"D": self.table[h + "_D"], "correct": self.table[h + "_correct"], "cls": self.table[h + "_cls"]}
+        keys = [self.key(t, lab) for t, lab in zip(tokens, labels)]
+        todo = [i for i, k in enumerate(keys) if k not in self.table]
+        for start in range(0, len(todo), chunk):  # saved after each chunk: an interrupted report resumes
+            sel = todo[start:start + chunk]
+            lab = [labels[i] for i in sel]
+            d = sampling_gap_per_image(self.full, tokens[sel], lab, batch_size=16, **SAMPLING)
+            feats = qs.image_features(self.full, tokens[sel], lab, inception=False)
+            for j, i in enumerate(sel):
+                self.table[keys[i]] = (float(d[j]), float(feats["correct"][j]), feats["cls"][j])
+            self.save()
+        return {"D": np.array([self.table[k][0] for k in keys]), "correct": np.array([self.table[k][1] for k in keys]),
+                "cls": np.stack([self.table[k][2] for k in keys])}
+
+    def save(self) -> None:
+        keys = list(self.table)
+        qs._save_npz(self.path, keys=np.array(keys), D=np.array([self.table[k][0] for k in keys]),
+                     correct=np.array([self.table[k][1] for k in keys]),
+                     cls=np.stack([self.table[k][2] for k in keys]))
 
 
 def paired_quality(full_row, quant_row, labels, measures, ref, reps: int, seed: int) -> tuple:
