@@ -370,7 +370,8 @@ def main(argv=None):
             old = json.load(f)
     if args.report_only and "bytes" in old and "timing" in old:
         res["bytes"], res["timing"] = old["bytes"], old["timing"]
-        res["command"] = old.get("command", "?") + f" (report: {res['command']})"
+        decoded_by = old.get("command", "?").split(" (report: ")[0]  # the decoding run's command, once
+        res["command"] = decoded_by + f" (report: {res['command']})"
     else:
         res["bytes"] = byte_rows()
         print(json.dumps(res["bytes"]), flush=True)
