@@ -51,6 +51,23 @@ HBM_TB_S = 4.8
 PEAK_TFLOP_S = 990.0
 GAP_US = 1.5
 BYTES = 2  # bf16 weights, activations and KV
+# Bytes per linear weight by how the weights are stored (``--quantize``; torchao 0.18, weight-only): the data
+# plus the scales per output row (int8: 5 bytes a row, fp8: 4, measured with torchao on one layer of each
+# width) or per group of 128 inputs (int4 tile-packed: a bf16 scale and zero point per group). Activations,
+# the KV cache and logits keep bf16 / fp32; FLOPs are unchanged (the kernels dequantize into bf16 math).
+WEIGHT_DTYPES = ("bf16", "int8", "fp8", "int4")
+
+
+def weight_bytes_per_param(dtype: str, in_features: int) -> float:
+    if dtype == "bf16":
+        return float(BYTES)
+    if dtype == "int8":
+        return 1.0 + 5.0 / in_features
+    if dtype == "fp8":
+        return 1.0 + 4.0 / in_features
+    if dtype == "int4":
+        return 0.5 + 2 * 2 / 128
+    raise KeyError(dtype)
 # The measured H200 figures the model is compared with (benchmarks/results/gpu/).
 MEASURED = {
     "Zoo AR step (ms)": 159.8 / 256,  # run_2026-11-30: 159.8 ms per 256-token image, CUDA graphs
@@ -77,6 +94,7 @@ class Shape:
     draft_dim: int = 0  # the EAGLE head: one decoder layer of the target's width
     draft_ffn: int = 0
     qk_norm: bool = False
+    head_quantized: bool = True  # False: the output head keeps bf16 under --quantize (quantize.KEEP_FULL)
 
     @property
     def kv_dim(self) -> int:
@@ -111,7 +129,7 @@ def shapes():
         # 8192 image codes + EOL in the head; 768 px = 48 x 48 codes + 48 end-of-line tokens.
         Shape("7B (Lumina-mGPT)", 32, 4096, 32, 32, 11008, 8193, 48 * 49, 128,
               "Chameleon-7B config (hf_loader's chameleon family), 768 px, 128 prompt positions; "
-              "drafter: a 1-layer head of the target's width", 4096, 11008, qk_norm=True),
+              "drafter: a 1-layer head of the target's width", 4096, 11008, qk_norm=True, head_quantized=False),
     ]
 
 
@@ -154,14 +172,17 @@ class Hardware:
         return max(nbytes / (self.hbm_tb_s * 1e12), flops / (self.peak_tflop_s * 1e12)) * 1e3
 
 
-def round_groups(shape: Shape, work: RoundWork, hw: Hardware) -> dict:
-    """-> {group: (bytes, flops)} of one round at the average prefix (condition + half the image)."""
+def round_groups(shape: Shape, work: RoundWork, hw: Hardware, weights: str = "bf16", draft_weights: str = "bf16") -> dict:
+    """-> {group: (bytes, flops)} of one round at the average prefix (condition + half the image); the
+    target's linear weights stored as ``weights``, the drafter's as ``draft_weights`` (WEIGHT_DTYPES)."""
     R, P = hw.rows, shape.cond + shape.tokens / 2
     g = {}
     N = work.target_tokens
     if N:
         L, d = shape.layers, shape.dim
-        weights = (L * shape.layer_params() + shape.head_rows * d) * BYTES
+        per = weight_bytes_per_param(weights, d)
+        head = per if shape.head_quantized else BYTES
+        weights = L * shape.layer_params() * per + shape.head_rows * d * head
         acts = R * N * L * (2 * (d + 2 * shape.kv_dim) + 2 * d + 3 * shape.ffn + 2 * d) * BYTES
         g["target GEMMs"] = (weights + acts, 2 * R * N * (L * shape.layer_params() + shape.head_rows * d))
         kv_read = R * L * 2 * P * shape.kv_dim * BYTES
@@ -171,17 +192,20 @@ def round_groups(shape: Shape, work: RoundWork, hw: Hardware) -> dict:
         d = shape.draft_dim
         n_fwd = len(work.draft_forwards)
         n_tok = sum(work.draft_forwards)
-        g["drafter GEMMs"] = (n_fwd * shape.draft_params() * BYTES + R * n_tok * 12 * d * BYTES,
+        dper = weight_bytes_per_param(draft_weights, d)
+        dhead = dper if shape.head_quantized else BYTES
+        g["drafter GEMMs"] = (n_fwd * shape.draft_params() * dper + R * n_tok * 12 * d * BYTES,
                               2 * R * n_tok * shape.draft_params())
         g["drafter attention"] = (n_fwd * R * 2 * P * d * BYTES, 4 * R * n_tok * P * d)
         # the head is read once per drafter forward that needs logits (root + each expansion)
-        g["drafter head"] = (n_fwd * shape.head_rows * d * BYTES + R * work.draft_head_rows * shape.head_rows * 4 * 2,
+        g["drafter head"] = (n_fwd * shape.head_rows * d * dhead + R * work.draft_head_rows * shape.head_rows * 4 * 2,
                              2 * R * work.draft_head_rows * shape.head_rows * d)
     return g
 
 
-def round_ms(shape: Shape, work: RoundWork, launches: float, hw: Hardware) -> dict:
-    groups = round_groups(shape, work, hw)
+def round_ms(shape: Shape, work: RoundWork, launches: float, hw: Hardware, weights: str = "bf16",
+             draft_weights: str = "bf16") -> dict:
+    groups = round_groups(shape, work, hw, weights, draft_weights)
     memory = sum(hw.group_ms(b, f) for b, f in groups.values())
     launch = launches * hw.gap_us * 1e-3
     return dict(ms=launch + memory, launch_ms=launch, work_ms=memory, launches=launches)
@@ -714,6 +738,106 @@ def row_parallel_markdown(rows: list, detail: str) -> list:
     return lines
 
 
+# --- quantized weights (--quantize, quant-draft): the same rounds with fewer weight bytes ---------------
+QUANT_DRAFT_LENGTHS = (4, 8, 16)
+
+
+def quantized_acceptance() -> dict:
+    """TPF of the quantized rows measured on the Zoo: {(row, weights): (tpf, source)} from
+    quantize_zoo.json (int8 target; EAGLE-2 with an int8 drafter too) and quant_draft_zoo.json (int8 copy)."""
+    out = {}
+    path = os.path.join(OUT, "quantize_zoo.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            q = json.load(f)
+        for r in q.get("quality", []):
+            tpf = r["metrics"]["tpf"]["value"] if "metrics" in r else r.get("tpf")
+            row = {"ar": "AR", "eagle": "EAGLE-2", "sjd": "SJD"}.get(r.get("method"))
+            if row and r.get("quantize") == "int8" and tpf:
+                out[(row, "int8")] = (tpf, f"quantize_zoo.json ({r['images']} images)")
+    path = os.path.join(OUT, "quant_draft_zoo.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            q = json.load(f)
+        for r in q.get("rows", []):
+            out[(f"quant-draft k={r['draft_length']}", "int8")] = (r["tpf"], f"quant_draft_zoo.json ({r['images']} images)")
+    return out
+
+
+def quantized_model(tables: dict, hw: Hardware, acceptance: dict) -> list:
+    """Per setting and weight dtype, at every shape: the round's modelled time (the launch counts of ``tables``,
+    which do not change with the weights' dtype: a torchao weight-only GEMM is one kernel, as a bf16 one) and
+    the speed-up over the bf16 AR step. quant-draft's round: the copy's k forwards (the first over 2 queries,
+    the others 1) with its weights at the copy's dtype + one full-precision target forward over k + 1 queries;
+    launches: k AR steps + one SJD iteration (a target forward with its acceptance step)."""
+    measured = quantized_acceptance()
+    settings = []
+    for row, kind in (("AR", "ar_step"), ("EAGLE-2", "verify"), ("SJD", "jacobi_iteration")):
+        for w in WEIGHT_DTYPES:
+            settings.append((row, kind, w, w if row == "EAGLE-2" else None))
+    for k in QUANT_DRAFT_LENGTHS:
+        for w in ("int8", "int4"):
+            settings.append((f"quant-draft k={k}", "quant_draft", w, None))
+    out = []
+    for row, kind, w, dw in settings:
+        if row.startswith("quant-draft"):
+            tpf, source = measured.get((row, "int8"), (None, None))
+            if tpf is not None and w != "int8":
+                source = f"int8 copy's ({source}); an {w} copy's acceptance is not measured"
+        elif w == "bf16":
+            tpf, source = acceptance[row]["tpf"], acceptance[row]["source"]
+        else:
+            tpf, source = measured.get((row, "int8"), (acceptance[row]["tpf"], "bf16's (" + acceptance[row]["source"]
+                                                      + "): no int8 measurement"))
+            if w != "int8" and (row, "int8") in measured:
+                source = f"int8's ({source}); {w}'s acceptance is not measured"
+        if tpf is None:
+            continue
+        per_shape = {}
+        for shape in shapes():
+            t = tables[shape.name]["rows"]
+            ar_bf16 = t["AR"]["kinds"]["ar_step"]["ms"]
+            if row.startswith("quant-draft"):
+                k = int(row.split("=")[1])
+                launches = k * t["AR"]["kinds"]["ar_step"]["launches"] + t["SJD"]["kinds"]["jacobi_iteration"]["launches"]
+                copy = [round_ms(shape, RoundWork(2 if i == 0 else 1), 0, hw, w) for i in range(k)]
+                target = round_ms(shape, RoundWork(k + 1), 0, hw, "bf16")
+                work_ms = sum(c["work_ms"] for c in copy) + target["work_ms"]
+                r = dict(ms=launches * hw.gap_us * 1e-3 + work_ms, launch_ms=launches * hw.gap_us * 1e-3,
+                         work_ms=work_ms, launches=launches)
+            else:
+                r = round_ms(shape, work_for(row, kind), t[row]["kinds"][kind]["launches"], hw, w, dw or "bf16")
+            image_ms = shape.tokens / tpf * r["ms"]
+            per_shape[shape.name] = dict(round_ms=r["ms"], launch_ms=r["launch_ms"], work_ms=r["work_ms"],
+                                         image_ms=image_ms, speedup=shape.tokens * ar_bf16 / image_ms)
+        out.append(dict(setting=row, weights=w, draft_weights=dw, tpf=tpf, tpf_source=source, shapes=per_shape))
+    return out
+
+
+def quantized_markdown(rows: list, hw: Hardware, detail: str) -> list:
+    if not rows:
+        return []
+    names = list(rows[0]["shapes"])
+    lines = ["", "## Quantized weights (`--quantize`, `quant-draft`): a MODEL", "",
+             "Not measured. The rounds above with the linear weights read at fewer bytes (bf16 2; int8 1 + 5 bytes "
+             "of scales per output row; fp8 1 + 4 per row; int4 0.5 + a bf16 scale and zero point per group of 128 "
+             "— torchao 0.18's weight-only layouts), everything else (activations, KV cache, logits, FLOPs) as in "
+             "bf16, the same launches as bf16 (one kernel per GEMM, dequantizing inside it), launch gap "
+             f"{hw.gap_us} us, launches {detail}. Lumina-mGPT's output head stays bf16 (it is read as a matrix: "
+             "`models/quantize.KEEP_FULL`). quant-draft: the quantized copy's k forwards + one bf16 target forward "
+             "over k + 1 queries per round, launched as k AR steps + one SJD iteration (its round is not counted "
+             "yet). TPF: the Zoo's measured acceptance (source column), used at every shape; the kernels' real "
+             "speed (fp8 on Hopper, int4 tinygemm) is what `benchmarks/quantize_gpu.py` measures on a GPU.", "",
+             "| setting | weights | TPF | " + " | ".join(f"{n} round (ms) | {n} speed-up vs bf16 AR" for n in names)
+             + " | TPF from |", "|---|---|---:|" + "---:|---:|" * len(names) + "---|"]
+    for r in rows:
+        w = r["weights"] + (f" (drafter {r['draft_weights']})" if r["draft_weights"] else "") + \
+            (" copy" if r["setting"].startswith("quant-draft") else "")
+        cells = " | ".join(f"{r['shapes'][n]['round_ms']:.3f} | {r['shapes'][n]['speedup']:.2f}" for n in names)
+        lines.append(f"| {r['setting']} | {w} | {r['tpf']:.2f} | {cells} | {r['tpf_source']} |")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gap-us", type=float, default=GAP_US, help="launch gap inside a CUDA graph (us)")
@@ -785,11 +909,13 @@ def main(argv=None):
                   compiled_model=compiled_tables, counts_command=old.get("counts_command"),
                   compiled_counts_command=old.get("compiled_counts_command"))
     result["row_parallel"] = row_parallel_model(result["model"], hw)
+    result["quantized"] = quantized_model(result["model"], hw, acceptance)
     os.makedirs(args.out, exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
     md = render(result, hw, argv)
-    md = md.rstrip("\n") + "\n" + "\n".join(row_parallel_markdown(result["row_parallel"], result["detail_launches"])) + "\n"
+    md = md.rstrip("\n") + "\n" + "\n".join(row_parallel_markdown(result["row_parallel"], result["detail_launches"]))
+    md += "\n" + "\n".join(quantized_markdown(result["quantized"], hw, result["detail_launches"])) + "\n"
     with open(os.path.join(args.out, "round_cost.md"), "w") as f:
         f.write(md)
     if args.out == OUT:

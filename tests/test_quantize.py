@@ -3,7 +3,10 @@ halves the bytes, a quantized model's tokens are deterministic, compiled rounds 
 is refused in one line."""
 from __future__ import annotations
 
+import json
 import re
+
+import numpy as np
 
 import pytest
 import torch
@@ -163,3 +166,49 @@ def test_cli_refusals_are_one_line(command, capsys, tmp_path):
                    "CPU use int8 or fp8)"]
     assert main([command, "--quantize", "int2"] + rest) == 1
     assert capsys.readouterr().err.strip() == "error: unknown --quantize 'int2'; use none, int8, fp8, int4"
+
+
+def test_generate_dataset_quantize(tmp_path, capsys):
+    """generate-dataset --quantize int8 decodes with int8 weights (the tokens of Engine.load(quantize="int8")),
+    records it in the dataset's identity, and a re-run without it is refused (a changed job)."""
+    from dataset_utils import read_all, write_tiny_checkpoints
+
+    tiny = write_tiny_checkpoints(str(tmp_path / "m"))
+    flags = ["generate-dataset", "--gpt-ckpt", tiny["gpt_ckpt"], "--vq-ckpt", tiny["vq_ckpt"], "--image-size", "8",
+             "--device", "cpu", "--class-labels", "0-9", "--temperature", "0", "--no-images", "--quiet", "--threads", "1"]
+    assert main(flags + ["--out", str(tmp_path / "q"), "--quantize", "int8"]) == 0
+    got = read_all(tmp_path / "q")
+    with open(tmp_path / "q" / "manifest.json") as f:
+        assert json.load(f)["identity"]["quantize"] == "int8"
+    kw = dict(class_labels=list(range(10)), temperature=0, decode_images=False)
+    load = dict(gpt_ckpt=tiny["gpt_ckpt"], vq_ckpt=tiny["vq_ckpt"], image_size=8, threads=1)
+    int8 = Engine.load(quantize="int8", **load).generate(**kw).tokens.numpy()
+    full = Engine.load(**load).generate(**kw).tokens.numpy()
+    assert np.array_equal(got["tokens"], int8)
+    assert not np.array_equal(int8, full)  # the control: greedy int8 picks other tokens than fp32 in some images
+    capsys.readouterr()
+    assert main(flags + ["--out", str(tmp_path / "q")]) == 1  # the same folder without --quantize: another job
+    assert "quantize" in capsys.readouterr().err
+    assert main(flags + ["--out", str(tmp_path / "i4"), "--quantize", "int4"]) == 1  # refused before any shard
+    assert capsys.readouterr().err.startswith("error: --quantize int4 needs a CUDA GPU")
+    assert not (tmp_path / "i4" / "manifest.json").exists()
+
+
+def test_serve_quantize_loads_the_server_quantized(tmp_path):
+    """serve --quantize int8: the server's engine (the one its warm-up image ran on) holds int8 weights."""
+    from dataset_utils import write_tiny_checkpoints
+    from vvs_engine.cli import build_parser, method_options
+    from vvs_engine.serving.server import build_server, check_args
+
+    tiny = write_tiny_checkpoints(str(tmp_path / "m"))
+    for mode in ("int8", "none"):  # "none": the control, a plain server
+        args = build_parser().parse_args(["serve", "--gpt-ckpt", tiny["gpt_ckpt"], "--vq-ckpt", tiny["vq_ckpt"],
+                                          "--image-size", "8", "--device", "cpu", "--threads", "1", "--rows", "2",
+                                          "--quantize", mode])
+        opts = method_options(args)
+        check_args(args, opts, "cpu")
+        worker, _, _ = build_server(args, opts, "cpu")
+        try:
+            assert worker.engine.quantization == mode and is_quantized(worker.engine.gpt) == (mode != "none")
+        finally:
+            worker.close()

@@ -131,3 +131,42 @@ def test_row_parallel_model_carries_the_measured_rows(tmp_path):
     for r in (r for r in rows if r["setting"] == "PJD-E1"):
         assert r["rows_in_flight"] <= 4 and r["queries_per_forward"] == pytest.approx(8 * r["rows_in_flight"])
         assert r["speedup"] == pytest.approx(r["ar_image_ms"] / r["image_ms"])
+
+
+def test_quantized_weights_read_fewer_bytes_by_hand():
+    # TOY: 2 x 160 layer params + a 10 x 4 head, input width 4: int8 reads 1 + 5/4 bytes a weight (a 5-byte
+    # scale per output row), int4 0.5 + 4/128 (a bf16 scale and zero point per group of 128); activations as bf16
+    acts = 512
+    for dtype, per in (("bf16", 2.0), ("int8", 2.25), ("fp8", 2.0), ("int4", 0.53125)):
+        g = rc.round_groups(TOY, rc.round_work("ar_step"), SLOW, weights=dtype)
+        assert g["target GEMMs"] == (pytest.approx(360 * per + acts), 1440)  # FLOPs do not change
+        assert g["target attention"] == (320, 256)
+    # the drafter's weights follow draft_weights, the target's stay as given
+    g8 = rc.round_groups(TOY, rc.round_work("verify"), SLOW, weights="bf16", draft_weights="int8")
+    g2 = rc.round_groups(TOY, rc.round_work("verify"), SLOW)
+    assert g8["target GEMMs"] == g2["target GEMMs"] and g8["drafter GEMMs"][0] > g2["drafter GEMMs"][0] - 1e-9
+    with pytest.raises(KeyError):
+        rc.weight_bytes_per_param("int3", 4)
+
+
+def test_quantized_head_kept_full_where_the_engine_keeps_it():
+    # Lumina-mGPT's head stays bf16 under --quantize (models/quantize.KEEP_FULL): only its layers shrink
+    hw = rc.Hardware()
+    seven_b = next(s for s in rc.shapes() if s.name.startswith("7B"))
+    assert not seven_b.head_quantized
+    bf16 = rc.round_groups(seven_b, rc.round_work("ar_step"), hw)["target GEMMs"][0]
+    int8 = rc.round_groups(seven_b, rc.round_work("ar_step"), hw, weights="int8")["target GEMMs"][0]
+    head = seven_b.head_rows * seven_b.dim * 2
+    layers = seven_b.layers * seven_b.layer_params()
+    assert int8 - head == pytest.approx((bf16 - head) - layers * (2 - (1 + 5 / seven_b.dim)))
+
+
+def test_committed_quantized_section_is_a_model_of_fewer_bytes():
+    with open(os.path.join(ROOT, "benchmarks", "results", "round_cost.json")) as f:
+        res = json.load(f)
+    rows = {(r["setting"], r["weights"]): r for r in res["quantized"]}
+    for shape in ("LlamaGen-XL", "7B (Lumina-mGPT)"):
+        ar = [rows[("AR", w)]["shapes"][shape]["round_ms"] for w in ("bf16", "int8", "int4")]
+        assert ar[0] > ar[1] > ar[2]  # fewer weight bytes, a shorter memory-bound AR step
+        assert rows[("AR", "bf16")]["shapes"][shape]["speedup"] == pytest.approx(1.0)
+    assert "## Quantized weights" in open(os.path.join(ROOT, "benchmarks", "results", "round_cost.md")).read()

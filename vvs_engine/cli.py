@@ -55,6 +55,17 @@ def apply_threads(n: Optional[int]) -> int:
 Parser = OneLineParser  # argparse without the usage dump: a bad argument raises UsageError
 
 
+def rows_arg(text: str):
+    """argparse type of a rows flag (generate's ``--batch-size``, serve's ``--rows``): an integer or ``auto``
+    (the most images in flight that fit the device's free memory: ``Engine.auto_rows``)."""
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def build_parser() -> Parser:
     p = Parser(prog="vvs-engine", description="Fast autoregressive image generation with speculative decoding.")
     from . import __version__
@@ -118,10 +129,11 @@ def build_parser() -> Parser:
     s.add_argument("--top-k", type=int, default=0, help="top-k filter (default 0 = off)")
     s.add_argument("--top-p", type=float, default=1.0, help="top-p (nucleus) filter in (0, 1] (default 1.0 = off)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    s.add_argument("--batch-size", type=int, default=16, metavar="N",
+    s.add_argument("--batch-size", type=rows_arg, default=16, metavar="N",
                    help="images in flight, every method (default 16): a finished image's rows go to the next "
                         "image between rounds; tokens do not depend on it in fp64, in fp32 a near-tie can flip "
-                        "(docs/batching.md)")
+                        "(docs/batching.md). 'auto': the most that fit the device's free memory once the model is "
+                        "loaded (docs/quantization.md)")
     s.add_argument("--static-batches", action="store_true",
                    help="decode --batch-size images at a time to the end instead (for comparison)")
     s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -328,7 +340,8 @@ def cmd_generate(args) -> int:
     prompts = read_prompts(args.prompts) if args.prompts is not None else None
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale).validate()
     check_seed(args.seed)
-    if args.batch_size < 1:
+    auto_rows = args.batch_size == "auto"
+    if not auto_rows and args.batch_size < 1:
         raise VVSError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     device = str(resolve_device(pick_device(args.device)))
     from .models.quantize import check_quantize
@@ -348,8 +361,9 @@ def cmd_generate(args) -> int:
         shape = peek_shape(args.gpt_ckpt, args.vq_ckpt) if args.model_dir is None and args.image_size is None else None
         if shape is not None:
             check_method_fits(shape, opts)
-            check_batch_fits(shape, opts, len(labels or prompts), args.batch_size, params.use_cfg, device,
-                             args.dtype)
+            if not auto_rows:
+                check_batch_fits(shape, opts, len(labels or prompts), args.batch_size, params.use_cfg, device,
+                                 args.dtype)
     except VVSError as e:
         raise VVSError(flag_names(str(e))) from None
     from .dataset import check_conditions
@@ -366,6 +380,13 @@ def cmd_generate(args) -> int:
                          device=device, dtype=args.dtype, t5_path=args.t5_path, model_dir=args.model_dir,
                          max_prompt_tokens=args.max_prompt_tokens, threads=threads, quantize=args.quantize,
                          deterministic=bool(args.deterministic))
+    if auto_rows:  # with the weights loaded, the free memory is what the decode state may take
+        try:
+            args.batch_size = engine.auto_rows(args.method, args.cfg_scale, cap=len(labels or prompts),
+                                               flag="--batch-size", **method_options(args))
+        except VVSError as e:
+            raise VVSError(flag_names(str(e))) from None
+        print(f"--batch-size auto: {args.batch_size} images in flight", file=sys.stderr)
     if prompts is not None:
         enc = engine.caption_encoder
         if engine.config.model_type == "t2i" and enc is not None and enc.dim != engine.config.caption_dim:

@@ -126,14 +126,20 @@ def load_engine(model: dict, threads: Optional[int] = None):
     """The engine of one worker. ``model`` holds ``Engine.load`` arguments; device ``auto`` picks the
     worker's GPU (Ray sets CUDA_VISIBLE_DEVICES) when there is one. ``threads``: torch's CPU threads
     (None: the engine's default)."""
-    import torch
-
     from .engine import Engine
 
     spec = {k: v for k, v in model.items() if v is not None}
-    if spec.get("device", "auto") == "auto":
-        spec["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    spec["device"] = worker_device(spec.get("device", "auto"))
     return Engine.load(threads=threads, **spec)
+
+
+def worker_device(device: Optional[str]) -> str:
+    """A worker's device: ``auto`` (or None) is its GPU when it sees one, else the CPU."""
+    import torch
+
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 class ShardWorker:
@@ -399,6 +405,9 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     if prompts is not None:
         check(not isinstance(prompts, str) and all(isinstance(x, str) for x in prompts),
               "prompts must be a list of strings (one condition each)")
+    if batch_size == "auto":
+        batch_size = auto_batch_size(out_dir, dict(model or {}), ray, method, method_opts, cfg_scale,
+                                     len(class_labels if class_labels is not None else prompts or []) * per_condition)
     for name, v, lo in (("per-class", per_condition, 1), ("shard size", shard_size, 1), ("batch size", batch_size, 1),
                         ("max retries", max_retries, 0)):
         check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
@@ -432,6 +441,11 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     model = {k: v for k, v in dict(model or {}).items() if v is not None}
     model.setdefault("device", "auto")
     model.setdefault("dtype", "fp32")
+    if model.get("quantize") not in (None, "none"):  # refused before any worker loads (int4 off CUDA, fp64, ...)
+        from .engine import resolve_dtype
+        from .models.quantize import check_quantize
+
+        check_quantize(model["quantize"], worker_device(model["device"]), resolve_dtype(model["dtype"]))
     check_conditions(model, class_labels, prompts)
 
     conds = list(class_labels if class_labels is not None else prompts)
@@ -458,6 +472,8 @@ def generate(out_dir: str, class_labels: Optional[Sequence[int]] = None, prompts
     for key in ("max_prompt_tokens", "image_size"):
         if key in model:
             identity[key] = model[key]
+    if model.get("quantize") not in (None, "none"):  # quantized weights sample other tokens (absent: none)
+        identity["quantize"] = model["quantize"]
     check_dataset_folder(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     # one run at a time writes a folder: a second would redo the same shards and remove the PNGs the
@@ -651,6 +667,45 @@ def _integer_list(values, what: str) -> List[int]:
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
     check(not bad, f"{what} must be integers, got {bad[0]!r}" if bad else "")
     return [int(v) for v in values]
+
+
+def auto_batch_size(out_dir: str, model: dict, ray, method: str, method_opts: dict, cfg_scale: float,
+                    n_images: int) -> int:
+    """``batch_size="auto"`` (``--batch-size auto``): the most images in flight whose decode state fits the
+    worker's device (``engine.rows_that_fit``), picked before any worker loads: the free memory now less the
+    checkpoint files' bytes (the weights as stored; at most what they take loaded in the same or a smaller
+    dtype, quantized or not). The batch size is part of the dataset's identity, so a resumed job keeps the one
+    its first run picked, and one process decides it (not Ray, whose workers may sit on other devices)."""
+    from .engine import available_bytes, peek_shape, rows_that_fit
+    from .methods import get_method_options
+
+    check(ray is None, "batch size auto is for one process: under Ray give a number (it is part of the "
+                       "dataset's identity, the same for every worker)")
+    if os.path.isdir(out_dir) and _any_shard(out_dir):
+        manifest = read_manifest(out_dir)
+        if manifest is not None and isinstance(manifest.get("identity", {}).get("batch_size"), int):
+            return manifest["identity"]["batch_size"]  # a resumed job keeps its first run's figure
+    check(model.get("model_dir") is None and model.get("image_size") is None,
+          "batch size auto needs a project checkpoint (its config tells the decode state before loading): give a "
+          "number")
+    shape = peek_shape(model.get("gpt_ckpt"), model.get("vq_ckpt"))
+    check(shape is not None, "batch size auto needs a project checkpoint (its config tells the decode state before "
+                             "loading): give a number")
+    files = [model.get("gpt_ckpt"), model.get("vq_ckpt"), model.get("drafter")]
+    if model.get("gpt_ckpt") is None:
+        from . import zoo
+
+        paths = zoo.default_paths()
+        files = [paths["gpt"], model.get("vq_ckpt") or paths["vq"], model.get("drafter") or paths.get("drafter")]
+    device = worker_device(model.get("device"))
+    free = available_bytes(device)
+    if free is not None:
+        free -= sum(os.path.getsize(f) for f in files if f and os.path.isfile(f))
+    from .engine import resolve_dtype
+
+    return rows_that_fit(shape, get_method_options(method, method_opts), cfg_scale != 1.0, device,
+                         resolve_dtype(model.get("dtype", "fp32")), cap=max(1, n_images), free=free,
+                         flag="batch size")
 
 
 def _any_shard(out_dir: str) -> bool:

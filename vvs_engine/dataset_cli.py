@@ -48,8 +48,11 @@ def add_dataset_parser(sub, generate_parser) -> None:
     o.add_argument("--out", required=True, metavar="DIR", help="output folder (an existing one is resumed)")
     o.add_argument("--shard-size", type=int, default=dataset.DEFAULT_SHARD_SIZE, metavar="N",
                    help=f"images per shard (default {dataset.DEFAULT_SHARD_SIZE}); fixes the files, not the speed")
-    o.add_argument("--batch-size", type=int, default=dataset.DEFAULT_BATCH_SIZE, metavar="N",
-                   help=f"images per engine call (default {dataset.DEFAULT_BATCH_SIZE})")
+    batch_type = next(a.type for g in generate_parser._action_groups for a in g._group_actions
+                      if a.dest == "batch_size")  # generate's: an integer or 'auto'
+    o.add_argument("--batch-size", type=batch_type, default=dataset.DEFAULT_BATCH_SIZE, metavar="N",
+                   help=f"images per engine call (default {dataset.DEFAULT_BATCH_SIZE}); 'auto': the most that fit "
+                        f"the device's free memory, picked once per job (one process, a project checkpoint)")
     o.add_argument("--no-images", action="store_true", help="write tokens only, no PNGs")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -84,7 +87,7 @@ def cmd_generate_dataset(args) -> int:
     else:
         ids, prompts = dataset.read_prompt_file(args.prompts)
     device = args.device  # "auto": each worker takes its GPU when it has one (dataset.load_engine)
-    from .engine import check_load_args
+    from .engine import check_load_args, resolve_dtype
     from .zoo import resolve_model
 
     # --model NAME (a Zoo target) -> its files; explicit --vq-ckpt / --drafter win
@@ -93,10 +96,14 @@ def cmd_generate_dataset(args) -> int:
     check_load_args(gpt_ckpt=args.gpt_ckpt, gpt_model=args.gpt_model, vq_ckpt=args.vq_ckpt, drafter=args.drafter,
                     t5_path=args.t5_path, model_dir=args.model_dir, max_prompt_tokens=args.max_prompt_tokens,
                     image_size=args.image_size, cli=True, vq_model=args.vq_model)
+    from .models.quantize import check_quantize
+
+    # refused here in one line, before any shard: on the device a local worker would take ("auto": its GPU if any)
+    check_quantize(args.quantize, dataset.worker_device(device), resolve_dtype(args.dtype), flag="--quantize")
     model = {"gpt_ckpt": args.gpt_ckpt, "gpt_model": args.gpt_model, "vq_ckpt": args.vq_ckpt,
              "vq_model": args.vq_model, "image_size": args.image_size, "drafter": args.drafter, "device": device,
              "dtype": args.dtype, "t5_path": args.t5_path, "model_dir": args.model_dir,
-             "max_prompt_tokens": args.max_prompt_tokens}
+             "max_prompt_tokens": args.max_prompt_tokens, "quantize": args.quantize}
     if args.workers is not None and args.ray is None:
         raise VVSError("--workers counts Ray workers: add --ray (without it one process runs one engine)")
     threads = args.threads if args.threads is not None else (1 if args.ray is not None else None)

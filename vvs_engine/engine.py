@@ -42,6 +42,10 @@ def resolve_device(device) -> torch.device:
     return d
 
 
+AUTO_ROWS_CAP = 256  # --rows auto / --batch-size auto never takes more images in flight than this
+AUTO_ROWS_SLACK = 1 << 30  # kept free besides the decode state (the memory table's CUDA slack; allocator, VQ decode)
+
+
 def check_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise VVSError(f"seed must be an integer, got {seed!r}")
@@ -325,6 +329,20 @@ class Engine:
     @property
     def shape(self) -> "ModelShape":
         return ModelShape.of(self.config, self.vq)
+
+    def auto_rows(self, method: str = "ar", cfg_scale: float = 4.0, cap: int = AUTO_ROWS_CAP, flag: str = "--rows",
+                  **options) -> int:
+        """The most images in flight whose decode state fits this engine's device now (``rows_that_fit``):
+        what ``--batch-size auto`` (generate) and ``--rows auto`` (serve) decode with."""
+        from .methods import get_method_options
+
+        opts = get_method_options(method, options)
+        free = available_bytes(self.device)
+        if free is not None and method == "quant-draft" and not self.__dict__.get("_quantized_copies"):
+            from .models.quantize import weight_bytes
+
+            free -= weight_bytes(self.gpt)  # the quantized copy, built at the first decode (at most the target's size)
+        return rows_that_fit(self.shape, opts, cfg_scale != 1.0, self.device, self.dtype, cap, free=free, flag=flag)
 
     def check_labels(self, labels) -> List[int]:
         """Class labels: a list (or 1-D integer array / tensor) of integers in [0, num_classes)."""
@@ -808,6 +826,28 @@ def check_batch_fits(shape: ModelShape, opts, n_images: int, batch_size: int, us
             else "even one image does not fit: use a smaller tree or window")
     raise VVSError(f"a batch of {batch} images needs about {need / 2 ** 30:.1f} GiB for its decode state (KV cache, "
                    f"logits) but the {torch.device(device).type.upper()} has {free / 2 ** 30:.1f} GiB free; {hint}")
+
+
+def rows_that_fit(shape: ModelShape, opts, use_cfg: bool, device, dtype, cap: int = AUTO_ROWS_CAP,
+                  free: Optional[int] = None, flag: str = "--rows") -> int:
+    """``auto`` rows: the most images in flight (a power of two, as the loop pads to, at most ``cap``) whose
+    decode state (``decode_bytes``: KV cache, logits, attention scores; the memory table's model) fits the
+    device's free memory less ``AUTO_ROWS_SLACK``. Called with the weights loaded, so the free figure
+    (CUDA: the driver's; CPU: MemAvailable) has them counted already. One-line error when the free memory
+    is unknown or not even one image fits."""
+    free = available_bytes(device) if free is None else free
+    if free is None:
+        raise VVSError(f"{flag} auto needs the {torch.device(device).type.upper()}'s free memory, which cannot be "
+                       f"read here: give a number")
+    room = free - AUTO_ROWS_SLACK
+    n = 1
+    while n * 2 <= AUTO_ROWS_CAP and decode_bytes(shape, opts, n * 2, use_cfg, dtype) <= room:
+        n *= 2
+    if decode_bytes(shape, opts, n, use_cfg, dtype) > room:
+        raise VVSError(f"{flag} auto: one image needs about {decode_bytes(shape, opts, 1, use_cfg, dtype) / 2 ** 30:.1f} "
+                       f"GiB for its decode state but the {torch.device(device).type.upper()} has "
+                       f"{free / 2 ** 30:.1f} GiB free ({AUTO_ROWS_SLACK / 2 ** 30:.0f} GiB kept as slack)")
+    return max(1, min(n, cap))
 
 
 # --- batching -----------------------------------------------------------------------------------

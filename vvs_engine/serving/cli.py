@@ -24,7 +24,7 @@ from .server import (API_KEY_ENV, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT
 
 # generate's flags that serve copies (so the two commands cannot drift apart): the model group, the
 # method options, and these
-COPIED = {"compile", "threads"}
+COPIED = {"compile", "threads", "batch_size"}  # batch_size: only its type (an integer or 'auto'), for --rows
 
 
 def add_serve_parser(sub, generate_parser):
@@ -54,8 +54,10 @@ def add_serve_parser(sub, generate_parser):
     s.add_argument("--temperature", type=float, default=1.0, help="temperature (default 1.0)")
     s.add_argument("--top-k", type=int, default=0, help="top-k (default 0 = off)")
     s.add_argument("--top-p", type=float, default=1.0, help="top-p (default 1.0 = off)")
-    s.add_argument("--rows", type=int, default=DEFAULT_ROWS, metavar="N",
-                   help=f"images in flight (batch rows, fixed for the server's life; default {DEFAULT_ROWS})")
+    s.add_argument("--rows", type=copied["batch_size"].type, default=DEFAULT_ROWS, metavar="N",
+                   help=f"images in flight (batch rows, fixed for the server's life; default {DEFAULT_ROWS}). "
+                        f"'auto': the most that fit the device's free memory once the model is loaded (one "
+                        f"process; not with --ray)")
     s.add_argument("--static-batches", action="store_true",
                    help="admit images only when every row is free (static batches, for comparison)")
     s._add_action(copy.copy(copied["compile"]))

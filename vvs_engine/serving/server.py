@@ -38,17 +38,17 @@ def check_args(args, method_opts: dict, device: str) -> None:
     from ..sampling import SamplingParams
     from .schemas import check_sampling_bounds
 
-    if args.rows < 1:
+    if args.rows == "auto":
+        if getattr(args, "ray", None) is not None:  # each replica would pick its own: the routing needs one figure
+            raise VVSError("--rows auto is for the one-process server: under --ray give a number")
+    elif args.rows < 1:
         raise VVSError(f"--rows must be an integer >= 1, got {args.rows}")
     if args.queue_size is not None and args.queue_size < 0:
         raise VVSError(f"--queue-size must be an integer >= 0, got {args.queue_size}")
     if args.max_n is not None and args.max_n < 1:
         raise VVSError(f"--max-n must be an integer >= 1, got {args.max_n}")
-    room = args.rows + queue_size(args)
-    if args.max_n is not None and args.max_n > room:
-        # a request of more images than rows + queue can never be accepted: it would get 429 forever
-        raise VVSError(f"--max-n {args.max_n} is more than --rows + --queue-size = {room} images: a request of "
-                       f"n > {room} could never be accepted; lower --max-n or raise --queue-size")
+    if args.rows != "auto":  # with auto, checked once the rows are known (build_server)
+        check_room(args)
     for name, value in (("--request-timeout", args.request_timeout), ("--shutdown-timeout", args.shutdown_timeout),
                         ("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
         if not value > 0 or value == float("inf"):
@@ -80,6 +80,20 @@ def check_args(args, method_opts: dict, device: str) -> None:
     check_quantize(args.quantize, resolve_device(device), resolve_dtype(args.dtype), flag="--quantize")
 
 
+def torch_device_type(engine) -> str:
+    import torch
+
+    return torch.device(engine.device).type.upper()
+
+
+def check_room(args) -> None:
+    if args.max_n is not None and args.max_n > args.rows + queue_size(args):
+        room = args.rows + queue_size(args)
+        # a request of more images than rows + queue can never be accepted: it would get 429 forever
+        raise VVSError(f"--max-n {args.max_n} is more than --rows + --queue-size = {room} images: a request of "
+                       f"n > {room} could never be accepted; lower --max-n or raise --queue-size")
+
+
 def build_server(args, method_opts: dict, device: str):
     """Load the engine, start its thread, decode the warm-up image and build the FastAPI app over it:
     ``(worker, app, model name)``. The one-process server and each Ray Serve replica call this with
@@ -99,6 +113,11 @@ def build_server(args, method_opts: dict, device: str):
                          quantize=args.quantize,
                          deterministic=getattr(args, "deterministic", None) is not False)  # on unless --no-deterministic
     defaults = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale)
+    if args.rows == "auto":  # the weights are loaded: the free memory left is the decode state's
+        args.rows = engine.auto_rows(args.method, args.cfg_scale, **method_opts)
+        print(f"vvs-engine serve: --rows auto: {args.rows} rows fit the {torch_device_type(engine)}'s free memory",
+              file=sys.stderr, flush=True)
+        check_room(args)
     name = _model_name(args)
     worker = EngineWorker(engine, args.method, method_opts, args.rows, defaults, queue_size(args),
                           static=args.static_batches, compile=args.compile, model_name=name)
