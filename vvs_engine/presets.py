@@ -46,9 +46,14 @@ PRESETS: Dict[int, Dict[str, Preset]] = {
                           {"zipar_window": 2, "zipar_verify": "sjd", "zipar_jacobi_window": 4}, 5.98, 0.068),
     },
     1024: {
-        "exact": Preset("SJD-PAC", "sjd-pac", {"pac_width": 3, "pac_depth": 3}, 4.10, 0.002),
+        "exact": Preset("SJD-PAC W=2 D=3", "sjd-pac",
+                        {"jacobi_window": 32, "jacobi_init": "copy-left", "pac_width": 2, "pac_depth": 3,
+                         "pac_variant": "exact"}, 4.45, -0.001),
         "near-lossless": Preset("ZipAR s=3", "zipar", {"zipar_window": 3}, 8.26, 0.014),
-        "fastest": Preset("ZipAR s=2", "zipar", {"zipar_window": 2}, 11.01, 0.046),
+        "fastest": Preset("ZipAR s=2 + SJD L=4", "zipar",
+                          {"zipar_window": 2, "zipar_verify": "sjd", "zipar_jacobi_window": 4, "zipar_commit_lag": 0,
+                           "zipar_commit": "sjd", "zipar_init": "copy-above", "zipar_keep": 0.0, "zipar_max_rows": 0},
+                           11.43, 0.038),
     },
 }
 # presets:end
@@ -141,9 +146,21 @@ def table_source(table: Dict[int, Dict[str, Preset]]) -> str:
             head = f"        {json.dumps(name)}: Preset({json.dumps(p.setting)}, {json.dumps(p.method)},"
             tail = f"{_literal(p.options)}, {p.tpf:.2f}, {p.gap:.3f}),"
             one = f"{head} {tail}"
-            lines += [one] if len(one) <= 120 else [head, " " * (head.index("Preset(") + 7) + tail]
+            lines += [one] if len(one) <= 120 else [head] + _wrapped(tail, " " * (head.index("Preset(") + 7))
         lines.append("    },")
     return "\n".join(lines + ["}", END])
+
+
+def _wrapped(text: str, indent: str, width: int = 120) -> List[str]:
+    """``text`` (an options literal and its figures) broken after commas into lines of at most ``width``."""
+    lines, line = [], indent
+    for piece in text.split(", "):
+        if line.strip() and len(line) + len(piece) + 2 > width:
+            lines.append(line + ",")
+            line = indent + " " + piece
+        else:
+            line = line + (", " if line.strip() else "") + piece
+    return lines + [line]
 
 
 def _literal(options: dict) -> str:
