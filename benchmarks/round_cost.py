@@ -13,7 +13,7 @@ Jacobi iteration) the model is
   to 2, 4 and 6 layers. Counted eagerly on the CPU with ``VVS_KERNELS=reference`` (every engine kernel
   one op, as one launch on a GPU; ``OpCounter``), per call of each round function, one image, fp32.
   Compiled: Inductor lowers each round kind to Triton kernels as for CUDA, on the CPU
-  (``runtime.launches.recording("gpu")``), fitted on 2 and 6 layers. The engine's ops that launch
+  (``measure.launches.recording("gpu")``), fitted on 2 and 6 layers. The engine's ops that launch
   more than one kernel at a real shape add theirs (``extra_launches``: tree attention's split-merge
   kernel when it splits the keys, draft_topk's four chunked kernels over a head of 8192+ rows).
 * **kernel groups**: the target's GEMMs (its weights + activations vs 2 x rows x tokens x params),
@@ -315,7 +315,7 @@ MULTI_LAUNCH_OPS = ("vvs.tree_attention", "vvs.draft_topk")
 
 def count_compiled_launches(engine, method: str, opts: dict, kinds) -> dict:
     """Launches per round of each compiled round kind of ``method`` as a GPU replays it: Inductor lowers
-    the round to Triton kernels as for CUDA (``runtime.launches.recording("gpu")``; generated kernels
+    the round to Triton kernels as for CUDA (``measure.launches.recording("gpu")``; generated kernels
     + extern GEMMs + custom ops + fallbacks), one image, each kind on its first call; the decode stops
     once every kind has run (the Jacobi loop runs to its end). -> {kind: {"total": n, op: calls}} for
     the ops of MULTI_LAUNCH_OPS."""
@@ -495,7 +495,7 @@ def rounds_per_image(tokens: int, tpf: float, skip_per_forward: float, kinds) ->
 
 # Compiled/eager launch ratios per round kind measured by the compile study on the Zoo (CPU, Inductor,
 # compiled launches = generated kernels + extern GEMMs + fallbacks, over eager kernels-as-ops; before
-# the fused GEMMs). A scenario until the compiled counter (vvs_engine.runtime.launches) is available.
+# the fused GEMMs). A scenario until the compiled counter (vvs_engine.measure.launches) is available.
 STUDY_COMPILED_RATIO = {"ar_step": 89 / 184, "verify": 263 / 493, "skip": 165 / 312, "verify_after_skip": 279 / 515,
                         "jacobi_iteration": None}
 STUDY_JACOBI_RATIO = {"SJD": 102 / 259, "GSD": 108 / 287}
@@ -543,7 +543,7 @@ def render(result: dict, hw: Hardware, argv) -> str:
              "over the average prefix (condition + half the image). Launches: eager kernels-as-ops counts "
              f"(`VVS_KERNELS=reference`, OpCounter, per round-function call) on the Zoo model cut to "
              f"{', '.join(str(d) for d in result['depths'])} layers, fitted as per-layer slope x layers + fixed part; "
-             "compiled counts: Inductor's Triton code as for CUDA (generated on the CPU, `runtime/launches.py`), "
+             "compiled counts: Inductor's Triton code as for CUDA (generated on the CPU, `measure/launches.py`), "
              "fitted on 2 and 6 layers, plus the extra kernels of the engine's multi-kernel ops at each shape "
              "(tree attention's split merge, draft_topk's chunked launches over 8192+ head rows). "
              "TPF (and VVS's skip rounds) are the Zoo's recorded acceptance, used at every shape. "
