@@ -16,6 +16,8 @@ keeps none, so settings read from its cache have no row statistics).
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --model zoo-gpt-32 --images-per-class 16
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --out benchmarks/results/pjd_zoo_rowdrafts \
         --settings "Row drafts L=32 start 4 lag 2,SCD L=32,Row drafts L=32 s=2,Row drafts L=16 s=2"
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py --model zoo-gpt-32 --images-per-class 16 \
+        --controls --controls-per-class 3     # the instrument's controls (AR at T 1.05, 1.1, top-k 64): D only
     python benchmarks/pjd_zoo.py --images-per-class 32 --out benchmarks/results/pjd_zoo_512 --report-only \
         --doc docs/jacobi.md                                               # tables from the cache
 
@@ -89,6 +91,47 @@ PAIRS = [("PJD rule", "PJD-E1"), ("PJD-E1 no cap", "PJD-E1"), ("PJD rule + keep 
          ("Row drafts L=32 start 4 lag 2", "SCD L=32"), ("Row drafts L=32 s=2", "SCD L=32")]
 CAP_BINDS = 1.0  # cap waits per image from which the rows-per-forward cap counts as binding
 GRIDS = [(16, False), (24, False), (32, False), (48, True)]  # (side, rows end with an EOL: Lumina-mGPT)
+
+
+# the instrument's controls (quality_speed's: AR at T 1.05, T 1.1 and top-k 64, a changed sampling each) decode
+# fewer images than the settings (AR costs ~10 s of a thread per 32x32 image): D needs no pairing with AR
+DEFAULT_CONTROLS_PER_CLASS = 4
+
+
+def control_labels(eng, per_class):
+    return labels_for(eng.config.num_classes, per_class)
+
+
+def generate_controls(eng, names, per_class, seed, sampling, batch_size, ckpt, cache_dir, log=print):
+    labels = control_labels(eng, per_class)
+    for name, method, opts in [qs.CONTROL_BY_NAME[n] for n in names]:
+        own = qs.sampling_for(name, sampling)
+        key = setting_key(ckpt, method, opts, own, labels, seed, batch_size)
+        if load_setting(key, [(cache_dir, name)])[0] is not None:
+            log(f"[pjd_zoo] {name}: cached")
+            continue
+        log(f"[pjd_zoo] {name} ({len(labels)} images)")
+        t0 = time.time()
+        generate_setting(eng, name, method, opts, labels, seed, own, batch_size, cache_path(cache_dir, name), key,
+                         True, False, ROW_STATS, "pjd_zoo")
+        log(f"[pjd_zoo] {name}: {time.time() - t0:.0f} s")
+
+
+def control_rows(eng, per_class, seed, sampling, batch_size, ckpt, cache_dir, cached_gaps=False) -> list:
+    """The controls with a complete cache -> rows with D under the target's shared sampling (no parity metrics:
+    they are fewer images than the settings, not paired with AR's)."""
+    labels = control_labels(eng, per_class)
+    rows = []
+    for name, method, opts in qs.CONTROLS:
+        own = qs.sampling_for(name, sampling)
+        gen, _ = load_setting(setting_key(ckpt, method, opts, own, labels, seed, batch_size), [(cache_dir, name)])
+        if gen is None:
+            continue
+        gap = gap_of(eng, name, gen["tokens"], labels, gap_sampling(sampling), ckpt, cache_dir, batch_size,
+                     compute=not cached_gaps)
+        rows.append({"name": name, "method": method, "sampling": own, "n_images": len(labels),
+                     "gen_seconds": float(gen.get("gen_seconds", -1.0)), **({"gap": gap} if gap else {})})
+    return rows
 
 
 ROW_STATS = ("committing_rows", "testing_rows", "accepted_drafts", "most_rows_per_forward", "cap_waits", "zipar_rows")
@@ -209,7 +252,7 @@ def _span(ratios) -> str:
     return low if low == high else f"{low}–{high}"
 
 
-def to_markdown(meta, rows, missing, pairs=()) -> str:
+def to_markdown(meta, rows, missing, pairs=(), controls=()) -> str:
     H, W = meta["grid"]
     lines = [f"# PJD on the Zoo model ({H}x{W} tokens)", "", f"Command: `{meta['command']}`", "",
              f"{meta['n_images']} images per setting ({meta['per_class']} per class), image i seeded with "
@@ -241,6 +284,15 @@ def to_markdown(meta, rows, missing, pairs=()) -> str:
                       "`quality_speed`'s cache, which keeps tokens and forwards only, so they have no measured v "
                       "(no step-model row, no extrapolation to other grids)."]
     lines += [""] + levels_markdown(rows)[:-1]
+    if controls:
+        lines += ["", "### Controls: AR sampling a known-wrong distribution", "",
+                  f"AR's tokens at a changed sampling ({controls[0]['n_images']} images, {meta['controls_per_class']} "
+                  "per class, image i seeded with (seed, i)), D measured against the target's own (the shared "
+                  "sampling): what the instrument detects at this grid. No parity metrics (fewer images than the "
+                  "settings, not paired with AR's).", "",
+                  "| control | images | D (nats/token) | z | decode s (1 thread) |", "|---|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r['n_images']} | {fmt_gap(r)} | {fmt_z(r)} | {r['gen_seconds']:.0f} |"
+                  for r in controls]
     if pairs:
         lines += ["", "## Paired differences between settings", "",
                   "Δ = first − second on the same images and bootstrap draws (95 % intervals): does the released "
@@ -310,6 +362,12 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=None, help="comma list of setting names to generate (AR always runs "
                                                      "first); default all. Known: " + ", ".join(SETTING_BY_NAME))
     ap.add_argument("--report-only", action="store_true", help="generate nothing; tables from the cache")
+    ap.add_argument("--controls", nargs="?", const="all", default=None,
+                    help="also decode the instrument's controls (all, or a comma list of " + ", ".join(qs.CONTROL_BY_NAME)
+                         + ") at --controls-per-class images per class")
+    ap.add_argument("--controls-per-class", type=int, default=DEFAULT_CONTROLS_PER_CLASS,
+                    help=f"images per class of the controls (default {DEFAULT_CONTROLS_PER_CLASS}); the report shows "
+                         "the controls cached at this count")
     ap.add_argument("--cached-gaps", action="store_true", help="the tables with the D values already in "
                                                                "sampling_gap.json only (no new ones: a setting "
                                                                "without D is placed at parity at most)")
@@ -325,9 +383,11 @@ def main(argv=None) -> int:
     from vvs_engine.errors import VVSError
 
     try:
-        if a.images_per_class < 1 or a.batch_size < 1 or a.bootstrap < 1:
-            raise VVSError("--images-per-class, --batch-size and --bootstrap must be >= 1")
+        if min(a.images_per_class, a.batch_size, a.bootstrap, a.controls_per_class) < 1:
+            raise VVSError("--images-per-class, --controls-per-class, --batch-size and --bootstrap must be >= 1")
         names = pick(a.settings, SETTING_BY_NAME) if a.settings else list(ORDER)
+        controls = (list(qs.CONTROL_BY_NAME) if a.controls == "all" else pick(a.controls, qs.CONTROL_BY_NAME)
+                    if a.controls else [])
         tag = doc_tag(a.model)
         if a.doc and not has_block(a.doc, DOC_BEGIN.format(tag=tag), DOC_END.format(tag=tag)):
             # checked before any decoding: a run of hours must not fail at its last line
@@ -361,26 +421,37 @@ def main(argv=None) -> int:
             gen, _ = load_setting(key, places(name, cache_dir))
             if gen is not None:
                 gap_of(eng, name, gen["tokens"], labels, gap_sampling(sampling), ckpt, cache_dir, a.batch_size)
+        control_rows(eng, a.controls_per_class, a.seed, sampling, a.batch_size, ckpt, cache_dir)
         return 0
     if not a.report_only:
         order = ["AR"] + [n for n in names if n != "AR"]
-        generate(eng, [SETTING_BY_NAME[n] for n in order], labels, a.seed, sampling, a.batch_size, ckpt, cache_dir)
+        if not (a.controls and not a.settings):  # --controls alone decodes the controls only
+            generate(eng, [SETTING_BY_NAME[n] for n in order], labels, a.seed, sampling, a.batch_size, ckpt,
+                     cache_dir)
+        if a.controls:
+            generate_controls(eng, controls, a.controls_per_class, a.seed, sampling, a.batch_size, ckpt, cache_dir)
     rows, missing, grid, pairs = report(eng, SETTINGS, labels, a.seed, sampling, a.batch_size, ckpt, cache_dir,
                                         a.bootstrap, a.out + "_work", a.cached_gaps)
+    controls = control_rows(eng, a.controls_per_class, a.seed, sampling, a.batch_size, ckpt, cache_dir,
+                            a.cached_gaps)
     command = "OMP_NUM_THREADS=1 nice -n 19 python benchmarks/pjd_zoo.py" + (
         f" --model {a.model}" if a.model != "zoo-gpt" else "") + (
         f" --images-per-class {a.images_per_class}" if a.images_per_class != DEFAULT_PER_CLASS else "") + (
         f" --settings \"{a.settings}\"" if a.settings and not a.report_only else "") + (
+        (" --controls" if a.controls == "all" else f" --controls \"{a.controls}\"") if a.controls and not a.report_only
+        else "") + (
+        f" --controls-per-class {a.controls_per_class}" if a.controls_per_class != DEFAULT_CONTROLS_PER_CLASS
+        else "") + (
         " --report-only" if a.report_only else "") + (" --cached-gaps" if a.cached_gaps else "") + (
         f" --out {os.path.relpath(a.out, ROOT)}" if out_given else "") + (
         f" --doc {os.path.relpath(os.path.abspath(a.doc), ROOT)}" if a.doc else "")
     meta = {"command": command, "n_images": len(labels), "per_class": a.images_per_class, "seed": a.seed,
             "sampling": sampling, "batch_size": a.batch_size, "bootstrap": a.bootstrap, "grid": grid,
-            "torch": torch.__version__}
-    md = to_markdown(meta, rows, missing, pairs)
+            "torch": torch.__version__, "controls_per_class": a.controls_per_class}
+    md = to_markdown(meta, rows, missing, pairs, controls)
     levels = {level: (front[0]["name"] if front else None) for level, front in level_fronts(rows).items()}
     write_tables(a.out, md, {"meta": meta, "rows": rows, "missing": missing, "pairs": pairs,
-                             "fastest_per_level": levels})
+                             "fastest_per_level": levels, "controls": controls})
     if a.doc:
         try:
             write_doc(a.doc, md, doc_tag(a.model))

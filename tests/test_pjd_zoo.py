@@ -85,3 +85,22 @@ def test_doc_blocks_are_per_model(tmp_path, capsys):
     assert pjd_zoo.main(["--model", "zoo-gpt-32", "--report-only", "--doc", str(doc)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --doc {doc} has no <!-- pjd-zoo-gpt-32:begin") and len(err.splitlines()) == 1
+
+
+def test_controls_table_lists_each_controls_gap_and_the_per_class_count(capsys):
+    rows = [_row("AR", "ar", 255.0, 1.0)]
+    meta = {"grid": (16, 16), "command": "python benchmarks/pjd_zoo.py", "n_images": 16, "per_class": 1, "seed": 0,
+            "sampling": {}, "batch_size": 4, "bootstrap": 10, "controls_per_class": 3}
+    gap = {"value": 0.25, "ci": (0.23, 0.27), "half_width": 0.02, "z": 25.0, "n": 48}
+    controls = [{"name": "AR T=1.1", "n_images": 48, "gen_seconds": 480.0, "gap": gap},
+                {"name": "AR top-k 64", "n_images": 48, "gen_seconds": 470.0}]  # D not computed yet
+    md = pjd_zoo.to_markdown(meta, rows, missing=[], controls=controls)
+    assert "### Controls: AR sampling a known-wrong distribution" in md
+    assert "(48 images, 3 per class" in md
+    assert "| AR T=1.1 | 48 | +0.250 ± 0.020 | +25.0 | 480 |" in md
+    assert "| AR top-k 64 | 48 | – | – | 470 |" in md
+    assert "### Controls" not in pjd_zoo.to_markdown(meta, rows, missing=[])
+    # an unknown control is a one-line error before anything loads
+    assert pjd_zoo.main(["--controls", "AR T=9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown setting(s) AR T=9") and len(err.splitlines()) == 1
