@@ -685,10 +685,8 @@ def auto_batch_size(out_dir: str, model: dict, ray, method: str, method_opts: di
         manifest = read_manifest(out_dir)
         if manifest is not None and isinstance(manifest.get("identity", {}).get("batch_size"), int):
             return manifest["identity"]["batch_size"]  # a resumed job keeps its first run's figure
-    check(model.get("model_dir") is None and model.get("image_size") is None,
-          "batch size auto needs a project checkpoint (its config tells the decode state before loading): give a "
-          "number")
-    shape = peek_shape(model.get("gpt_ckpt"), model.get("vq_ckpt"))
+    project = model.get("model_dir") is None and model.get("image_size") is None
+    shape = peek_shape(model.get("gpt_ckpt"), model.get("vq_ckpt")) if project else None
     check(shape is not None, "batch size auto needs a project checkpoint (its config tells the decode state before "
                              "loading): give a number")
     files = [model.get("gpt_ckpt"), model.get("vq_ckpt"), model.get("drafter")]

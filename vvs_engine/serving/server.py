@@ -80,15 +80,9 @@ def check_args(args, method_opts: dict, device: str) -> None:
     check_quantize(args.quantize, resolve_device(device), resolve_dtype(args.dtype), flag="--quantize")
 
 
-def torch_device_type(engine) -> str:
-    import torch
-
-    return torch.device(engine.device).type.upper()
-
-
 def check_room(args) -> None:
-    if args.max_n is not None and args.max_n > args.rows + queue_size(args):
-        room = args.rows + queue_size(args)
+    room = args.rows + queue_size(args)
+    if args.max_n is not None and args.max_n > room:
         # a request of more images than rows + queue can never be accepted: it would get 429 forever
         raise VVSError(f"--max-n {args.max_n} is more than --rows + --queue-size = {room} images: a request of "
                        f"n > {room} could never be accepted; lower --max-n or raise --queue-size")
@@ -115,7 +109,7 @@ def build_server(args, method_opts: dict, device: str):
     defaults = SamplingParams(args.temperature, args.top_k, args.top_p, args.cfg_scale)
     if args.rows == "auto":  # the weights are loaded: the free memory left is the decode state's
         args.rows = engine.auto_rows(args.method, args.cfg_scale, **method_opts)
-        print(f"vvs-engine serve: --rows auto: {args.rows} rows fit the {torch_device_type(engine)}'s free memory",
+        print(f"vvs-engine serve: --rows auto: {args.rows} rows fit the {engine.device.type.upper()}'s free memory",
               file=sys.stderr, flush=True)
         check_room(args)
     name = _model_name(args)
