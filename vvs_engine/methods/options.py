@@ -64,8 +64,9 @@ def _scalar_type(hint) -> type:
     return args[0] if args else hint
 
 
-def _help(options_cls, name: str) -> Optional[str]:
-    """The field's help text; a subclass that only changes a default inherits its base's help."""
+def help_of(options_cls, name: str) -> Optional[str]:
+    """The field's help text; a subclass that only changes a default inherits its base's help, and another
+    method's class that shares the flag names its source with ``option(default, help_of(Source, name))``."""
     for cls in options_cls.__mro__:
         for f in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
             if f.name == name and "help" in f.metadata:
@@ -85,7 +86,7 @@ def method_flags() -> List[Flag]:
             continue
         hints = typing.get_type_hints(options_cls)
         for f in dataclasses.fields(options_cls):
-            help_ = _help(options_cls, f.name)
+            help_ = help_of(options_cls, f.name)
             if help_ is None:
                 continue
             if f.name not in flags:

@@ -49,9 +49,10 @@ from ..rng import Streams, sample_inverse_cdf
 from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
 from .common import DecodeBatch, RowState, declare_decoder_rows, row_sampling
-from .options import MethodOptions, check_choice, check_int, option
+from .jacobi import GSDOptions, SJDOptions
+from .options import MethodOptions, check_choice, check_int, help_of, option
 from .registry import register
-from .zipar import row_geometry, rows_in_flight
+from .zipar import ZipAROptions, row_geometry, rows_in_flight
 
 AFTER_REJECT = ("jacobi", "keep")
 COUPLINGS = ("none", "maximal")
@@ -63,21 +64,16 @@ ROW_UPDATE_STREAM = 21  # draft rows' Jacobi samples
 
 @dataclass
 class RowDraftOptions(MethodOptions):
-    jacobi_window: int = option(32, "Jacobi methods: window L = query rows per forward (the last committed token + "
-                                    "L - 1 drafts; sjd-pac: every tree node; row-drafts: the raster verifier's lanes)")
-    zipar_window: int = option(4, "ZipAR: local window s; row r + 1 starts once row r holds s codes "
-                                  "(>= the row length: raster order)")
-    zipar_commit_lag: int = option(2, "ZipAR/PJD: commit lag; row r + 1 may commit column c while row r holds "
-                                      "c + lag codes (0: the window s, ZipAR's rule; PJD: 2, the window s "
-                                      "then only gates a row's start)")
-    zipar_jacobi_window: int = option(1, "ZipAR with --zipar-verify sjd: lanes per row (its last committed code + "
-                                         "L - 1 drafts)")
+    # the flags shared with SJD and ZipAR keep their help (row-drafts: jacobi_window = the raster verifier's
+    # lanes, zipar_jacobi_window = lanes per draft row)
+    jacobi_window: int = option(32, help_of(SJDOptions, "jacobi_window"))
+    zipar_window: int = option(4, help_of(ZipAROptions, "zipar_window"))
+    zipar_commit_lag: int = option(2, help_of(ZipAROptions, "zipar_commit_lag"))
+    zipar_jacobi_window: int = option(1, help_of(ZipAROptions, "zipar_jacobi_window"))
     row_after_reject: str = option("jacobi", "row-drafts: after the raster verifier rejects a token, the row-drafted "
                                              "tokens after it in its window: jacobi (replaced by the verifier's "
                                              "Jacobi samples, as SJD) or keep")
-    coupling: str = option("maximal", "SCD/GSD: how unverified drafts are re-drawn: none (SJD's independent "
-                                      "samples), maximal (keep-or-replace by rejection sampling) or gumbel "
-                                      "(Gumbel-max with noise fixed per absolute position)")
+    coupling: str = option("maximal", help_of(GSDOptions, "coupling"))
     row_redraw: int = option(0, "row-drafts: when the verifier rejects the draft of row r, column c, the row-drafted "
                                 "tokens after it in row r and from column c - j on in row r + j (j <= this) are "
                                 "drawn again with the new context (0: off)")
