@@ -46,7 +46,7 @@ from ..runtime.target import TargetSession
 from ..sampling import guided_logits, process_logits, value_at
 from .registry import register
 from .common import DecodeBatch, row_sampling, declare_decoder_rows, RowState
-from .options import MethodOptions, check_choice, check_int, option
+from .options import MethodOptions, check_choice, check_int, help_of, option
 
 INIT_POLICIES = ("random", "copy-left", "argmax-left", "copy-above")
 COUPLINGS = ("none", "maximal", "gumbel")
@@ -159,7 +159,7 @@ class SCDOptions(SJDOptions):
     # 512 images: benchmarks/results/quality_speed.md "Defaults against the evidence"); SCD is exact, so
     # a longer window costs only the wider forward
     jacobi_window: int = 32  # help: SJDOptions'
-    coupling: str = option("maximal", GSDOptions.__dataclass_fields__["coupling"].metadata["help"])
+    coupling: str = option("maximal", help_of(GSDOptions, "coupling"))
     coupling_declares_old_q: bool = False  # negative control only (see GSDOptions)
 
     def validate(self):
